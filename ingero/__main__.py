@@ -1,0 +1,3 @@
+from ingero.cli.main import main
+
+raise SystemExit(main())

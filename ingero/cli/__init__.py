@@ -1,0 +1,1 @@
+"""Command-line interface: one module per subcommand, registered in ingero.cli.main."""

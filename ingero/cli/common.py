@@ -1,0 +1,111 @@
+"""Argument groups shared by several commands, and the helpers that read them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ingero.config import Config, NodeSpec, load_config, parse_node_list
+from ingero.errors import UsageError
+from ingero.identity import Identity, resolve_identity
+
+DEFAULT_DB = "~/.ingero/ingero.db"
+
+
+def help_formatter() -> type[argparse.HelpFormatter]:
+    return argparse.RawDescriptionHelpFormatter
+
+
+def add_db_arg(parser: argparse.ArgumentParser, *, required: bool = False, help_extra: str = "") -> None:
+    parser.add_argument(
+        "--db",
+        metavar="PATH",
+        required=required,
+        help="trace database (SQLite, ingero or Ingero layout)" + help_extra,
+    )
+
+
+def add_window_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("time window")
+    g.add_argument(
+        "--since",
+        metavar="DUR",
+        help="last DUR (30s, 5m, 2h); on a finished recording, counted back from its last event",
+    )
+    g.add_argument("--from", dest="from_", metavar="TIME", help="start (ISO 8601 or Unix seconds)")
+    g.add_argument("--to", metavar="TIME", help="end (ISO 8601 or Unix seconds)")
+
+
+def add_node_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--node",
+        metavar="NAME",
+        help="this node's name (default: agent.node in the config, else the hostname)",
+    )
+
+
+def add_fleet_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fleet (fan-out to agents)")
+    g.add_argument(
+        "--nodes",
+        metavar="LIST",
+        help="agents to ask: host:port,host:port (or name=host:port); default: fleet.nodes in config",
+    )
+    g.add_argument("--timeout", metavar="DUR", help="per-node timeout (default 5s)")
+    g.add_argument("--fanout", type=int, metavar="N", help="nodes asked at once (default 64)")
+    g.add_argument("--strict", action="store_true", help="exit non-zero if any node fails")
+    g.add_argument("--token", metavar="TOKEN", help="bearer token (default: fleet.token or $INGERO_TOKEN)")
+    g.add_argument("--ca-cert", metavar="PEM", help="CA that signed the agents' certificates")
+    g.add_argument("--client-cert", metavar="PEM", help="client certificate for mTLS")
+    g.add_argument("--client-key", metavar="PEM", help="client key for mTLS")
+    g.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="talk plain HTTP (agents started with --no-tls; loopback only unless --allow-plaintext-remote)",
+    )
+    g.add_argument(
+        "--allow-plaintext-remote",
+        action="store_true",
+        help="permit plain HTTP to non-loopback agents (unencrypted, unauthenticated)",
+    )
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    """Load the config named by --config (wherever it was given) or found by discovery."""
+    cached = getattr(args, "_config", None)
+    if isinstance(cached, Config):
+        return cached
+    cfg = load_config(getattr(args, "config", None))
+    args._config = cfg
+    return cfg
+
+
+def identity_from(args: argparse.Namespace) -> Identity:
+    cfg = config_from(args)
+    return resolve_identity(getattr(args, "node", None), cfg.agent.node)
+
+
+def fleet_nodes_from(args: argparse.Namespace) -> list[NodeSpec]:
+    """Nodes from --nodes, else fleet.nodes in the config; [] when neither."""
+    if getattr(args, "nodes", None):
+        return parse_node_list(args.nodes)
+    return list(config_from(args).fleet.nodes)
+
+
+def db_path_from(args: argparse.Namespace, *, must_exist: bool = True) -> Path:
+    raw = getattr(args, "db", None) or config_from(args).agent.db
+    if not raw:
+        raise UsageError("no database given", hint="pass --db PATH (or set agent.db in the config)")
+    return Path(raw).expanduser()
+
+
+def wants_fleet(args: argparse.Namespace) -> bool:
+    """Fleet mode: --nodes given, or no --db and the config lists fleet nodes."""
+    if getattr(args, "nodes", None):
+        if getattr(args, "db", None):
+            raise UsageError("--db and --nodes both given", hint="--db reads a local file; --nodes asks agents")
+        return True
+    if getattr(args, "db", None):
+        return False
+    cfg = config_from(args)
+    return bool(cfg.fleet.nodes) and not cfg.agent.db

@@ -1,0 +1,89 @@
+"""Shared output options and rendering: table (tabulate), ``--json``, ``--csv``; notes on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import IO, Any
+
+from tabulate import tabulate
+
+
+def add_output_args(parser: argparse.ArgumentParser, *, csv_ok: bool = True) -> None:
+    g = parser.add_argument_group("output")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--json", dest="format", action="store_const", const="json", help="JSON for machines")
+    if csv_ok:
+        fmt.add_argument("--csv", dest="format", action="store_const", const="csv", help="CSV with a header row")
+    parser.set_defaults(format="table")
+
+
+def warn(message: str) -> None:
+    print(f"ingero: warning: {message}", file=sys.stderr)
+
+
+def note(message: str) -> None:
+    print(f"ingero: {message}", file=sys.stderr)
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return ""
+        return round(v, 3)
+    if v is None:
+        return ""
+    return v
+
+
+def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    if not columns:
+        return ""
+    cells = [[_cell(v) for v in r] for r in rows]
+    align = [
+        "right" if cells and all(isinstance(r[i], int | float) or r[i] == "" for r in cells) else "left"
+        for i in range(len(columns))
+    ]
+    return tabulate(
+        cells,
+        headers=list(columns),
+        tablefmt="simple",
+        disable_numparse=True,
+        missingval="",
+        colalign=align,
+    )
+
+
+def emit_rows(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    fmt: str,
+    *,
+    meta: dict[str, Any] | None = None,
+    stream: IO[str] | None = None,
+) -> None:
+    """Print a result set. ``meta`` (truncated, elapsed, nodes, ...) goes into the JSON object only."""
+    out = stream or sys.stdout
+    if fmt == "json":
+        doc: dict[str, Any] = {"columns": list(columns), "rows": [list(r) for r in rows]}
+        doc.update(meta or {})
+        json.dump(doc, out, ensure_ascii=False, default=str)
+        out.write("\n")
+    elif fmt == "csv":
+        w = csv.writer(out, lineterminator="\n")
+        w.writerow(columns)
+        w.writerows(rows)
+    else:
+        text = render_table(columns, rows)
+        if text:
+            out.write(text + "\n")
+
+
+def emit_json(doc: Any, stream: IO[str] | None = None) -> None:
+    out = stream or sys.stdout
+    json.dump(doc, out, ensure_ascii=False, indent=2, default=str)
+    out.write("\n")

@@ -1,0 +1,1 @@
+"""Explain engine: per-op statistics and the rules that build causal chains."""

@@ -1,0 +1,299 @@
+"""Database schema: Ingero's layout (schema_info version 0.9) plus ingero's additions, and migrations.
+
+Compatibility rules
+* Every table and column of Ingero's databases exists here with the same name, type and meaning,
+  so SQL written for their schema runs unchanged on ours (and vice versa for the common part).
+* Our own additions are new tables (``node_seq``, ``nccl_comms``, ``session_stats``) and new
+  source/op rows after Ingero's ids (NCCL = source 8).
+* Our schema version lives in ``PRAGMA user_version`` (Ingero leaves it at 0). ``migrate()``
+  brings any older layout we can write to ``SCHEMA_VERSION``; a database with a newer version is
+  refused by every reader and writer (:class:`~ingero.errors.SchemaTooNewError`).
+* Ingero 0.8 databases (``events.id INTEGER``, no ``node`` column) open read-only only.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ingero import __version__
+from ingero.errors import SchemaError, SchemaTooNewError
+from ingero.store.catalog import OPS, SOURCES
+
+SCHEMA_VERSION = 1
+INGERO_LAYOUT = "0.9"
+
+# Ingero's DDL, column for column (comments kept: they are what `.schema` shows users).
+INGERO_TABLES = """
+CREATE TABLE IF NOT EXISTS events (
+	id         TEXT PRIMARY KEY,       -- "{node}:{seq}" node-namespaced ID
+	timestamp  INTEGER NOT NULL,       -- unix nanos
+	pid        INTEGER NOT NULL,
+	tid        INTEGER NOT NULL,
+	source     INTEGER NOT NULL,
+	op         INTEGER NOT NULL,
+	duration   INTEGER NOT NULL,       -- nanos
+	gpu_id     INTEGER NOT NULL DEFAULT 0,
+	arg0       INTEGER NOT NULL DEFAULT 0,
+	arg1       INTEGER NOT NULL DEFAULT 0,
+	ret_code   INTEGER NOT NULL DEFAULT 0,
+	stack_hash INTEGER NOT NULL DEFAULT 0, -- FK to stack_traces.hash (0 = no stack)
+	node       TEXT NOT NULL DEFAULT '',
+	rank       INTEGER,
+	local_rank INTEGER,
+	world_size INTEGER,
+	stack_ips  TEXT NOT NULL DEFAULT '',
+	cgroup_id  INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS idx_events_timestamp ON events(timestamp);
+CREATE INDEX IF NOT EXISTS idx_events_pid ON events(pid);
+CREATE INDEX IF NOT EXISTS idx_events_source_op_stack ON events(source, op, stack_hash);
+CREATE INDEX IF NOT EXISTS idx_events_cgroup ON events(cgroup_id) WHERE cgroup_id != 0;
+CREATE TABLE IF NOT EXISTS stack_traces (
+	hash   INTEGER PRIMARY KEY,  -- FNV-64 of raw IP bytes (no AUTOINCREMENT needed)
+	ips    TEXT    NOT NULL,      -- JSON array of hex IPs: ["0x7f1234","0x7f5678"]
+	frames TEXT    NOT NULL DEFAULT ''  -- resolved symbols JSON (compact): [{"s":"cudaMalloc","f":"libcudart.so"}]
+);
+CREATE TABLE IF NOT EXISTS causal_chains (
+	id              TEXT PRIMARY KEY,       -- "{node}:{descriptor}" node-namespaced ID
+	detected_at     INTEGER NOT NULL,       -- unix nanos (when chain was detected)
+	severity        TEXT NOT NULL,           -- HIGH, MEDIUM, LOW
+	summary         TEXT NOT NULL,           -- one-line description
+	root_cause      TEXT NOT NULL,           -- human-readable root cause
+	explanation     TEXT NOT NULL,           -- paragraph explaining the chain
+	recommendations TEXT NOT NULL DEFAULT '',-- JSON array of strings
+	cuda_op         TEXT NOT NULL DEFAULT '',-- affected CUDA/driver op
+	cuda_p99_us     INTEGER NOT NULL DEFAULT 0,
+	cuda_p50_us     INTEGER NOT NULL DEFAULT 0,
+	tail_ratio      REAL NOT NULL DEFAULT 0,
+	timeline        TEXT NOT NULL DEFAULT '',-- JSON array of timeline events
+	node            TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS idx_chains_detected_at ON causal_chains(detected_at);
+CREATE INDEX IF NOT EXISTS idx_chains_severity ON causal_chains(severity);
+CREATE TABLE IF NOT EXISTS sources (
+	id          INTEGER PRIMARY KEY,
+	name        TEXT NOT NULL,
+	description TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ops (
+	source_id   INTEGER NOT NULL,
+	op_id       INTEGER NOT NULL,
+	name        TEXT NOT NULL,
+	description TEXT NOT NULL,
+	PRIMARY KEY (source_id, op_id)
+);
+CREATE TABLE IF NOT EXISTS schema_info (
+	key   TEXT PRIMARY KEY,
+	value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS system_snapshots (
+	id         INTEGER PRIMARY KEY AUTOINCREMENT,
+	timestamp  INTEGER NOT NULL UNIQUE,  -- unix nanos (unique prevents duplicates)
+	cpu_pct    REAL    NOT NULL,  -- CPU utilization %
+	mem_pct    REAL    NOT NULL,  -- memory used %
+	mem_avail  INTEGER NOT NULL,  -- available MB
+	swap_mb    INTEGER NOT NULL,  -- swap used MB
+	load_avg   REAL    NOT NULL   -- 1-minute load average
+);
+CREATE UNIQUE INDEX IF NOT EXISTS idx_snapshots_ts_uniq ON system_snapshots(timestamp);
+CREATE TABLE IF NOT EXISTS sessions (
+	id         INTEGER PRIMARY KEY AUTOINCREMENT,
+	started_at INTEGER NOT NULL,
+	stopped_at INTEGER NOT NULL DEFAULT 0,
+	gpu_model  TEXT NOT NULL DEFAULT '',
+	gpu_driver TEXT NOT NULL DEFAULT '',
+	cpu_model  TEXT NOT NULL DEFAULT '',
+	cpu_cores  INTEGER NOT NULL DEFAULT 0,
+	mem_total  INTEGER NOT NULL DEFAULT 0,
+	kernel     TEXT NOT NULL DEFAULT '',
+	os_release TEXT NOT NULL DEFAULT '',
+	cuda_ver   TEXT NOT NULL DEFAULT '',
+	python_ver TEXT NOT NULL DEFAULT '',
+	ingero_ver TEXT NOT NULL DEFAULT '',
+	pid_filter TEXT NOT NULL DEFAULT '',
+	flags      TEXT NOT NULL DEFAULT '',
+	node       TEXT NOT NULL DEFAULT '',
+	rank       INTEGER,
+	local_rank INTEGER,
+	world_size INTEGER
+);
+CREATE INDEX IF NOT EXISTS idx_sessions_started ON sessions(started_at);
+CREATE TABLE IF NOT EXISTS process_names (
+	pid     INTEGER NOT NULL,
+	name    TEXT NOT NULL,
+	seen_at INTEGER NOT NULL DEFAULT 0,
+	PRIMARY KEY (pid)
+);
+CREATE TABLE IF NOT EXISTS event_aggregates (
+	bucket    INTEGER NOT NULL,  -- minute-truncated unix nanos
+	source    INTEGER NOT NULL,
+	op        INTEGER NOT NULL,
+	pid       INTEGER NOT NULL DEFAULT 0,
+	count     INTEGER NOT NULL DEFAULT 0,
+	stored    INTEGER NOT NULL DEFAULT 0,
+	sum_dur   INTEGER NOT NULL DEFAULT 0,
+	min_dur   INTEGER NOT NULL DEFAULT 0,
+	max_dur   INTEGER NOT NULL DEFAULT 0,
+	sum_arg0  INTEGER NOT NULL DEFAULT 0,
+	PRIMARY KEY (bucket, source, op, pid)
+);
+CREATE INDEX IF NOT EXISTS idx_aggregates_bucket ON event_aggregates(bucket);
+CREATE TABLE IF NOT EXISTS cgroup_metadata (
+	cgroup_id    INTEGER PRIMARY KEY,  -- bpf_get_current_cgroup_id() value
+	container_id TEXT NOT NULL DEFAULT '',  -- 64-char hex container ID
+	cgroup_path  TEXT NOT NULL DEFAULT '',  -- raw cgroup path from /proc/[pid]/cgroup
+	pod_name     TEXT NOT NULL DEFAULT '',  -- K8s pod name (empty on bare metal)
+	namespace    TEXT NOT NULL DEFAULT ''   -- K8s namespace (empty on bare metal)
+);
+CREATE INDEX IF NOT EXISTS idx_cgroup_metadata_container_id ON cgroup_metadata(container_id)
+	WHERE container_id != '';
+CREATE TABLE IF NOT EXISTS cgroup_schedstat (
+	cgroup_id     INTEGER NOT NULL,
+	p99_off_cpu   INTEGER NOT NULL,  -- p99 off-CPU duration (nanos)
+	total_off_cpu INTEGER NOT NULL,  -- total off-CPU duration (nanos)
+	event_count   INTEGER NOT NULL,
+	window_start  INTEGER NOT NULL DEFAULT 0,  -- unix nanos
+	window_end    INTEGER NOT NULL DEFAULT 0,  -- unix nanos
+	PRIMARY KEY (cgroup_id, window_end)
+);
+CREATE INDEX IF NOT EXISTS idx_cgroup_schedstat_cgroup ON cgroup_schedstat(cgroup_id);
+"""
+
+# ingero's own tables (schema 1).
+INGERO_PY_TABLES = """
+CREATE TABLE IF NOT EXISTS node_seq (
+	node     TEXT PRIMARY KEY,        -- node name
+	next_seq INTEGER NOT NULL         -- next free {seq} for ids "{node}:{seq}" (survives restarts)
+);
+CREATE TABLE IF NOT EXISTS nccl_comms (
+	comm    INTEGER NOT NULL,         -- ncclComm_t pointer value (events.arg1 of NCCL rows)
+	pid     INTEGER NOT NULL,
+	rank    INTEGER NOT NULL,         -- rank inside this communicator
+	nranks  INTEGER NOT NULL,
+	node    TEXT NOT NULL DEFAULT '',
+	seen_at INTEGER NOT NULL DEFAULT 0,
+	PRIMARY KEY (node, pid, comm)
+);
+CREATE TABLE IF NOT EXISTS session_stats (
+	session_id INTEGER NOT NULL,      -- sessions.id
+	key        TEXT NOT NULL,         -- e.g. events_seen, events_stored, events_dropped_ring
+	value      INTEGER NOT NULL DEFAULT 0,
+	PRIMARY KEY (session_id, key)
+);
+"""
+
+SCHEMA_NOTES: dict[str, str] = {
+    "timestamp_unit": "nanoseconds (Unix epoch)",
+    "duration_unit": "nanoseconds",
+    "arg0_note": "Operation-specific: byte size for alloc/memcpy/NCCL, kernel function pointer for launch",
+    "arg1_note": "Operation-specific: memcpy direction for cudaMemcpy/cudaMemcpyAsync, communicator for NCCL",
+    "ret_code_note": "CUDA/NCCL return code (0 = success). Host events always 0.",
+    "node_note": "Node identity for multi-node correlation. events.id format: {node}:{seq}. "
+    "causal_chains.id format: {node}:{descriptor}.",
+    "version": INGERO_LAYOUT,
+    "ingero_py_schema": str(SCHEMA_VERSION),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What kind of database a file holds."""
+
+    kind: str  # "empty" | "ingero-py" | "ingero-0.9" | "ingero-0.8"
+    user_version: int
+    has_node: bool
+    text_ids: bool
+
+    @property
+    def writable_by_us(self) -> bool:
+        return self.kind in ("empty", "ingero-py", "ingero-0.9")
+
+
+def inspect_layout(conn: sqlite3.Connection) -> Layout:
+    """Classify an open database. Raises SchemaTooNewError / SchemaError."""
+    user_version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if user_version > SCHEMA_VERSION:
+        raise SchemaTooNewError(
+            f"database schema version {user_version} is newer than this ingero understands (up to {SCHEMA_VERSION})",
+            hint=f"upgrade ingero (this is {__version__}) or open it with the version that wrote it",
+        )
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if not tables:
+        return Layout("empty", user_version, has_node=True, text_ids=True)
+    if "events" not in tables:
+        raise SchemaError(
+            "not an ingero database: it has no 'events' table",
+            hint="point --db at a database written by ingero or Ingero",
+        )
+    cols = {r[1]: (r[2] or "").upper() for r in conn.execute("PRAGMA table_info(events)")}
+    missing = {"timestamp", "pid", "tid", "source", "op", "duration"} - set(cols)
+    if missing:
+        raise SchemaError(f"'events' table lacks column(s) {', '.join(sorted(missing))}")
+    has_node = "node" in cols
+    text_ids = cols.get("id", "") == "TEXT"
+    if user_version >= 1:
+        kind = "ingero-py"
+    elif has_node and text_ids:
+        kind = "ingero-0.9"
+    else:
+        kind = "ingero-0.8"
+    return Layout(kind, user_version, has_node, text_ids)
+
+
+def _exec_script(conn: sqlite3.Connection, script: str) -> None:
+    """Run a DDL script statement by statement, inside the caller's transaction.
+
+    (``executescript`` would COMMIT first and break the migration's atomicity.)
+    """
+    buf = ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            conn.execute(buf)
+            buf = ""
+    if buf.strip():
+        raise ValueError(f"incomplete DDL statement: {buf[:60]!r}")
+
+
+def _migrate_to_1(conn: sqlite3.Connection) -> None:
+    """Empty file or Ingero 0.9 → ingero schema 1."""
+    _exec_script(conn, INGERO_TABLES)
+    # Ingero 0.9 databases created before stack_ips/cgroup_id existed add them by ALTER TABLE.
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
+    if "stack_ips" not in cols:
+        conn.execute("ALTER TABLE events ADD COLUMN stack_ips TEXT NOT NULL DEFAULT ''")
+    if "cgroup_id" not in cols:
+        conn.execute("ALTER TABLE events ADD COLUMN cgroup_id INTEGER NOT NULL DEFAULT 0")
+    _exec_script(conn, INGERO_PY_TABLES)
+    conn.executemany("INSERT OR IGNORE INTO sources(id, name, description) VALUES (?, ?, ?)", SOURCES)
+    conn.executemany("INSERT OR IGNORE INTO ops(source_id, op_id, name, description) VALUES (?, ?, ?, ?)", OPS)
+
+
+# MIGRATIONS[i] takes user_version i to i + 1.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1]
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+def migrate(conn: sqlite3.Connection) -> Layout:
+    """Create or upgrade the schema in place (one transaction). Returns the final layout."""
+    layout = inspect_layout(conn)
+    if not layout.writable_by_us:
+        raise SchemaError(
+            "this is an Ingero 0.8-layout database (integer ids, no node column); ingero opens it read-only",
+            hint="convert it with: ingero merge OLD.db --force-node NAME -o NEW.db",
+        )
+    if layout.user_version == SCHEMA_VERSION:
+        return layout
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for step in MIGRATIONS[layout.user_version :]:
+            step(conn)
+        conn.executemany("INSERT OR REPLACE INTO schema_info(key, value) VALUES (?, ?)", SCHEMA_NOTES.items())
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return inspect_layout(conn)

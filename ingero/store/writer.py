@@ -1,0 +1,381 @@
+"""The single writer of a node's database.
+
+Everything a node records goes through one :class:`StoreWriter` (one connection, one thread at a
+time): events in batched transactions, stacks, aggregates, snapshots, process names, sessions and
+chains. Readers never write.
+
+Speed (``bench/bench_writer.py``): the events table carries Ingero's text primary key and four
+indexes, so SQLite's own insert cost dominates. Three things keep the Python side out of the way:
+multi-row ``INSERT ... VALUES (...), (...), ...`` statements of :data:`ROWS_PER_STATEMENT` rows (one
+bind/step per 128 rows), the node identity baked into the statement as literals, and WAL checkpoints
+moved off the insert path into a background thread with its own connection.
+
+Event ids are ``{node}:{seq}``; the next ``seq`` is kept in ``node_seq`` inside the same transaction
+as the events, so ids never repeat across restarts or crashes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ingero import __version__
+from ingero.errors import StoreError
+from ingero.identity import Identity, validate_node_name
+from ingero.store.db import open_writable, translate
+from ingero.timeutil import now_ns
+
+# Column order of an event row handed to write_events().
+EVENT_FIELDS = (
+    "timestamp",
+    "pid",
+    "tid",
+    "source",
+    "op",
+    "duration",
+    "gpu_id",
+    "arg0",
+    "arg1",
+    "ret_code",
+    "stack_hash",
+    "cgroup_id",
+)
+EventRow = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
+ROWS_PER_STATEMENT = 128
+_NFIELDS = len(EVENT_FIELDS) + 1  # + seq
+
+SESSION_FIELDS = (
+    "gpu_model",
+    "gpu_driver",
+    "cpu_model",
+    "cpu_cores",
+    "mem_total",
+    "kernel",
+    "os_release",
+    "cuda_ver",
+    "python_ver",
+    "pid_filter",
+    "flags",
+)
+CHAIN_FIELDS = (
+    "id",
+    "detected_at",
+    "severity",
+    "summary",
+    "root_cause",
+    "explanation",
+    "recommendations",
+    "cuda_op",
+    "cuda_p99_us",
+    "cuda_p50_us",
+    "tail_ratio",
+    "timeline",
+    "node",
+)
+
+
+def _sql_literal(value: int | str | None) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, int):
+        return str(int(value))
+    return "'" + value.replace("'", "''") + "'"
+
+
+class _Checkpointer(threading.Thread):
+    """Runs PASSIVE WAL checkpoints from its own connection, off the writer's insert path."""
+
+    def __init__(self, path: Path, interval_s: float) -> None:
+        super().__init__(name="ingero-checkpointer", daemon=True)
+        self._path = path
+        self._interval = interval_s
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        conn = sqlite3.connect(str(self._path), isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA busy_timeout = 1000")
+            while not self._halt.wait(self._interval):
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error:
+                    continue  # busy: try again next tick
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
+class StoreWriter:
+    """Single writer. Not thread-safe: call it from one thread (the agent's writer task)."""
+
+    def __init__(self, path: str | Path, identity: Identity, *, checkpoint_interval_s: float = 0.5) -> None:
+        self.path = Path(path).expanduser()
+        self.identity = identity
+        validate_node_name(identity.node)
+        self.conn = open_writable(self.path)
+        lit = ",".join(
+            _sql_literal(v) for v in (identity.node, identity.rank, identity.local_rank, identity.world_size)
+        )
+        prefix = _sql_literal(identity.node + ":")
+        row = f"({prefix}||?,{','.join('?' * len(EVENT_FIELDS))},{lit})"
+        head = f"INSERT INTO events(id,{','.join(EVENT_FIELDS)},node,rank,local_rank,world_size) VALUES "
+        self._sql_one = head + row
+        self._sql_many = head + ",".join([row] * ROWS_PER_STATEMENT)
+        try:
+            self._seq = self._load_seq()
+        except sqlite3.Error as e:
+            self.conn.close()
+            raise translate(e, self.path) from None
+        self._checkpointer = _Checkpointer(self.path, checkpoint_interval_s)
+        self._checkpointer.start()
+        self._closed = False
+
+    # --- sequence ------------------------------------------------------------------------------
+
+    def _load_seq(self) -> int:
+        node = self.identity.node
+        row = self.conn.execute("SELECT next_seq FROM node_seq WHERE node = ?", (node,)).fetchone()
+        if row is not None:
+            return int(row[0])
+        # Database written before node_seq existed (e.g. an Ingero one): derive once from ids.
+        start = len(node) + 2
+        found = self.conn.execute(
+            "SELECT max(CAST(substr(id, ?) AS INTEGER)) FROM events WHERE node = ?", (start, node)
+        ).fetchone()[0]
+        return int(found) + 1 if found is not None else 1
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    # --- transactions --------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        self.conn.execute("BEGIN")
+
+    def _commit(self) -> None:
+        self.conn.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+
+    def write_batch(
+        self,
+        events: Sequence[EventRow] = (),
+        *,
+        stacks: Iterable[tuple[int, str, str]] = (),
+        aggregates: Iterable[Sequence[int]] = (),
+        snapshots: Iterable[tuple[int, float, float, int, int, float]] = (),
+        process_names: Iterable[tuple[int, str, int]] = (),
+        nccl_comms: Iterable[tuple[int, int, int, int, int]] = (),
+    ) -> int:
+        """Write everything given in one transaction. Returns the number of events written."""
+        try:
+            self._begin()
+            n = self._insert_events(events)
+            self._insert_stacks(stacks)
+            self._merge_aggregates(aggregates)
+            self.conn.executemany(
+                "INSERT OR IGNORE INTO system_snapshots(timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, "
+                "load_avg) VALUES (?, ?, ?, ?, ?, ?)",
+                snapshots,
+            )
+            self.conn.executemany(
+                "INSERT INTO process_names(pid, name, seen_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(pid) DO UPDATE SET name = excluded.name, seen_at = excluded.seen_at",
+                process_names,
+            )
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO nccl_comms(comm, pid, rank, nranks, seen_at, node) "
+                f"VALUES (?, ?, ?, ?, ?, {_sql_literal(self.identity.node)})",
+                nccl_comms,
+            )
+            self._commit()
+        except sqlite3.Error as e:
+            self._rollback()
+            raise translate(e, self.path) from None
+        except BaseException:
+            self._rollback()
+            raise
+        self._seq += n
+        return n
+
+    def write_events(self, events: Sequence[EventRow]) -> int:
+        return self.write_batch(events)
+
+    def _insert_events(self, events: Sequence[EventRow]) -> int:
+        n = len(events)
+        if not n:
+            return 0
+        seq = self._seq
+        full = n - n % ROWS_PER_STATEMENT
+        if full:
+            flat = list(
+                itertools.chain.from_iterable((seq + i, *ev) for i, ev in enumerate(itertools.islice(events, full)))
+            )
+            width = ROWS_PER_STATEMENT * _NFIELDS
+            self.conn.executemany(self._sql_many, (flat[i : i + width] for i in range(0, len(flat), width)))
+        if full < n:
+            self.conn.executemany(self._sql_one, ((seq + i, *events[i]) for i in range(full, n)))
+        self.conn.execute(
+            "INSERT INTO node_seq(node, next_seq) VALUES (?, ?) "
+            "ON CONFLICT(node) DO UPDATE SET next_seq = excluded.next_seq",
+            (self.identity.node, seq + n),
+        )
+        return n
+
+    def _insert_stacks(self, stacks: Iterable[tuple[int, str, str]]) -> None:
+        self.conn.executemany("INSERT OR IGNORE INTO stack_traces(hash, ips, frames) VALUES (?, ?, ?)", stacks)
+
+    def _merge_aggregates(self, rows: Iterable[Sequence[int]]) -> None:
+        """(bucket, source, op, pid, count, stored, sum_dur, min_dur, max_dur, sum_arg0), merged."""
+        self.conn.executemany(
+            "INSERT INTO event_aggregates(bucket, source, op, pid, count, stored, sum_dur, min_dur, max_dur,"
+            " sum_arg0) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(bucket, source, op, pid) DO UPDATE SET"
+            " count = count + excluded.count, stored = stored + excluded.stored,"
+            " sum_dur = sum_dur + excluded.sum_dur, min_dur = min(min_dur, excluded.min_dur),"
+            " max_dur = max(max_dur, excluded.max_dur), sum_arg0 = sum_arg0 + excluded.sum_arg0",
+            rows,
+        )
+
+    # --- sessions and chains -------------------------------------------------------------------
+
+    def start_session(self, info: dict[str, Any] | None = None, *, started_at: int | None = None) -> int:
+        info = dict(info or {})
+        unknown = set(info) - set(SESSION_FIELDS)
+        if unknown:
+            raise StoreError(f"unknown session field(s): {', '.join(sorted(unknown))}")
+        ident = self.identity
+        cols = ["started_at", "ingero_ver", "node", "rank", "local_rank", "world_size", *info]
+        vals = [
+            started_at or now_ns(),
+            f"ingero-py {__version__}",
+            ident.node,
+            ident.rank,
+            ident.local_rank,
+            ident.world_size,
+            *info.values(),
+        ]
+        try:
+            cur = self.conn.execute(
+                f"INSERT INTO sessions({','.join(cols)}) VALUES ({','.join('?' * len(cols))})", vals
+            )
+        except sqlite3.Error as e:
+            raise translate(e, self.path) from None
+        return int(cur.lastrowid or 0)
+
+    def end_session(
+        self, session_id: int, stats: dict[str, int] | None = None, *, stopped_at: int | None = None
+    ) -> None:
+        try:
+            self._begin()
+            self.conn.execute("UPDATE sessions SET stopped_at = ? WHERE id = ?", (stopped_at or now_ns(), session_id))
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO session_stats(session_id, key, value) VALUES (?, ?, ?)",
+                ((session_id, k, int(v)) for k, v in (stats or {}).items()),
+            )
+            self._commit()
+        except sqlite3.Error as e:
+            self._rollback()
+            raise translate(e, self.path) from None
+
+    def save_stats(self, session_id: int, stats: dict[str, int]) -> None:
+        try:
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO session_stats(session_id, key, value) VALUES (?, ?, ?)",
+                ((session_id, k, int(v)) for k, v in stats.items()),
+            )
+        except sqlite3.Error as e:
+            raise translate(e, self.path) from None
+
+    def save_chains(self, chains: Iterable[dict[str, Any]]) -> int:
+        """Upsert causal chains (dicts with CHAIN_FIELDS; lists/dicts are stored as JSON)."""
+        rows = []
+        for ch in chains:
+            row = []
+            for f in CHAIN_FIELDS:
+                v = ch.get(f, "" if f not in ("cuda_p99_us", "cuda_p50_us", "tail_ratio") else 0)
+                if f == "node" and not v:
+                    v = self.identity.node
+                if isinstance(v, list | dict):
+                    v = json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+                row.append(v)
+            rows.append(row)
+        try:
+            self._begin()
+            self.conn.executemany(
+                f"INSERT OR REPLACE INTO causal_chains({','.join(CHAIN_FIELDS)}) "
+                f"VALUES ({','.join('?' * len(CHAIN_FIELDS))})",
+                rows,
+            )
+            self._commit()
+        except sqlite3.Error as e:
+            self._rollback()
+            raise translate(e, self.path) from None
+        return len(rows)
+
+    # --- size management -----------------------------------------------------------------------
+
+    def size_bytes(self) -> int:
+        page_count = self.conn.execute("PRAGMA page_count").fetchone()[0]
+        freelist = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        page_size = self.conn.execute("PRAGMA page_size").fetchone()[0]
+        return int((page_count - freelist) * page_size)
+
+    def prune_oldest(self, max_bytes: int, *, step_fraction: float = 0.1) -> int:
+        """Delete the oldest events until the live data fits ``max_bytes``. Returns rows deleted.
+
+        Freed pages are reused by later inserts (the file does not shrink, it stops growing).
+        Aggregates are kept: they still count what was pruned.
+        """
+        deleted = 0
+        try:
+            while self.size_bytes() > max_bytes:
+                total = self.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+                if not total:
+                    break
+                n = max(1, int(total * step_fraction))
+                cur = self.conn.execute(
+                    "DELETE FROM events WHERE rowid IN (SELECT rowid FROM events ORDER BY timestamp LIMIT ?)",
+                    (n,),
+                )
+                deleted += cur.rowcount
+        except sqlite3.Error as e:
+            raise translate(e, self.path) from None
+        return deleted
+
+    def checkpoint(self, mode: str = "PASSIVE") -> None:
+        if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
+            raise ValueError(mode)
+        try:
+            self.conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+        except sqlite3.Error as e:
+            raise translate(e, self.path) from None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._checkpointer.stop()
+        try:
+            self._rollback()
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error:
+            pass  # another reader holds the WAL: the next open checkpoints it
+        finally:
+            self.conn.close()
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

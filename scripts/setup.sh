@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Idempotent setup for a fresh Debian 12 machine (what `make test` and `make demo` run first).
+#   scripts/setup.sh            Python venv (.venv) with ingero and its dev tools
+#   scripts/setup.sh --system   also, as root: apt packages (bcc, kernel headers, faketime, iproute2,
+#                               nftables), kernel-header links for bcc, tracefs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SYSTEM=0
+[[ "${1:-}" == "--system" ]] && SYSTEM=1
+say() { printf 'setup: %s\n' "$*" >&2; }
+
+APT_PACKAGES=(python3-bpfcc bpfcc-tools linux-headers-amd64 faketime iproute2 nftables iptables sqlite3 gcc make libc6-dev)
+
+system_setup() {
+  if [[ $(id -u) -ne 0 ]]; then
+    say "not root: skipping system packages (eBPF and netns tests will be skipped)"
+    return 0
+  fi
+  local missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    say "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # bcc compiles against /lib/modules/$(uname -r)/{build,source}; on kernels without a matching
+  # headers package, point them at Debian's newest headers (BTF/CO-RE covers the differences).
+  local mod="/lib/modules/$(uname -r)"
+  if [[ ! -e "$mod/build/include/generated" ]]; then
+    local hdr common
+    hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1 || true)
+    common=${hdr%-amd64}-common
+    if [[ -n "$hdr" && -d "$common" ]]; then
+      mkdir -p "$mod"
+      ln -sfn "$hdr" "$mod/build"
+      ln -sfn "$common" "$mod/source"
+      say "linked $mod/build -> $hdr"
+    fi
+  fi
+  if [[ ! -e /sys/kernel/tracing/events ]] && ! mountpoint -q /sys/kernel/tracing 2>/dev/null; then
+    mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null && say "mounted tracefs" || true
+  fi
+  if [[ ! -e /sys/kernel/debug/tracing ]] && ! mountpoint -q /sys/kernel/debug 2>/dev/null; then
+    mount -t debugfs nodev /sys/kernel/debug 2>/dev/null || true
+  fi
+}
+
+venv_setup() {
+  local py=${PYTHON:-python3}
+  if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    say "need Python >= 3.11 (found: $("$py" --version 2>&1))"; exit 1
+  fi
+  if [[ ! -x .venv/bin/python ]]; then
+    say "creating .venv"
+    "$py" -m venv .venv
+  fi
+  local stamp=.venv/.ingero-installed
+  if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
+    say "installing ingero and dev tools into .venv"
+    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -c 'import ingero, trio, httpx, hypercorn, numpy, tabulate, yaml, cryptography' \
+      || { say "pip install failed"; exit 1; }
+    touch "$stamp"
+  fi
+  # bcc lives in Debian's dist-packages; expose only the bcc package to the venv.
+  local site shim=.venv/bcc-shim
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if [[ -d /usr/lib/python3/dist-packages/bcc ]]; then
+    mkdir -p "$shim"
+    ln -sfn /usr/lib/python3/dist-packages/bcc "$shim/bcc"
+    echo "$(pwd)/$shim" > "$site/ingero-bcc.pth"
+  fi
+}
+
+((SYSTEM)) && system_setup
+venv_setup
