@@ -1,0 +1,1 @@
+"""Synthetic scenarios that write real trace databases (ingero demo, investigations/)."""
