@@ -4,14 +4,15 @@ Everything a node records goes through one :class:`StoreWriter` (one connection,
 time): events in batched transactions, stacks, aggregates, snapshots, process names, sessions and
 chains. Readers never write.
 
-Speed (``bench/bench_writer.py``): the events table carries Ingero's text primary key and four
-indexes, so SQLite's own insert cost dominates. Three things keep the Python side out of the way:
-multi-row ``INSERT ... VALUES (...), (...), ...`` statements of :data:`ROWS_PER_STATEMENT` rows (one
-bind/step per 128 rows), the node identity baked into the statement as literals, and WAL checkpoints
-moved off the insert path into a background thread with its own connection.
+Speed (``bench/bench_writer.py``): multi-row ``INSERT ... VALUES (...), (...), ...`` statements of
+:data:`ROWS_PER_STATEMENT` rows whose ids are computed in SQL from one numbered base parameter
+(``'node:' || (?1 + k)``), so Python only flattens the row tuples; the node identity is baked into the
+statement as literals; WAL checkpoints run off the insert path, in a background thread with its own
+connection. The events table is append-optimised (see :mod:`ingero.store.schema`).
 
-Event ids are ``{node}:{seq}``; the next ``seq`` is kept in ``node_seq`` inside the same transaction
-as the events, so ids never repeat across restarts or crashes.
+Event ids are ``{node}:{seq}``. Each write transaction (``BEGIN IMMEDIATE``, so writers serialise)
+reads the next ``seq`` from ``node_seq`` and stores the new one before committing: ids never repeat,
+across restarts, crashes, or two writers mistakenly sharing a node name.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ EVENT_FIELDS = (
 )
 EventRow = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
 ROWS_PER_STATEMENT = 128
-_NFIELDS = len(EVENT_FIELDS) + 1  # + seq
 
 SESSION_FIELDS = (
     "gpu_model",
@@ -125,10 +125,13 @@ class StoreWriter:
             _sql_literal(v) for v in (identity.node, identity.rank, identity.local_rank, identity.world_size)
         )
         prefix = _sql_literal(identity.node + ":")
-        row = f"({prefix}||?,{','.join('?' * len(EVENT_FIELDS))},{lit})"
+        nf = len(EVENT_FIELDS)
         head = f"INSERT INTO events(id,{','.join(EVENT_FIELDS)},node,rank,local_rank,world_size) VALUES "
-        self._sql_one = head + row
-        self._sql_many = head + ",".join([row] * ROWS_PER_STATEMENT)
+        self._sql_one = head + f"({prefix}||?1,{','.join(f'?{2 + f}' for f in range(nf))},{lit})"
+        self._sql_many = head + ",".join(
+            f"({prefix}||(?1+{r}),{','.join(f'?{2 + r * nf + f}' for f in range(nf))},{lit})"
+            for r in range(ROWS_PER_STATEMENT)
+        )
         try:
             self._seq = self._load_seq()
         except sqlite3.Error as e:
@@ -159,7 +162,7 @@ class StoreWriter:
     # --- transactions --------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        self.conn.execute("BEGIN")
+        self.conn.execute("BEGIN IMMEDIATE")
 
     def _commit(self) -> None:
         self.conn.execute("COMMIT")
@@ -216,14 +219,12 @@ class StoreWriter:
         n = len(events)
         if not n:
             return 0
-        seq = self._seq
-        full = n - n % ROWS_PER_STATEMENT
+        self._seq = seq = self._load_seq()  # under the write lock: authoritative
+        k = ROWS_PER_STATEMENT
+        full = n - n % k
         if full:
-            flat = list(
-                itertools.chain.from_iterable((seq + i, *ev) for i, ev in enumerate(itertools.islice(events, full)))
-            )
-            width = ROWS_PER_STATEMENT * _NFIELDS
-            self.conn.executemany(self._sql_many, (flat[i : i + width] for i in range(0, len(flat), width)))
+            chain = itertools.chain.from_iterable
+            self.conn.executemany(self._sql_many, ([seq + i, *chain(events[i : i + k])] for i in range(0, full, k)))
         if full < n:
             self.conn.executemany(self._sql_one, ((seq + i, *events[i]) for i in range(full, n)))
         self.conn.execute(
