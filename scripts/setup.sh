@@ -60,11 +60,12 @@ venv_setup() {
   fi
   local stamp=.venv/.ingero-installed
   if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
-    say "installing ingero and dev tools into .venv"
-    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -c 'import ingero, trio, httpx, hypercorn, numpy, tabulate, yaml, cryptography' \
-      || { say "pip install failed"; exit 1; }
+    say "installing ingero and dev tools into .venv (log: .venv/pip.log)"
+    if ! { .venv/bin/python -m pip install --disable-pip-version-check --upgrade pip \
+           && .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]'; } >.venv/pip.log 2>&1; then
+      tail -n 20 .venv/pip.log >&2
+      say "pip install failed (full log: .venv/pip.log)"; exit 1
+    fi
     touch "$stamp"
   fi
   # bcc lives in Debian's dist-packages; expose only the bcc package to the venv.

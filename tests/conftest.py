@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -25,6 +26,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "bpf" in item.keywords or "netns" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _samples_stay_untouched() -> Iterator[None]:
+    """The vendored Ingero samples must never change or grow -wal/-shm files (open them read-only:
+    ``ingero.store.db.open_readonly`` or ``file:...?mode=ro&immutable=1``)."""
+
+    def snapshot() -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(SAMPLES.iterdir())}
+
+    before = snapshot()
+    yield
+    after = snapshot()
+    assert after == before, f"tests modified {SAMPLES}: {sorted(set(after) ^ set(before)) or 'contents changed'}"
 
 
 @pytest.fixture

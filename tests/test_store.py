@@ -38,8 +38,9 @@ def test_schema_matches_ingero_tables_and_columns(tmp_path: Path, samples: Path)
         r[0] for r in theirs.execute("SELECT name FROM sqlite_master WHERE type='table' AND name != 'sqlite_sequence'")
     ]
     assert len(their_tables) == 12
+    additions = {"system_snapshots": [("node", "TEXT")]}  # schema 2: snapshots say whose they are
     for table in their_tables:
-        assert _columns(ours, table) == _columns(theirs, table), table
+        assert _columns(ours, table) == _columns(theirs, table) + additions.get(table, []), table
     # same source and op ids and names for everything Ingero defines
     assert set(theirs.execute("SELECT id, name FROM sources")) <= set(ours.execute("SELECT id, name FROM sources"))
     their_ops = set(theirs.execute("SELECT source_id, op_id, name FROM ops"))
@@ -91,6 +92,8 @@ def test_seq_continues_on_ingero_database_without_node_seq(sample_copy: Path) ->
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 201
     assert conn.execute(f"SELECT count(*) FROM events WHERE id = 'gpu-node-02:{before + 1}'").fetchone()[0] == 1
     assert inspect_layout(conn).kind == "ingero-py"  # migrated in place
+    # schema 2 backfilled the one node's snapshots
+    assert conn.execute("SELECT DISTINCT node FROM system_snapshots").fetchall() == [("gpu-node-02",)]
 
 
 def test_batch_writes_everything_in_one_transaction(tmp_path: Path) -> None:

@@ -11,6 +11,13 @@ Layers, each sufficient on its own for what it covers:
 5. a row cap (default 1000, at most 10 000) reported as ``truncated``, a response byte cap, and
    ``SQLITE_LIMIT_LENGTH`` so no single value (``zeroblob(1e9)``) can be materialised.
 
+The progress handler only runs between VM instructions, so a single built-in call that is quadratic
+in its inputs could run for minutes out of its reach: on guarded connections ``instr``, ``replace``,
+``trim``/``ltrim``/``rtrim`` and ``printf``/``format`` are replaced by safe versions with SQLite's
+semantics (:mod:`ingero.store.guard_functions`), ``json_patch`` is refused, and LIKE/GLOB patterns are
+capped at ``MAX_PATTERN_CHARS``. Callers that must answer on time whatever happens (the agent API)
+also run queries in threads they can abandon (:mod:`ingero.agent.workers`); ``cancel`` stops a query.
+
 Each call opens its own connection, so queries can run in worker threads in parallel.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import math
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +41,7 @@ from ingero.errors import (
     UsageError,
 )
 from ingero.store.db import open_readonly, translate
+from ingero.store.guard_functions import SafeFunctions
 
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000
@@ -41,6 +50,7 @@ MAX_TIMEOUT_MS = 60_000
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_VALUE_BYTES = 1024 * 1024
 MAX_SQL_CHARS = 100_000
+MAX_PATTERN_CHARS = 200  # LIKE/GLOB pattern length (SQLite's default is 50 000)
 PROGRESS_EVERY = 2000  # VM instructions between deadline checks
 
 # Pragmas that only read, allowed as statements (without a value) and as table-valued functions.
@@ -67,16 +77,67 @@ READ_PRAGMAS = frozenset(
     }
 )
 DENIED_FUNCTIONS = frozenset(
-    {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer", "zipfile", "sqlar_uncompress"}
+    {
+        "load_extension",
+        "readfile",
+        "writefile",
+        "edit",
+        "fts3_tokenizer",
+        "zipfile",
+        "sqlar_uncompress",
+        "json_patch",  # quadratic in the number of keys, inside one VM instruction
+    }
 )
+# Eponymous virtual tables a query may read. SQLite reports their first use on a connection to the
+# authorizer as an UPDATE of sqlite_master, so the ones a query names are set up before the
+# authorizer is installed; any other (dbstat, pragma_journal_mode, ...) is refused.
+TABLE_FUNCTIONS = frozenset(
+    {"json_each", "json_tree"}
+    | {f"pragma_{p}" for p in READ_PRAGMAS if p.endswith(("_info", "_xinfo", "_list"))}
+    | {"pragma_compile_options"}
+)
+_TABLE_FUNC_RE = re.compile(r"\b(json_each|json_tree|pragma_[a-z_]+)\b", re.IGNORECASE)
 
+# Authorizer action codes by name (the sqlite3 module's SQLITE_* constants mix them with result codes).
+_ACTIONS = [
+    "CREATE_INDEX",
+    "CREATE_TABLE",
+    "CREATE_TEMP_INDEX",
+    "CREATE_TEMP_TABLE",
+    "CREATE_TEMP_TRIGGER",
+    "CREATE_TEMP_VIEW",
+    "CREATE_TRIGGER",
+    "CREATE_VIEW",
+    "DELETE",
+    "DROP_INDEX",
+    "DROP_TABLE",
+    "DROP_TEMP_INDEX",
+    "DROP_TEMP_TABLE",
+    "DROP_TEMP_TRIGGER",
+    "DROP_TEMP_VIEW",
+    "DROP_TRIGGER",
+    "DROP_VIEW",
+    "INSERT",
+    "PRAGMA",
+    "READ",
+    "SELECT",
+    "TRANSACTION",
+    "UPDATE",
+    "ATTACH",
+    "DETACH",
+    "ALTER_TABLE",
+    "REINDEX",
+    "ANALYZE",
+    "CREATE_VTABLE",
+    "DROP_VTABLE",
+    "FUNCTION",
+    "SAVEPOINT",
+    "RECURSIVE",
+]
 _ACTION_NAMES = {
-    getattr(sqlite3, name): name.removeprefix("SQLITE_").lower().replace("_", " ")
-    for name in dir(sqlite3)
-    if name.startswith("SQLITE_")
-    and name not in ("SQLITE_OK", "SQLITE_DENY", "SQLITE_IGNORE")
-    and not name.startswith("SQLITE_LIMIT")
-    and isinstance(getattr(sqlite3, name), int)
+    getattr(sqlite3, f"SQLITE_{name}"): name.lower().replace("_", " ")
+    for name in _ACTIONS
+    if isinstance(getattr(sqlite3, f"SQLITE_{name}", None), int)
 }
 _WRITE_WORDS = re.compile(
     r"^\s*(insert|update|delete|replace|create|drop|alter|attach|detach|vacuum|reindex|analyze|"
@@ -125,6 +186,11 @@ class _Authorizer:
                 # table-valued forms (pragma_table_info('events')) pass their argument here
                 return sqlite3.SQLITE_OK
             return self._deny(f"PRAGMA {arg1}{'=' + arg2 if arg2 else ''} is not allowed (read-only)")
+        if action == sqlite3.SQLITE_UPDATE and (arg1 or "").lower() in ("sqlite_master", "sqlite_schema"):
+            return self._deny(
+                "this table-valued function or virtual table is not allowed; allowed: "
+                + ", ".join(sorted(TABLE_FUNCTIONS))
+            )
         what = _ACTION_NAMES.get(action, f"action {action}")
         return self._deny(f"{what.upper()} is not allowed (read-only)")
 
@@ -153,8 +219,12 @@ def run_query(
     max_limit: int = MAX_LIMIT,
     legacy_node: str | None = None,
     event_filter: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> QueryResult:
-    """Run ``sql`` read-only against ``db_path`` with every guard on. Thread-safe (own connection)."""
+    """Run ``sql`` read-only against ``db_path`` with every guard on. Thread-safe (own connection).
+
+    ``cancel``, when set from another thread, stops the query at its next progress check.
+    """
     row_cap = min(clamp_limit(limit), max_limit)
     budget_ms = DEFAULT_TIMEOUT_MS if timeout_ms is None else timeout_ms
     if budget_ms <= 0:
@@ -165,7 +235,7 @@ def run_query(
     started = time.perf_counter()
     conn = open_readonly(db_path, legacy_node=legacy_node, event_filter=event_filter, check_same_thread=False)
     try:
-        return _run(conn, sql, params, row_cap, budget_ms, max_bytes, started, db_path)
+        return _run(conn, sql, params, row_cap, budget_ms, max_bytes, started, db_path, cancel)
     finally:
         conn.close()
 
@@ -210,15 +280,41 @@ def _run(
     max_bytes: int,
     started: float,
     db_path: str | Path,
+    cancel: threading.Event | None,
 ) -> QueryResult:
     conn.execute("PRAGMA query_only = 1")
     conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
     conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_PATTERN_CHARS)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_WORKER_THREADS, 0)
+    funcs = SafeFunctions(MAX_VALUE_BYTES)
+    funcs.install(conn)
+    try:
+        return _execute(conn, sql, params, row_cap, budget_ms, max_bytes, started, db_path, cancel, funcs)
+    finally:
+        funcs.close()
+
+
+def _execute(
+    conn: sqlite3.Connection,
+    sql: str,
+    params: Sequence[Any],
+    row_cap: int,
+    budget_ms: int,
+    max_bytes: int,
+    started: float,
+    db_path: str | Path,
+    cancel: threading.Event | None,
+    funcs: SafeFunctions,
+) -> QueryResult:
+    for name in {m.group(1).lower() for m in _TABLE_FUNC_RE.finditer(sql)} & TABLE_FUNCTIONS:
+        conn.execute(f"SELECT * FROM {name} LIMIT 0").fetchall()  # name is from our allowlist
     auth = _Authorizer()
     conn.set_authorizer(auth)
     deadline = time.monotonic() + budget_ms / 1000.0
-    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, PROGRESS_EVERY)
+    stop = cancel or threading.Event()
+    conn.set_progress_handler(lambda: 1 if stop.is_set() or time.monotonic() > deadline else 0, PROGRESS_EVERY)
 
     try:
         cur = conn.execute(sql, tuple(params))
@@ -226,21 +322,17 @@ def _run(
         rows: list[list[Any]] = []
         size = 2
         truncated_reason: str | None = None
-        while truncated_reason is None:
-            # fetch at most one row past the cap: its presence is what "truncated" means
-            chunk = cur.fetchmany(min(500, row_cap + 1 - len(rows)))
-            if not chunk:
+        # one row at a time: a row may hold several 1 MB values, so never materialise a batch of them
+        for raw in cur:
+            if len(rows) == row_cap:  # a row past the cap exists: that is what "truncated" means
+                truncated_reason = "rows"
                 break
-            for raw in chunk:
-                if len(rows) == row_cap:
-                    truncated_reason = "rows"
-                    break
-                row = [_jsonable(v) for v in raw]
-                size += _row_bytes(row)
-                if size > max_bytes:
-                    truncated_reason = "bytes"
-                    break
-                rows.append(row)
+            row = [_jsonable(v) for v in raw]
+            size += _row_bytes(row)
+            if size > max_bytes:
+                truncated_reason = "bytes"
+                break
+            rows.append(row)
     except sqlite3.ProgrammingError as e:
         if "one statement" in str(e):
             raise QueryRejectedError(
@@ -248,7 +340,7 @@ def _run(
             ) from None
         raise QueryError(f"SQL error: {e}") from None
     except sqlite3.DatabaseError as e:
-        raise _classify(e, auth, budget_ms, db_path) from None
+        raise _classify(e, auth, funcs, budget_ms, db_path, stop is cancel and stop.is_set()) from None
     if conn.total_changes:  # belt and braces: nothing may ever change
         raise QueryRejectedError("statement attempted to modify the database")
     if not columns and not rows:
@@ -266,17 +358,30 @@ def _run(
     )
 
 
-def _classify(e: sqlite3.DatabaseError, auth: _Authorizer, budget_ms: int, db_path: str | Path) -> Exception:
+def _classify(
+    e: sqlite3.DatabaseError,
+    auth: _Authorizer,
+    funcs: SafeFunctions,
+    budget_ms: int,
+    db_path: str | Path,
+    cancelled: bool,
+) -> Exception:
     msg = str(e)
     if auth.denied or "not authorized" in msg:
         return QueryRejectedError(auth.denied or "statement not allowed (read-only)")
+    if funcs.error:
+        return QueryTooLargeError(funcs.error)
     if "interrupted" in msg:
+        if cancelled:
+            return QueryTimeoutError("query cancelled (the request went away or the agent is stopping)")
         return QueryTimeoutError(
             f"query stopped at its {budget_ms} ms time limit",
             hint="narrow it (WHERE timestamp > ..., fewer joins) or ask for a larger timeout_ms",
         )
     if "too big" in msg or "too large" in msg:
         return QueryTooLargeError(f"a value exceeds the {MAX_VALUE_BYTES}-byte cap: {msg}")
+    if "LIKE or GLOB pattern too complex" in msg:
+        return QueryTooLargeError(f"LIKE/GLOB patterns are limited to {MAX_PATTERN_CHARS} characters")
     if "attempt to write" in msg or "readonly" in msg:
         return QueryRejectedError("statement attempted to write: queries are read-only")
     if isinstance(e, sqlite3.OperationalError | sqlite3.IntegrityError | sqlite3.DataError):
@@ -287,13 +392,17 @@ def _classify(e: sqlite3.DatabaseError, auth: _Authorizer, budget_ms: int, db_pa
 def _jsonable(v: Any) -> Any:
     if isinstance(v, bytes):
         return v.hex()
-    if isinstance(v, float) and math.isnan(v):  # NaN is not JSON
-        return None
+    if isinstance(v, float) and not math.isfinite(v):  # NaN and ±Inf are not JSON
+        return None if math.isnan(v) else ("Inf" if v > 0 else "-Inf")
     return v
 
 
 def _row_bytes(row: list[Any]) -> int:
+    """Size of the row as JSON (exact for plain ASCII text, an upper bound otherwise)."""
     n = 2
     for v in row:
-        n += (len(v) + 3) if isinstance(v, str) else 21
+        if isinstance(v, str):
+            n += len(v) + 3 if v.isascii() and v.isprintable() else 6 * len(v) + 3
+        else:
+            n += 25
     return n

@@ -3,8 +3,9 @@
 Compatibility rules
 * Every table and column of Ingero's databases exists here with the same name, type and meaning,
   so SQL written for their schema runs unchanged on ours (and vice versa for the common part).
-* Our own additions are new tables (``node_seq``, ``nccl_comms``, ``session_stats``) and new
-  source/op rows after Ingero's ids (NCCL = source 8).
+* Our own additions are new tables (``node_seq``, ``nccl_comms``, ``session_stats``), new
+  source/op rows after Ingero's ids (NCCL = source 8), and (schema 2) a ``node`` column on
+  ``system_snapshots`` so snapshots stay attributable after databases are merged.
 * Our schema version lives in ``PRAGMA user_version`` (Ingero leaves it at 0). ``migrate()``
   brings any older layout we can write to ``SCHEMA_VERSION``; a database with a newer version is
   refused by every reader and writer (:class:`~ingero.errors.SchemaTooNewError`).
@@ -30,7 +31,7 @@ from ingero import __version__
 from ingero.errors import SchemaError, SchemaTooNewError
 from ingero.store.catalog import OPS, SOURCES
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 INGERO_LAYOUT = "0.9"
 
 # Ingero's DDL, column for column (comments kept: they are what `.schema` shows users), with the
@@ -278,8 +279,20 @@ def _migrate_to_1(conn: sqlite3.Connection) -> None:
     conn.executemany("INSERT OR IGNORE INTO ops(source_id, op_id, name, description) VALUES (?, ?, ?, ?)", OPS)
 
 
+def _migrate_to_2(conn: sqlite3.Connection) -> None:
+    """Schema 2: ``system_snapshots.node``; existing snapshots of a one-node database become its own."""
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(system_snapshots)")}
+    if "node" not in cols:
+        conn.execute("ALTER TABLE system_snapshots ADD COLUMN node TEXT NOT NULL DEFAULT ''")
+    nodes = [r[0] for r in conn.execute("SELECT DISTINCT node FROM sessions WHERE node != ''")]
+    if not nodes:
+        nodes = [r[0] for r in conn.execute("SELECT DISTINCT node FROM events WHERE node != '' LIMIT 2")]
+    if len(nodes) == 1:
+        conn.execute("UPDATE system_snapshots SET node = ? WHERE node = ''", (nodes[0],))
+
+
 # MIGRATIONS[i] takes user_version i to i + 1.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1, _migrate_to_2]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

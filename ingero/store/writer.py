@@ -124,6 +124,7 @@ class StoreWriter:
         lit = ",".join(
             _sql_literal(v) for v in (identity.node, identity.rank, identity.local_rank, identity.world_size)
         )
+        self._node_lit = _sql_literal(identity.node)
         prefix = _sql_literal(identity.node + ":")
         nf = len(EVENT_FIELDS)
         head = f"INSERT INTO events(id,{','.join(EVENT_FIELDS)},node,rank,local_rank,world_size) VALUES "
@@ -189,7 +190,7 @@ class StoreWriter:
             self._merge_aggregates(aggregates)
             self.conn.executemany(
                 "INSERT OR IGNORE INTO system_snapshots(timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, "
-                "load_avg) VALUES (?, ?, ?, ?, ?, ?)",
+                f"load_avg, node) VALUES (?, ?, ?, ?, ?, ?, {self._node_lit})",
                 snapshots,
             )
             self.conn.executemany(
@@ -199,7 +200,7 @@ class StoreWriter:
             )
             self.conn.executemany(
                 "INSERT OR REPLACE INTO nccl_comms(comm, pid, rank, nranks, seen_at, node) "
-                f"VALUES (?, ?, ?, ?, ?, {_sql_literal(self.identity.node)})",
+                f"VALUES (?, ?, ?, ?, ?, {self._node_lit})",
                 nccl_comms,
             )
             self._commit()

@@ -1,0 +1,282 @@
+"""What each agent API endpoint computes: blocking functions that run in worker threads.
+
+Every function takes the :class:`AgentContext`, its validated arguments and the job's cancel event,
+opens its own read-only connection (guarded by a progress-handler deadline that also watches the
+cancel event) and returns the response body already encoded, so that even serialising a large
+answer happens off the trio loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ingero import __version__
+from ingero.agent.workers import Workers
+from ingero.errors import QueryTimeoutError, StoreError, UsageError
+from ingero.identity import Identity
+from ingero.store import guard
+from ingero.store.catalog import lookup_op
+from ingero.store.db import DbSummary, event_filter_sql, open_readonly, summarize, translate
+from ingero.store.window import Window, resolve_window
+
+if TYPE_CHECKING:
+    from ingero.explain.engine import ExplainReport
+
+API_VERSION = 1
+TOP_OPS = 10
+WINDOW_PARAMS = ("since", "from", "to")
+
+
+@dataclass
+class AgentContext:
+    """Everything a request handler needs; built once per server by :mod:`ingero.agent.server`."""
+
+    db_path: Path
+    identity: Identity
+    tls_mode: str  # "mtls" | "tls" | "plaintext"
+    token: str | None = None
+    max_rows: int = guard.MAX_LIMIT
+    default_rows: int = guard.DEFAULT_LIMIT
+    max_timeout_ms: int = guard.DEFAULT_TIMEOUT_MS
+    max_response_bytes: int = guard.MAX_RESPONSE_BYTES
+    analysis_timeout_ms: int = 30_000  # explain / ops / overview / info
+    workers: Workers = field(default_factory=lambda: Workers(4, "query"))
+    meta_workers: Workers = field(default_factory=lambda: Workers(2, "info"))
+
+    @property
+    def node(self) -> str:
+        return self.identity.node
+
+    @property
+    def auth_mode(self) -> str:
+        return "token" if self.token else "none"
+
+
+# --- encoding ----------------------------------------------------------------------------------
+
+
+def encode(doc: Mapping[str, Any]) -> bytes:
+    try:
+        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str)
+    except ValueError:  # NaN/Inf somewhere in computed figures
+        text = json.dumps(_finite(doc), ensure_ascii=False, separators=(",", ":"), default=str)
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, Mapping):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
+
+
+def ok(ctx: AgentContext, **fields: Any) -> dict[str, Any]:
+    return {"ok": True, "node": ctx.node, **fields}
+
+
+# --- connections with a deadline ---------------------------------------------------------------
+
+
+@contextmanager
+def reader(ctx: AgentContext, cancel: threading.Event, budget_ms: int | None = None) -> Iterator[sqlite3.Connection]:
+    """A read-only connection whose statements stop at the deadline or when ``cancel`` is set."""
+    budget = budget_ms or ctx.analysis_timeout_ms
+    conn = open_readonly(ctx.db_path, legacy_node=ctx.node, check_same_thread=False)
+    deadline = time.monotonic() + budget / 1000
+
+    def stopped() -> bool:
+        return cancel.is_set() or time.monotonic() > deadline
+
+    conn.set_progress_handler(lambda: 1 if stopped() else 0, 10_000)
+    try:
+        conn.execute("PRAGMA query_only = 1")
+        yield conn
+    except (sqlite3.Error, StoreError) as e:
+        # the explain engine translates sqlite3 errors itself: "interrupted" may arrive as a StoreError
+        if "interrupted" in str(e) and stopped():
+            raise QueryTimeoutError(
+                f"analysis stopped at its {budget} ms limit", hint="ask for a shorter window (since=5m)"
+            ) from None
+        if isinstance(e, sqlite3.Error):
+            raise translate(e, ctx.db_path) from None
+        raise
+    finally:
+        conn.close()
+
+
+def window_from(conn: sqlite3.Connection, params: Mapping[str, str]) -> Window:
+    return resolve_window(conn, params.get("since") or None, params.get("from") or None, params.get("to") or None)
+
+
+# --- endpoints ---------------------------------------------------------------------------------
+
+
+def info_fields(ctx: AgentContext, s: DbSummary) -> dict[str, Any]:
+    ident = ctx.identity
+    return {
+        "rank": ident.rank,
+        "local_rank": ident.local_rank,
+        "world_size": ident.world_size,
+        "version": __version__,
+        "api_version": API_VERSION,
+        "schema_version": s.schema_version,
+        "layout": s.layout,
+        "events": s.events,
+        "chains": s.chains,
+        "stacks": s.stacks,
+        "first_ns": s.first_ns,
+        "last_ns": s.last_ns,
+        "live": s.live,
+        "tls": ctx.tls_mode,
+        "auth": ctx.auth_mode,
+    }
+
+
+def info(ctx: AgentContext, cancel: threading.Event) -> bytes:
+    with reader(ctx, cancel) as conn:
+        s = summarize(conn, ctx.db_path)
+    return encode(ok(ctx, **info_fields(ctx, s)))
+
+
+def query(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -> bytes:
+    limit = min(int(body.get("limit") or ctx.default_rows), ctx.max_rows)
+    timeout_ms = min(int(body.get("timeout_ms") or ctx.max_timeout_ms), ctx.max_timeout_ms)
+    flt, window = None, None
+    if any(body.get(k) is not None for k in (*WINDOW_PARAMS, "pid", "op")):
+        flt, window = _event_filter(ctx, body, cancel)
+    result = guard.run_query(
+        ctx.db_path,
+        body["sql"],
+        limit=limit,
+        timeout_ms=timeout_ms,
+        max_bytes=ctx.max_response_bytes,
+        max_limit=ctx.max_rows,
+        legacy_node=ctx.node,
+        event_filter=flt,
+        cancel=cancel,
+    )
+    doc = ok(ctx, **result.as_dict())
+    if window is not None:
+        doc["window"] = window.as_dict()
+    return encode(doc)
+
+
+def _event_filter(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -> tuple[str | None, Window]:
+    with reader(ctx, cancel) as conn:
+        window = window_from(conn, {k: body[k] for k in WINDOW_PARAMS if body.get(k) is not None})
+    source_op = None
+    if body.get("op") is not None:
+        ref = lookup_op(str(body["op"]))
+        source_op = (ref.source, ref.op)
+    return event_filter_sql(window.start_ns, window.end_ns, body.get("pid"), source_op), window
+
+
+def ops(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
+    from ingero.explain.stats import host_summary, op_stats
+
+    with reader(ctx, cancel) as conn:
+        window = window_from(conn, params)
+        stats = op_stats(conn, window)
+        host = host_summary(conn, window)
+    return encode(ok(ctx, window=window.as_dict(), ops=[s.as_dict() for s in stats], host=host.as_dict()))
+
+
+def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
+    from ingero.explain.model import stored_chains
+
+    with reader(ctx, cancel) as conn:
+        window = window_from(conn, params)
+        computed = _explain(conn, window)
+        stored = stored_chains(conn, window)
+    return encode(
+        ok(
+            ctx,
+            window=window.as_dict(),
+            chains=[c.as_dict() for c in computed.chains],
+            stored=[c.as_dict() for c in stored],
+        )
+    )
+
+
+def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
+    with reader(ctx, cancel) as conn:
+        s = summarize(conn, ctx.db_path)
+        window = window_from(conn, params)
+        report = _explain(conn, window)
+    counts = {sev: 0 for sev in ("HIGH", "MEDIUM", "LOW")}
+    for c in report.chains:
+        counts[c.severity] = counts.get(c.severity, 0) + 1
+    return encode(
+        ok(
+            ctx,
+            **info_fields(ctx, s),
+            window=window.as_dict(),
+            top_ops=[o.as_dict() for o in report.ops[:TOP_OPS]],
+            chain_counts=counts,
+            host=report.host.as_dict(),
+        )
+    )
+
+
+def _explain(conn: sqlite3.Connection, window: Window) -> ExplainReport:
+    """Every node in this database (a merged cluster database served by one agent has several)."""
+    from ingero.explain.engine import explain
+
+    return explain(conn, window)
+
+
+# --- request validation (runs on the loop: cheap) ----------------------------------------------
+
+QUERY_FIELDS = ("sql", "limit", "timeout_ms", *WINDOW_PARAMS, "pid", "op")
+
+
+def check_query_body(doc: Any) -> dict[str, Any]:
+    """Validate a ``POST /query`` body; raise UsageError (400) naming the field."""
+    if not isinstance(doc, dict):
+        raise UsageError(f"the body must be a JSON object, got {_json_type(doc)}", hint='send {"sql": "SELECT ..."}')
+    unknown = [k for k in doc if k not in QUERY_FIELDS]
+    if unknown:
+        raise UsageError(f"unknown field {unknown[0]!r}", hint="known fields: " + ", ".join(QUERY_FIELDS))
+    if "sql" not in doc or doc["sql"] is None:
+        raise UsageError("missing field 'sql'", hint='send {"sql": "SELECT ..."}')
+    if not isinstance(doc["sql"], str):
+        raise UsageError(f"field 'sql' must be a string, got {_json_type(doc['sql'])}")
+    for key in ("limit", "timeout_ms", "pid"):
+        v = doc.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise UsageError(f"field {key!r} must be an integer, got {_json_type(v)}")
+        if key != "pid" and v < 1:
+            raise UsageError(f"field {key!r} must be at least 1, got {v}")
+    for key in (*WINDOW_PARAMS, "op"):
+        v = doc.get(key)
+        if v is not None and not isinstance(v, str):
+            raise UsageError(f"field {key!r} must be a string, got {_json_type(v)}")
+    return doc
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int | float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"

@@ -1,0 +1,236 @@
+"""Serving the agent API: hypercorn's trio worker on a socket we bind ourselves, TLS 1.3 only.
+
+:func:`serve_api` is the one entry point (``ingero serve``, ``ingero trace --listen``, tests, the fleet
+benchmarks that run 128 listeners in one process). It checks the database and the TLS settings,
+binds (port 0 works), and reports readiness with ``task_status.started(BoundServer(...))`` carrying
+the real port, URL, TLS mode and certificate fingerprint. Cancelling the surrounding nursery stops it.
+
+hypercorn builds its own ``SSLContext`` from its ``Config`` (TLS 1.2 minimum); :class:`_HypercornConfig`
+hands it ours instead (TLS 1.3 minimum, client CA and ``CERT_REQUIRED`` for mTLS).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+
+from ingero.agent import tls
+from ingero.agent.api import AgentAPI, ASGIApp
+from ingero.agent.endpoints import AgentContext
+from ingero.agent.workers import Workers
+from ingero.errors import UsageError
+from ingero.identity import Identity
+from ingero.store import guard
+from ingero.store.db import open_readonly
+
+log = logging.getLogger("ingero.agent.server")
+
+
+@dataclass
+class ServerSettings:
+    db_path: Path
+    identity: Identity
+    host: str = "127.0.0.1"
+    port: int = 8080
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    client_ca: Path | None = None
+    token: str | None = None
+    no_tls: bool = False
+    allow_plaintext_remote: bool = False
+    max_rows: int = guard.MAX_LIMIT
+    max_timeout_ms: int = guard.DEFAULT_TIMEOUT_MS
+    max_response_bytes: int = guard.MAX_RESPONSE_BYTES
+    analysis_timeout_ms: int = 30_000
+    query_workers: int = 4
+    tls_dir: Path | None = None  # where the self-signed certificate lives (default ~/.ingero/tls)
+    backlog: int = 128
+
+
+@dataclass
+class BoundServer:
+    host: str
+    port: int
+    url: str
+    tls_mode: str  # "mtls" | "tls" | "plaintext"
+    fingerprint_sha256: str | None
+
+
+@dataclass(frozen=True)
+class _TLSSetup:
+    context: ssl.SSLContext | None
+    mode: str
+    fingerprint: str | None
+    cert: Path | None
+    created: bool = False
+
+
+class _HypercornConfig(HypercornConfig):
+    """hypercorn configuration that serves our prebuilt SSL context instead of building its own."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | None) -> None:
+        super().__init__()
+        self._ingero_ssl = ssl_context
+        self.loglevel = "WARNING"
+        self.errorlog = logging.getLogger("ingero.agent.http")
+        self.accesslog = None
+        self.include_server_header = False
+        self.ssl_handshake_timeout = 10.0
+        self.keep_alive_timeout = 30.0
+        self.read_timeout = 120
+        self.graceful_timeout = 1.0
+        self.h11_max_incomplete_size = 64 * 1024
+
+    @property
+    def ssl_enabled(self) -> bool:
+        return self._ingero_ssl is not None
+
+    def create_ssl_context(self) -> ssl.SSLContext | None:
+        return self._ingero_ssl
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_wildcard(host: str) -> bool:
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
+def prepare_tls(settings: ServerSettings) -> _TLSSetup:
+    s = settings
+    if s.no_tls:
+        if s.tls_cert or s.tls_key or s.client_ca:
+            raise UsageError("--no-tls conflicts with --tls-cert/--tls-key/--client-ca", hint="drop one of them")
+        if not is_loopback(s.host) and not s.allow_plaintext_remote:
+            raise UsageError(
+                f"refusing plain HTTP on {s.host}: traces and tokens would cross the network unencrypted",
+                hint="listen on 127.0.0.1, drop --no-tls, or add --allow-plaintext-remote to accept the risk",
+            )
+        return _TLSSetup(None, "plaintext", None, None)
+    if (s.tls_cert is None) != (s.tls_key is None):
+        raise UsageError(
+            "--tls-cert and --tls-key go together", hint="give both, or neither for a self-signed certificate"
+        )
+    created = False
+    if s.tls_cert is not None and s.tls_key is not None:
+        cert, key = s.tls_cert.expanduser(), s.tls_key.expanduser()
+        ctx = tls.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
+        fingerprint = tls.cert_fingerprint(cert)
+    else:
+        extra = [] if _is_wildcard(s.host) else [s.host.strip("[]")]
+        auto = tls.ensure_auto_cert(s.tls_dir, common_name=s.identity.node, extra_names=extra)
+        cert, created = auto.cert, auto.created
+        ctx = tls.server_ssl_context(auto.cert, auto.key, s.client_ca.expanduser() if s.client_ca else None)
+        fingerprint = auto.fingerprint_sha256
+    return _TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint, cert, created)
+
+
+def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
+    bare = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(bare or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"cannot resolve listen address {host!r}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and _is_wildcard(bare):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise UsageError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}",
+            hint="pick another --listen port or stop what holds it",
+        ) from None
+    return sock
+
+
+def _url(scheme: str, host: str, port: int) -> str:
+    h = host.strip("[]")
+    return f"{scheme}://[{h}]:{port}" if ":" in h else f"{scheme}://{h}:{port}"
+
+
+def check_database(path: Path) -> None:
+    """Fail before listening when the database is missing or unreadable (one clear line)."""
+    conn = open_readonly(path)
+    conn.close()
+
+
+def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
+    ctx = AgentContext(
+        db_path=settings.db_path.expanduser(),
+        identity=settings.identity,
+        tls_mode=tls_mode,
+        token=settings.token or None,
+        max_rows=min(settings.max_rows, guard.MAX_LIMIT),
+        default_rows=min(guard.DEFAULT_LIMIT, settings.max_rows),
+        max_timeout_ms=min(settings.max_timeout_ms, guard.MAX_TIMEOUT_MS),
+        max_response_bytes=settings.max_response_bytes,
+        analysis_timeout_ms=settings.analysis_timeout_ms,
+        workers=Workers(settings.query_workers, "query"),
+        meta_workers=Workers(2, "info"),
+    )
+    return AgentAPI(ctx)
+
+
+async def serve_api(
+    settings: ServerSettings,
+    *,
+    app_wrapper: Callable[[ASGIApp], ASGIApp] | None = None,
+    task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled. Raises IngeroError (before ``started``) on bad settings."""
+    check_database(settings.db_path.expanduser())
+    setup = prepare_tls(settings)
+    app: ASGIApp = build_app(settings, setup.mode)
+    if app_wrapper is not None:
+        app = app_wrapper(app)
+    sock = bind_socket(settings.host, settings.port, settings.backlog)
+    try:
+        host, port = sock.getsockname()[:2]
+        shown = settings.host.strip("[]") or host
+        bound = BoundServer(
+            host=shown,
+            port=port,
+            url=_url("https" if setup.context else "http", shown, port),
+            tls_mode=setup.mode,
+            fingerprint_sha256=setup.fingerprint,
+        )
+        config = _HypercornConfig(setup.context)
+        sockets = Sockets(
+            secure_sockets=[sock] if setup.context else [],
+            insecure_sockets=[] if setup.context else [sock],
+            quic_sockets=[],
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                partial(
+                    worker_serve, wrap_app(cast(Any, app), config.wsgi_max_body_size, "asgi"), config, sockets=sockets
+                )
+            )
+            task_status.started(bound)
+    finally:
+        sock.close()

@@ -1,0 +1,145 @@
+"""``ingero explain``: per-op latency statistics and causal chains for a trace database (or, with
+``--nodes``, for every agent of the fleet)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ingero.cli import common
+from ingero.cli.output import add_output_args, emit_json, note
+
+EXAMPLES = """\
+examples:
+  ingero explain --db trace.db                          per-op p50/p95/p99 + causal chains, whole recording
+  ingero explain --db trace.db --since 5m               the last 5 minutes (of the recording, if it has ended)
+  ingero explain --db trace.db --from 2026-04-03T12:18:40Z --to 2026-04-03T12:19:40Z
+  ingero explain --db trace.db --pid 4242               one process (its GPU calls, its off-CPU time)
+  ingero explain --db trace.db --per-process            chains and op tables per GPU process
+  ingero explain --db investigations/sample-cluster.db --node gpu-node-01
+  ingero explain --db investigations/sample-cluster.db --op cuLaunchKernel --json
+  ingero explain --db tests/data/ingero-samples/sample-cluster.db --chains   chains stored while tracing
+  ingero explain --nodes gpu-node-01:8080,gpu-node-02:8080   fleet: every node + straggler verdict
+
+A causal chain ties a GPU-side symptom (an op's p99 >= 3x its p50, a >= 40% throughput drop, another
+process on the same GPU, an OOM kill, a TCP retransmit burst, a cold start, copies dominating wall
+time) to host evidence in the same time window (sched_switch off-CPU time, block I/O, page
+allocations, TCP retransmits, CPU/memory snapshots), with a severity, a root cause and fixes. Chains
+are de-duplicated: one per (node, op, cause family). Nodes of a merged database are analysed apart.
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "explain",
+        parents=parents,
+        help="per-op latency statistics and causal chains (root cause + fix)",
+        description="Explain a trace: per-op latency statistics (count, p50/p95/p99, max) and causal chains "
+        "from GPU symptoms to host causes, with severity, root cause, timeline and recommendations.",
+        epilog=EXAMPLES,
+        formatter_class=common.help_formatter(),
+    )
+    common.add_db_arg(p)
+    common.add_window_args(p)
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--pid", type=int, metavar="PID", help="only this process's GPU calls and off-CPU time")
+    who.add_argument("--per-process", action="store_true", help="op tables and chains for each GPU process")
+    p.add_argument("--node", metavar="NAME", help="only this node of a merged (cluster) database")
+    p.add_argument(
+        "--op", metavar="NAME", help="only this op in the table and chains (cudaStreamSync, cuMemAlloc, ...)"
+    )
+    p.add_argument(
+        "--chains",
+        action="store_true",
+        help="show the chains stored in the database (recorded by the tracer or Ingero) instead of computing them",
+    )
+    common.add_fleet_args(p)
+    add_output_args(p, csv_ok=False)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if common.wants_fleet(args):
+        from ingero.cli import fleet_cmds
+
+        return fleet_cmds.run_explain(args)
+    return run_local(args)
+
+
+def run_local(args: argparse.Namespace) -> int:
+    import sqlite3
+
+    from ingero.errors import UsageError
+    from ingero.store.catalog import lookup_op
+    from ingero.store.db import node_names, open_readonly, translate
+    from ingero.store.window import resolve_window
+
+    path = common.db_path_from(args)
+    op_name = lookup_op(args.op).name if args.op else None
+    if args.pid is not None and args.pid < 0:
+        raise UsageError(f"--pid {args.pid}: must be a process id (>= 0)")
+    conn = open_readonly(path)
+    try:
+        window = resolve_window(conn, args.since, args.from_, args.to)
+        if args.node is not None:
+            known = node_names(conn)
+            if (
+                args.node not in known
+                and not conn.execute("SELECT 1 FROM events WHERE node = ? LIMIT 1", (args.node,)).fetchone()
+            ):
+                raise UsageError(f"no node {args.node!r} in {path}", hint="nodes: " + ", ".join(known))
+        if args.chains:
+            return _stored(conn, args, path, window, op_name)
+        return _computed(conn, args, path, window, op_name)
+    except sqlite3.Error as e:
+        raise translate(e, path) from None
+    finally:
+        conn.close()
+
+
+def _stored(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_name: str | None) -> int:
+    from ingero.explain.model import sort_chains, stored_chains
+    from ingero.explain.render import render_chains
+
+    chains = stored_chains(conn, window)
+    if args.node:
+        chains = [c for c in chains if c.node == args.node]
+    if op_name:
+        chains = [c for c in chains if c.cuda_op == op_name]
+    chains = sort_chains(chains)
+    if args.format == "json":
+        emit_json({"db": str(path), "window": window.as_dict(), "chains": [c.as_dict() for c in chains]})
+        return 0
+    if window.note:
+        note(window.note)
+    if chains:
+        print(f"{path}: {len(chains)} stored causal chain(s)\n")
+        print(render_chains(chains), end="")
+    else:
+        print(f"{path}: no stored causal chains" + (" in the window" if not window.unbounded else ""))
+        note("compute chains from the events instead: drop --chains")
+    return 0
+
+
+def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_name: str | None) -> int:
+    from ingero.explain.engine import explain
+    from ingero.explain.model import stored_chains
+    from ingero.explain.render import render_report
+
+    report = explain(conn, window, pid=args.pid, per_process=args.per_process, node=args.node)
+    if op_name:
+        report.ops = [o for o in report.ops if o.name == op_name]
+        report.chains = [c for c in report.chains if c.cuda_op == op_name]
+        if not report.ops:
+            report.notes.append(f"no {op_name} events in the window")
+    stored = stored_chains(conn, window)
+    if args.node:
+        stored = [c for c in stored if c.node == args.node]
+    if args.format == "json":
+        doc = {"db": str(path), **report.as_dict(), "stored_chains": len(stored)}
+        emit_json(doc)
+        return 0
+    print(render_report(report, source=str(path), stored=len(stored) if not report.chains else 0), end="")
+    for msg in report.notes:
+        note(msg)
+    return 0

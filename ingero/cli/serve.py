@@ -1,0 +1,216 @@
+"""``ingero serve``: serve the agent API (TLS 1.3 / mTLS, bearer token) over an existing trace database."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ingero.cli import common
+
+if TYPE_CHECKING:
+    from ingero.agent.server import BoundServer, ServerSettings
+
+DEFAULT_LISTEN = "127.0.0.1:8080"
+
+EXAMPLES = """\
+examples:
+  ingero serve --db trace.db                                   https on 127.0.0.1:8080, self-signed cert
+  ingero serve --db trace.db --listen 0.0.0.0:8443 --token "$(cat /etc/ingero/token)"
+  ingero serve --db tests/data/ingero-samples/sample-gpu-node-01.db --listen 127.0.0.1:0 --ready-file /tmp/agent.json
+  ingero serve --db trace.db --listen 0.0.0.0:8443 --node gpu-node-01 \\
+      --tls-cert ~/.ingero/pki/node-gpu-node-01.pem --tls-key ~/.ingero/pki/node-gpu-node-01-key.pem \\
+      --client-ca ~/.ingero/pki/ca.pem                          mutual TLS: only holders of a client cert
+  ingero serve --db trace.db --listen 127.0.0.1:8080 --no-tls  plain HTTP, loopback only
+
+then, from the laptop:
+  ingero query --nodes gpu-node-01:8443 --ca-cert ca.pem --client-cert client-me.pem --client-key client-me-key.pem \\
+      "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
+  curl --cacert ~/.ingero/tls/server-cert.pem https://127.0.0.1:8080/api/v1/health
+
+Without --tls-cert/--tls-key the agent makes (once) a self-signed ECDSA P-256 certificate in
+~/.ingero/tls/ (mode 0600) covering this host's names and addresses, and prints its SHA-256
+fingerprint. Only TLS 1.3 is spoken. --client-ca turns on mutual TLS; --token (or $INGERO_TOKEN)
+requires 'Authorization: Bearer <token>' on every request. --ready-file gets
+{"host","port","url","pid","tls","fingerprint_sha256","node"} once listening (use port 0 for a free
+port). SIGINT/SIGTERM stop the agent cleanly. Endpoints: docs/API.md.
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        parents=parents,
+        help="serve the agent API (TLS 1.3 / mTLS) over a trace database",
+        description="Serve this node's agent API over an existing trace database: health, info, clock "
+        "(for skew), read-only SQL, causal chains, per-op statistics. What 'ingero trace --listen' serves "
+        "while recording, usable on its own for replays and air-gapped copies.",
+        epilog=EXAMPLES,
+        formatter_class=common.help_formatter(),
+    )
+    common.add_db_arg(p)
+    p.add_argument(
+        "--listen", metavar="HOST:PORT", help=f"address to listen on (default: agent.listen or {DEFAULT_LISTEN})"
+    )
+    common.add_node_arg(p)
+    g = p.add_argument_group("security")
+    g.add_argument("--tls-cert", metavar="PEM", help="server certificate (default: agent.tls_cert, else self-signed)")
+    g.add_argument("--tls-key", metavar="PEM", help="its private key")
+    g.add_argument("--client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
+    g.add_argument("--token", metavar="TOKEN", help="require this bearer token (default: $INGERO_TOKEN or agent.token)")
+    g.add_argument("--tls-dir", metavar="DIR", help="where the self-signed certificate lives (default ~/.ingero/tls)")
+    g.add_argument("--no-tls", action="store_true", help="plain HTTP (loopback only unless --allow-plaintext-remote)")
+    g.add_argument(
+        "--allow-plaintext-remote",
+        action="store_true",
+        help="with --no-tls, accept serving unencrypted, unauthenticated-by-TLS traffic on a non-loopback address",
+    )
+    lim = p.add_argument_group("limits")
+    lim.add_argument(
+        "--max-rows", type=int, metavar="N", default=10_000, help="row cap a query may ask for (default 10000)"
+    )
+    lim.add_argument(
+        "--max-timeout-ms", type=int, metavar="MS", default=2000, help="longest a query may run (default 2000)"
+    )
+    lim.add_argument("--workers", type=int, metavar="N", default=4, help="queries run at once (default 4)")
+    p.add_argument("--ready-file", metavar="PATH", help="write the bound address as JSON here once listening")
+    p.set_defaults(func=run)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``host:port`` (port 0 = any free port), ``[v6]:port``, ``host``. Raises UsageError."""
+    from ingero.config import parse_addr
+    from ingero.errors import UsageError
+
+    t = text.strip()
+    zero = t.endswith(":0")
+    try:
+        host, port = parse_addr(t[:-2] + ":1" if zero else t)
+    except ValueError as e:
+        raise UsageError(f"--listen {text}: {e}", hint="use HOST:PORT, e.g. 0.0.0.0:8080 or 127.0.0.1:0") from None
+    return host, 0 if zero else port
+
+
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    from ingero.agent.server import ServerSettings
+    from ingero.errors import UsageError
+
+    cfg = common.config_from(args).agent
+    host, port = parse_listen(args.listen or cfg.listen or DEFAULT_LISTEN)
+    token = args.token or os.environ.get("INGERO_TOKEN") or cfg.token or None
+    cert, key = args.tls_cert or cfg.tls_cert, args.tls_key or cfg.tls_key
+    client_ca = args.client_ca or cfg.client_ca
+    if args.no_tls and (args.tls_cert or args.tls_key or args.client_ca):
+        raise UsageError("--no-tls conflicts with --tls-cert/--tls-key/--client-ca", hint="drop one of them")
+    if args.allow_plaintext_remote and not args.no_tls:
+        raise UsageError("--allow-plaintext-remote only makes sense with --no-tls")
+    for flag, value, low in (
+        ("--max-rows", args.max_rows, 1),
+        ("--max-timeout-ms", args.max_timeout_ms, 1),
+        ("--workers", args.workers, 1),
+    ):
+        if value < low:
+            raise UsageError(f"{flag} must be at least {low}, got {value}")
+    return ServerSettings(
+        db_path=common.db_path_from(args),
+        identity=common.identity_from(args),
+        host=host,
+        port=port,
+        tls_cert=None if args.no_tls or not cert else Path(cert).expanduser(),
+        tls_key=None if args.no_tls or not key else Path(key).expanduser(),
+        client_ca=None if args.no_tls or not client_ca else Path(client_ca).expanduser(),
+        token=token,
+        no_tls=args.no_tls,
+        allow_plaintext_remote=args.allow_plaintext_remote,
+        max_rows=args.max_rows,
+        max_timeout_ms=args.max_timeout_ms,
+        query_workers=args.workers,
+        tls_dir=Path(args.tls_dir).expanduser() if args.tls_dir else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import trio
+
+    from ingero.agent.server import check_database, is_loopback, prepare_tls
+    from ingero.cli.output import note, warn
+
+    settings = settings_from(args)
+    check_database(settings.db_path)
+    setup = prepare_tls(settings)  # makes the self-signed certificate now, so that we can say so
+    if setup.created and setup.cert is not None:
+        note(f"created a self-signed certificate {setup.cert} (key beside it, mode 0600)")
+    if settings.no_tls:
+        warn("serving plain HTTP: queries, answers and the token cross the wire unencrypted")
+    elif not is_loopback(settings.host) and not settings.token and not settings.client_ca:
+        warn(
+            f"anyone who can reach {settings.host}:{settings.port} can read this node's traces; "
+            "add --client-ca (mutual TLS) or --token"
+        )
+    logging.basicConfig(level=logging.WARNING, format="ingero serve: %(levelname)s: %(name)s: %(message)s")
+    ready = Path(args.ready_file).expanduser() if args.ready_file else None
+    try:
+        trio.run(_serve, settings, ready)
+    finally:
+        if ready is not None:
+            remove_ready_file(ready)
+    return 0
+
+
+async def _serve(settings: ServerSettings, ready: Path | None) -> None:
+    import signal
+
+    import trio
+
+    from ingero.agent.server import serve_api
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            bound: BoundServer = await nursery.start(serve_api, settings)
+            if ready is not None:  # before the line on stderr: a reader of either finds both
+                write_ready_file(ready, bound, settings.identity.node)
+            fp = f" fingerprint=SHA256:{bound.fingerprint_sha256}" if bound.fingerprint_sha256 else ""
+            auth = "token" if settings.token else "none"
+            print(
+                f"ingero serve: listening on {bound.url} node={settings.identity.node} tls={bound.tls_mode} auth={auth}{fp}",
+                file=sys.stderr,
+                flush=True,
+            )
+            async for _ in signals:
+                print("ingero serve: stopping", file=sys.stderr, flush=True)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def write_ready_file(path: Path, bound: BoundServer, node: str) -> None:
+    import json
+
+    doc: dict[str, Any] = {
+        "host": bound.host,
+        "port": bound.port,
+        "url": bound.url,
+        "pid": os.getpid(),
+        "tls": bound.tls_mode,
+        "fingerprint_sha256": bound.fingerprint_sha256,
+        "node": node,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, path)
+
+
+def remove_ready_file(path: Path) -> None:
+    """Remove the ready file if this process wrote it (never another agent's)."""
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(doc, dict) and doc.get("pid") == os.getpid():
+        path.unlink(missing_ok=True)

@@ -1,0 +1,259 @@
+"""Cause families: when host evidence corroborates a GPU-side symptom, and how to say so.
+
+A *cause family* (``cpu``, ``io-write``, ``io-read``, ``io``, ``memory``, ``network``) is what chains
+are de-duplicated on: one chain per (op, family). Each family has a test (is the evidence there, and
+more intense in the episode than in the op's baseline?), a score (the share of the episode lost to it,
+above baseline) used to pick the primary cause, a strength test (raises severity to HIGH) and the
+words: a summary phrase, a root-cause sentence, timeline entries and recommendations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ingero.explain.evidence import Evidence
+from ingero.explain.model import TimelineEntry
+from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# Thresholds (per episode).
+MIN_SCHED = 5  # sched_switch events before preemption counts as evidence
+MIN_IO = 10
+MIN_TCP = 5  # retransmits corroborating a stall
+MIN_NET_OPS, MIN_NET_BYTES = 100, MIB
+PAGE_BYTES = GIB  # page allocations corroborating a stall
+LIFT = 1.5  # evidence must be this much denser in the episode than in the baseline
+STRONG_SHARE = 0.10  # a tenth of the episode lost to the cause → HIGH
+WEAK_SHARE = 0.02
+
+PIN = "Pin the training process to dedicated cores with taskset (e.g. taskset -c 4-15 python train.py) and keep other work off those cores"
+NICE = "Run background jobs at low priority: nice -n 19 / ionice -c3 (logrotate, cron, backups, preprocessing)"
+CHECKPOINT = (
+    "Write-heavy I/O during GPU work: checkpoint saves — use async checkpointing "
+    "(torch.distributed.checkpoint.async_save) or write checkpoints to a separate fast volume"
+)
+DATALOADER = (
+    "Read-heavy I/O during GPU work: DataLoader bottleneck — more DataLoader workers with pin_memory=True, "
+    "pre-load data to /dev/shm or local NVMe, add RAM for page cache"
+)
+MIXED_IO = "Check for checkpoint writes, model loads or DataLoader disk reads during GPU work"
+NET_HEALTH = "Check network health: switch errors, NIC counters (ethtool -S), MTU mismatches"
+NCCL_NET = (
+    "For NCCL over TCP: pin the interface with NCCL_SOCKET_IFNAME; prefer InfiniBand/RoCE (NCCL_IB_HCA) for collectives"
+)
+SOCKET = "Profile network calls — the GPU idles while the process waits on HTTP/gRPC responses or remote data"
+MEM_ALLOC = "Find the process allocating host memory during GPU work; allocate pinned buffers once instead of per step"
+MEM_REDUCE = "Reduce host memory use (DataLoader workers x prefetch_factor, dataset caching) or add RAM"
+
+
+@dataclass(frozen=True)
+class Cause:
+    family: str
+    score: float
+    strong: bool
+
+
+def _lift_ok(
+    ep_count: int, ep: Evidence, base: Evidence | None, base_count: int, ep_ns: int = 0, base_ns: int = 0
+) -> bool:
+    """Is the evidence denser (by count, or by time/bytes) in the episode than in the baseline?"""
+    if base is None or base.buckets < 3:
+        return True
+    if ep.per_s(ep_count) >= LIFT * base.per_s(base_count):
+        return True
+    return ep_ns > 0 and ep.per_s(ep_ns) >= LIFT * base.per_s(base_ns)
+
+
+def io_family(ev: Evidence) -> str:
+    if ev.io_writes > ev.io_reads:
+        return "io-write"
+    if ev.io_reads > ev.io_writes:
+        return "io-read"
+    return "io"
+
+
+def assess(ep: Evidence, base: Evidence | None, op_p99_ns: float) -> list[Cause]:
+    """Corroborated causes in an episode, strongest first."""
+    out: list[Cause] = []
+    b_off = base.offcpu_frac if base else 0.0
+    if (
+        ep.sched_n >= MIN_SCHED
+        and ep.offcpu_frac >= 0.01
+        and _lift_ok(ep.sched_n, ep, base, base.sched_n if base else 0, ep.offcpu_ns, base.offcpu_ns if base else 0)
+    ):
+        score = ep.offcpu_frac - b_off
+        if score > 0:
+            out.append(Cause("cpu", score, score >= STRONG_SHARE))
+    elif ep.cpu_max is not None and ep.cpu_max > 90:
+        out.append(Cause("cpu", 0.03, False))
+    b_io = base.io_frac if base else 0.0
+    if (
+        ep.io_n >= MIN_IO
+        and (ep.io_frac >= 0.02 or ep.io_max_ns >= op_p99_ns / 10)
+        and _lift_ok(ep.io_n, ep, base, base.io_n if base else 0, ep.io_ns, base.io_ns if base else 0)
+    ):
+        score = ep.io_frac - b_io
+        if score > 0 or base is None:
+            strong = ep.io_max_ns > 50 * NS_PER_MS or ep.io_ns > 2 * NS_PER_S or score >= STRONG_SHARE
+            out.append(Cause(io_family(ep), max(score, 0.01), strong))
+    if ep.page_bytes >= PAGE_BYTES and _lift_ok(
+        ep.page_n, ep, base, base.page_n if base else 0, ep.page_bytes, base.page_bytes if base else 0
+    ):
+        rate = ep.page_bytes / GIB / max(ep.span_ns / NS_PER_S, 1e-9)
+        out.append(Cause("memory", min(1.0, rate / 4), ep.page_bytes >= 4 * GIB))
+    elif (ep.mem_max is not None and ep.mem_max > 95) or (ep.swap_max or 0) > 0:
+        out.append(Cause("memory", 0.03, False))
+    if ep.tcp_n > MIN_TCP and _lift_ok(ep.tcp_n, ep, base, base.tcp_n if base else 0):
+        out.append(Cause("network", min(1.0, ep.tcp_n / 50), ep.tcp_n > 50))
+    elif (
+        ep.net_n > MIN_NET_OPS
+        and ep.net_bytes > MIN_NET_BYTES
+        and _lift_ok(ep.net_n, ep, base, base.net_n if base else 0, ep.net_bytes, base.net_bytes if base else 0)
+    ):
+        out.append(Cause("network", min(1.0, ep.net_n / 2000), False))
+    out.sort(key=lambda c: c.score, reverse=True)
+    return out
+
+
+def severity(causes: list[Cause], ep: Evidence, ratio: float) -> str:
+    if not causes:
+        return "LOW"
+    if ep.pressure or any(c.strong for c in causes):
+        return "HIGH"
+    if causes[0].score < WEAK_SHARE and ratio < 5:
+        return "LOW"
+    return "MEDIUM"
+
+
+def phrase(c: Cause, ep: Evidence) -> str:
+    """Short form for summaries: '847 sched_switch events (12.1s off-CPU)'."""
+    if c.family == "cpu":
+        if ep.sched_n >= MIN_SCHED:
+            what = "sched_switch storm" if c.strong else "CPU preemption"
+            return f"{what}: {ep.sched_n} context switches ({fmt_duration(round_ms(ep.offcpu_ns))} off-CPU)"
+        return f"CPU {ep.cpu_max:.0f}%"
+    if c.family.startswith("io"):
+        kind = {"io-write": "write-heavy", "io-read": "read-heavy"}.get(c.family, "heavy")
+        return f"{kind} block I/O ({ep.io_n} ops, {ep.io_writes} writes, {ep.io_reads} reads)"
+    if c.family == "memory":
+        if ep.page_bytes >= PAGE_BYTES:
+            return f"{ep.page_bytes / GIB:.1f} GB of page allocations"
+        return "memory pressure"
+    if ep.tcp_n > MIN_TCP:
+        return f"{ep.tcp_n} TCP retransmits"
+    return f"{ep.net_n} socket ops ({ep.net_bytes / MIB:.1f} MB)"
+
+
+def round_ms(ns: float) -> float:
+    return round(ns / NS_PER_MS) * NS_PER_MS if ns >= NS_PER_S else round(ns / 1000) * 1000
+
+
+def root_cause(c: Cause, ep: Evidence, subject: str, culprits: list[str]) -> str:
+    """One sentence naming the cause, with its numbers. ``subject`` names the affected process(es)."""
+    pct = f"{100 * ep.offcpu_frac:.0f}%"
+    if c.family == "cpu":
+        who = f"; {', '.join(culprits)} started just before" if culprits else ""
+        if ep.sched_n >= MIN_SCHED:
+            storm = "sched_switch storm" if c.strong else "CPU preemption"
+            return (
+                f"CPU contention — a {storm} ({ep.sched_n} context switches) kept {subject} off-CPU for "
+                f"{fmt_duration(round_ms(ep.offcpu_ns))} ({pct} of the window){who}"
+            )
+        return f"CPU saturation — CPU at {ep.cpu_max:.0f}% while {subject} waited{who}"
+    if c.family == "io-write":
+        return (
+            f"write-heavy block I/O (checkpoint saves) — {ep.io_writes} writes ({ep.io_bytes / MIB:.1f} MB, "
+            f"peak {fmt_duration(ep.io_max_ns)}) competed with {subject}"
+        )
+    if c.family == "io-read":
+        return (
+            f"read-heavy block I/O (DataLoader reading from disk) — {ep.io_reads} reads ({ep.io_bytes / MIB:.1f} MB, "
+            f"peak {fmt_duration(ep.io_max_ns)}) stalled {subject}"
+        )
+    if c.family == "io":
+        return f"heavy block I/O — {ep.io_n} ops ({fmt_duration(ep.io_ns)} of device time) stalled {subject}"
+    if c.family == "memory":
+        if ep.page_bytes >= PAGE_BYTES:
+            return f"host memory pressure — {ep.page_bytes / GIB:.1f} GB of page allocations ({ep.page_n} events)"
+        return "host memory pressure — " + ", ".join(_pressure_words(ep))
+    if ep.tcp_n > MIN_TCP:
+        return f"network packet loss — {ep.tcp_n} TCP retransmits while {subject} waited on the network"
+    return f"network I/O — {ep.net_n} socket ops ({ep.net_bytes / MIB:.1f} MB) while {subject} waited"
+
+
+def _pressure_words(ep: Evidence) -> list[str]:
+    words = []
+    if ep.mem_max is not None and ep.mem_max > 95:
+        words.append(f"memory {ep.mem_max:.0f}% used")
+    if ep.swap_max:
+        words.append(f"{ep.swap_max:.0f} MB swap in use")
+    return words or ["memory pressure"]
+
+
+def recommendations(causes: list[Cause], ep: Evidence) -> list[str]:
+    recs: list[str] = []
+    for c in causes:
+        if c.family == "cpu":
+            recs += [PIN, NICE]
+        elif c.family.startswith("io"):
+            recs.append({"io-write": CHECKPOINT, "io-read": DATALOADER}.get(c.family, MIXED_IO))
+            if ep.io_max_ns > 20 * NS_PER_MS:
+                recs.append(
+                    f"Block I/O peak latency {fmt_duration(round_ms(ep.io_max_ns))} suggests a spinning disk or "
+                    "network storage — local NVMe brings it under 1 ms"
+                )
+        elif c.family == "memory":
+            recs.append(MEM_ALLOC if ep.page_bytes >= PAGE_BYTES else MEM_REDUCE)
+        elif c.family == "network":
+            recs += [NET_HEALTH, NCCL_NET] if ep.tcp_n > MIN_TCP else [SOCKET]
+    if (ep.swap_max or 0) > 0:
+        recs.append(
+            f"Swap in use ({ep.swap_max:.0f} MB): CUDA calls stall on page faults — add RAM or reduce host memory use"
+        )
+    elif ep.mem_max is not None and ep.mem_max > 95 and MEM_REDUCE not in recs:
+        recs.append(MEM_REDUCE)
+    seen: set[str] = set()
+    return [r for r in recs if not (r in seen or seen.add(r))]  # type: ignore[func-returns-value]
+
+
+def timeline(causes: list[Cause], ep: Evidence, culprits: list[str]) -> list[TimelineEntry]:
+    """SYSTEM / HOST / IO / NET entries for the evidence (the GPU op's own entry is added by the rule)."""
+    out: list[TimelineEntry] = []
+    if ep.cpu_max is not None and ep.cpu_max > 90:
+        load = f", load {ep.load_max:.1f}" if ep.load_max else ""
+        out.append(TimelineEntry("SYSTEM", "cpu", f"CPU {ep.cpu_max:.0f}%{load}"))
+    if ep.mem_max is not None and ep.mem_max > 95:
+        avail = f" ({ep.avail_min:.0f} MB available)" if ep.avail_min is not None else ""
+        out.append(TimelineEntry("SYSTEM", "memory", f"memory {ep.mem_max:.0f}%{avail}"))
+    if (ep.swap_max or 0) > 0:
+        out.append(TimelineEntry("SYSTEM", "swap", f"swap {ep.swap_max:.0f} MB in use"))
+    families = {c.family for c in causes}
+    for name in culprits:
+        out.append(TimelineEntry("HOST", "process_exec", f"{name} started"))
+    if "cpu" in families and ep.sched_n:
+        out.append(
+            TimelineEntry(
+                "HOST",
+                "sched_switch",
+                f"{ep.sched_n} context switches ({fmt_duration(round_ms(ep.offcpu_ns))} off-CPU)",
+                int(ep.offcpu_ns // 1000),
+            )
+        )
+    if "memory" in families and ep.page_bytes:
+        out.append(TimelineEntry("HOST", "mm_page_alloc", f"{ep.page_n} allocations ({ep.page_bytes / GIB:.1f} GB)"))
+    if families & {"io", "io-read", "io-write"}:
+        detail = (
+            f"{ep.io_n} I/O ops ({ep.io_reads} reads, {ep.io_writes} writes), {fmt_duration(round_ms(ep.io_ns))} total"
+        )
+        if ep.io_bytes:
+            detail += f", {ep.io_bytes / MIB:.1f} MB"
+        detail += f", peak {fmt_duration(round(ep.io_max_ns / 1000) * 1000)}"
+        out.append(TimelineEntry("IO", "block_io", detail, int(ep.io_ns // 1000)))
+    if "network" in families:
+        if ep.tcp_n:
+            out.append(TimelineEntry("NET", "tcp_retransmit", f"{ep.tcp_n} retransmits"))
+        if ep.net_n:
+            out.append(TimelineEntry("NET", "socket_io", f"{ep.net_n} socket ops ({ep.net_bytes / MIB:.1f} MB)"))
+    return out

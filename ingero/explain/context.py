@@ -1,0 +1,125 @@
+"""What every rule sees about one node (or one process of a node): rows, grid, host evidence, names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ingero.explain.evidence import Grid, HostSeries
+from ingero.explain.frame import I64, Frame
+from ingero.explain.model import Chain, TimelineEntry
+from ingero.explain.stats import OpStats
+from ingero.store.catalog import DRIVER, HOST
+from ingero.timeutil import NS_PER_S
+
+CULPRIT_LEAD_NS = 5 * NS_PER_S  # a process started this long before an episode may have caused it
+
+
+@dataclass
+class OpRows:
+    """The calls of one GPU op in a context."""
+
+    stats: OpStats
+    ts_ns: I64
+    dur: I64
+    pid: I64
+
+
+@dataclass
+class Context:
+    node: str
+    frame: Frame  # all rows of the node loaded for this explain (host rows node-wide)
+    gpu: Frame  # the GPU API rows this context explains (one process with per_process)
+    grid: Grid
+    series: HostSeries
+    traced: I64  # pids whose sched_switch rows count as the GPU callers' off-CPU time
+    names: dict[int, str]
+    ops: list[OpStats]  # GPU API ops of this context
+    pid: int | None = None  # set in per-process mode
+    notes: list[str] = field(default_factory=list)
+
+    def rows(self, st: OpStats) -> OpRows:
+        m = (self.gpu.source == st.source) & (self.gpu.op == st.op)
+        return OpRows(st, self.gpu.ts_ns[m], self.gpu.dur[m], self.gpu.pid[m])
+
+    def proc(self, pid: int) -> str:
+        name = self.names.get(pid)
+        return f"pid {pid} ({name})" if name else f"pid {pid}"
+
+    def subject(self, pids: I64 | None = None) -> str:
+        """Words for the process(es) calling the GPU: 'the GPU process (pid 4242, python3)'."""
+        pids = np.unique(self.traced if pids is None else pids)
+        if pids.size == 1:
+            p = int(pids[0])
+            name = self.names.get(p)
+            return f"the GPU process (pid {p}{', ' + name if name else ''})"
+        shown = ", ".join(str(int(p)) for p in pids[:4])
+        return f"the GPU processes (pids {shown}{', ...' if pids.size > 4 else ''})"
+
+    def chain_id(self, kind: str, *parts: str) -> str:
+        desc = "-".join([kind, *[p for p in parts if p]])
+        if self.pid is not None:
+            desc += f"-pid{self.pid}"
+        return f"{self.node}:{desc}"
+
+    def culprits(self, start_ns: int, end_ns: int, limit: int = 3) -> list[str]:
+        """Processes (not the traced ones) that started shortly before or during [start, end]."""
+        a = self.frame.args
+        m = (
+            (a.source == HOST)
+            & np.isin(a.op, (5, 7))
+            & (a.ts_ns >= start_ns - CULPRIT_LEAD_NS)
+            & (a.ts_ns <= end_ns)
+            & ~np.isin(a.pid, self.traced)
+        )
+        out: list[str] = []
+        for p in dict.fromkeys(int(x) for x in a.pid[m]):
+            out.append(self.proc(p))
+            if len(out) == limit:
+                break
+        return out
+
+    def chain(
+        self,
+        *,
+        cid: str,
+        detected_at: int,
+        severity: str,
+        summary: str,
+        root_cause: str,
+        explanation: str,
+        recommendations: list[str],
+        family: str,
+        evidence: dict[str, Any],
+        timeline: list[TimelineEntry],
+        st: OpStats | None = None,
+    ) -> Chain:
+        ev = {"node": self.node, **({"pid": self.pid} if self.pid is not None else {}), **evidence}
+        return Chain(
+            id=cid,
+            node=self.node,
+            detected_at=int(detected_at),
+            severity=severity,
+            summary=summary,
+            root_cause=root_cause,
+            explanation=explanation,
+            recommendations=recommendations,
+            cuda_op=st.name if st else "",
+            cuda_p99_us=round(st.p99_ns / 1000) if st else 0,
+            cuda_p50_us=round(st.p50_ns / 1000) if st else 0,
+            tail_ratio=round(st.tail_ratio, 1) if st else 0.0,
+            timeline=timeline,
+            origin="computed",
+            family=family,
+            evidence=ev,
+        )
+
+
+def layer_of(source: int) -> str:
+    return "DRIVER" if source == DRIVER else "CUDA"
+
+
+def us(ns: float) -> float:
+    return round(float(ns) / 1000, 1)

@@ -1,0 +1,294 @@
+"""Host-side evidence on a time grid: what happened on the host while a GPU op misbehaved.
+
+A node's window is cut into buckets (about one second; fewer, wider ones on long recordings). Each
+kind of host evidence becomes a per-bucket series (sched_switch count and off-CPU time of the traced
+processes, block I/O count/time/peak/bytes with reads and writes apart, page-allocation bytes, TCP
+retransmits, socket I/O, system-snapshot peaks), with cumulative sums so that the evidence for any
+run of buckets is O(1). Rules compare a run of buckets (an *episode*: where an op's tail or throughput
+drop happened) against the op's other buckets (its *baseline*): evidence counts only when it is more
+intense where the trouble is than where it is not.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ingero.explain.frame import I64, Frame
+from ingero.store.catalog import HOST, IO, NET, TCP
+from ingero.timeutil import NS_PER_MS, NS_PER_S
+
+F64 = npt.NDArray[np.float64]
+BoolArr = npt.NDArray[np.bool_]
+
+MAX_BUCKETS = 100_000
+OFFCPU_CAP_NS = NS_PER_S  # one sched_switch counts at most 1 s off-CPU (longer = a voluntary sleep)
+SECTOR_BYTES = 512  # block I/O arg0 is a sector count (Ingero's convention)
+
+
+@dataclass(frozen=True)
+class Grid:
+    start_ns: int
+    width_ns: int
+    n: int
+
+    @classmethod
+    def for_span(cls, first_ns: int, last_ns: int) -> Grid:
+        span = max(1, last_ns - first_ns)
+        width = NS_PER_S if span >= 10 * NS_PER_S else max(10 * NS_PER_MS, span // 10)
+        width = max(width, -(-span // MAX_BUCKETS))
+        return cls(first_ns, width, span // width + 1)
+
+    def index(self, ts_ns: I64) -> I64:
+        return np.clip((ts_ns - self.start_ns) // self.width_ns, 0, self.n - 1).astype(np.int64)
+
+    def start_of(self, b: int) -> int:
+        return self.start_ns + b * self.width_ns
+
+    def end_of(self, b: int) -> int:
+        return self.start_ns + (b + 1) * self.width_ns
+
+
+def _sum(grid: Grid, idx: I64, weights: I64 | F64 | None = None) -> F64:
+    return np.bincount(idx, weights=weights, minlength=grid.n).astype(np.float64)
+
+
+def _cum(x: F64) -> F64:
+    return np.concatenate(([0.0], np.cumsum(x)))
+
+
+@dataclass
+class Snapshots:
+    """System snapshots attributed to one node, as per-bucket peaks (NaN: no snapshot)."""
+
+    cpu: F64
+    mem: F64
+    swap: F64
+    avail: F64  # minimum MB available
+    load: F64
+
+    @classmethod
+    def empty(cls, grid: Grid) -> Snapshots:
+        nan = np.full(grid.n, np.nan)
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), nan.copy())
+
+    @classmethod
+    def from_rows(cls, grid: Grid, rows: list[tuple[int, float, float, int, int, float]]) -> Snapshots:
+        snap = cls.empty(grid)
+        if not rows:
+            return snap
+        arr = np.asarray(rows, dtype=np.float64)
+        inside = (arr[:, 0] >= grid.start_ns) & (arr[:, 0] < grid.end_of(grid.n - 1))
+        arr = arr[inside]
+        if not arr.size:
+            return snap
+        idx = grid.index(arr[:, 0].astype(np.int64))
+        for target, col, fn in (
+            (snap.cpu, 1, np.fmax),
+            (snap.mem, 2, np.fmax),
+            (snap.avail, 3, np.fmin),
+            (snap.swap, 4, np.fmax),
+            (snap.load, 5, np.fmax),
+        ):
+            fn.at(target, idx, arr[:, col])
+        return snap
+
+
+def load_snapshots(
+    conn: sqlite3.Connection, start_ns: int, end_ns: int
+) -> list[tuple[int, float, float, int, int, float]]:
+    try:
+        cur = conn.execute(
+            "SELECT timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, load_avg FROM system_snapshots "
+            "WHERE timestamp >= ? AND timestamp <= ? ORDER BY timestamp",
+            (start_ns, end_ns),
+        )
+        return [(int(t), float(c), float(m), int(a), int(s), float(ld)) for t, c, m, a, s, ld in cur]
+    except sqlite3.OperationalError:
+        return []
+
+
+@dataclass
+class Evidence:
+    """Host evidence summed over a set of buckets."""
+
+    span_ns: int
+    buckets: int
+    sched_n: int = 0
+    offcpu_ns: int = 0
+    io_n: int = 0
+    io_ns: int = 0
+    io_max_ns: int = 0
+    io_reads: int = 0
+    io_writes: int = 0
+    io_bytes: int = 0
+    page_n: int = 0
+    page_bytes: int = 0
+    tcp_n: int = 0
+    net_n: int = 0
+    net_bytes: int = 0
+    cpu_max: float | None = None
+    mem_max: float | None = None
+    swap_max: float | None = None
+    avail_min: float | None = None
+    load_max: float | None = None
+
+    def frac(self, ns: int) -> float:
+        return min(1.0, ns / self.span_ns) if self.span_ns > 0 else 0.0
+
+    @property
+    def offcpu_frac(self) -> float:
+        return self.frac(self.offcpu_ns)
+
+    @property
+    def io_frac(self) -> float:
+        return self.frac(self.io_ns)
+
+    def per_s(self, count: int) -> float:
+        return count / (self.span_ns / NS_PER_S) if self.span_ns > 0 else 0.0
+
+    @property
+    def pressure(self) -> list[str]:
+        """System-snapshot conditions that raise a chain's severity."""
+        out = []
+        if self.cpu_max is not None and self.cpu_max > 90:
+            out.append("cpu")
+        if self.mem_max is not None and self.mem_max > 95:
+            out.append("memory")
+        if self.swap_max is not None and self.swap_max > 0:
+            out.append("swap")
+        return out
+
+
+def _peak(arr: F64, sel: slice | BoolArr, fn: str) -> float | None:
+    part = arr[sel]
+    if part.size == 0 or np.all(np.isnan(part)):
+        return None
+    return float(np.nanmax(part) if fn == "max" else np.nanmin(part))
+
+
+class HostSeries:
+    """Per-bucket host evidence of one node for a set of traced processes (the GPU callers)."""
+
+    def __init__(self, frame: Frame, grid: Grid, traced_pids: I64, snapshots: Snapshots) -> None:
+        self.grid = grid
+        self.snap = snapshots
+        sched = frame.is_op(HOST, 1) & np.isin(frame.pid, traced_pids)
+        idx = grid.index(frame.ts_ns[sched])
+        self.sched_n = _sum(grid, idx)
+        self.offcpu = _sum(grid, idx, np.minimum(frame.dur[sched], OFFCPU_CAP_NS))
+        io = frame.source == IO
+        idx = grid.index(frame.ts_ns[io])
+        self.io_n = _sum(grid, idx)
+        self.io_ns = _sum(grid, idx, frame.dur[io])
+        self.io_max = np.zeros(grid.n)
+        np.maximum.at(self.io_max, idx, frame.dur[io].astype(np.float64))
+        self.io_reads = _sum(grid, idx, (frame.op[io] == 1).astype(np.float64))
+        self.io_writes = _sum(grid, idx, (frame.op[io] == 2).astype(np.float64))
+        args = frame.args
+        aio = args.source == IO
+        self.io_bytes = _sum(grid, grid.index(args.ts_ns[aio]), args.arg0[aio].astype(np.float64) * SECTOR_BYTES)
+        page = (args.source == HOST) & (args.op == 3)
+        pidx = grid.index(args.ts_ns[page])
+        self.page_n = _sum(grid, pidx)
+        self.page_bytes = _sum(grid, pidx, args.arg0[page].astype(np.float64))
+        self.tcp_n = _sum(grid, grid.index(frame.ts_ns[frame.source == TCP]))
+        net = args.source == NET
+        nidx = grid.index(args.ts_ns[net])
+        self.net_n = _sum(grid, nidx)
+        self.net_bytes = _sum(grid, nidx, np.abs(args.arg0[net]).astype(np.float64))
+        self._cums = {
+            name: _cum(getattr(self, name))
+            for name in (
+                "sched_n",
+                "offcpu",
+                "io_n",
+                "io_ns",
+                "io_reads",
+                "io_writes",
+                "io_bytes",
+                "page_n",
+                "page_bytes",
+                "tcp_n",
+                "net_n",
+                "net_bytes",
+            )
+        }
+
+    def _range(self, name: str, b0: int, b1: int) -> int:
+        c = self._cums[name]
+        return round(float(c[b1 + 1] - c[b0]))
+
+    def over_range(self, b0: int, b1: int) -> Evidence:
+        """Evidence in buckets b0..b1 (inclusive, clipped to the grid)."""
+        b0, b1 = max(0, b0), min(self.grid.n - 1, b1)
+        sl = slice(b0, b1 + 1)
+        r = self._range
+        return Evidence(
+            span_ns=(b1 - b0 + 1) * self.grid.width_ns,
+            buckets=b1 - b0 + 1,
+            sched_n=r("sched_n", b0, b1),
+            offcpu_ns=r("offcpu", b0, b1),
+            io_n=r("io_n", b0, b1),
+            io_ns=r("io_ns", b0, b1),
+            io_max_ns=int(self.io_max[sl].max(initial=0)),
+            io_reads=r("io_reads", b0, b1),
+            io_writes=r("io_writes", b0, b1),
+            io_bytes=r("io_bytes", b0, b1),
+            page_n=r("page_n", b0, b1),
+            page_bytes=r("page_bytes", b0, b1),
+            tcp_n=r("tcp_n", b0, b1),
+            net_n=r("net_n", b0, b1),
+            net_bytes=r("net_bytes", b0, b1),
+            cpu_max=_peak(self.snap.cpu, sl, "max"),
+            mem_max=_peak(self.snap.mem, sl, "max"),
+            swap_max=_peak(self.snap.swap, sl, "max"),
+            avail_min=_peak(self.snap.avail, sl, "min"),
+            load_max=_peak(self.snap.load, sl, "max"),
+        )
+
+    def over_mask(self, mask: BoolArr) -> Evidence | None:
+        """Evidence summed over the buckets in ``mask`` (None when it selects no bucket)."""
+        n = int(mask.sum())
+        if n == 0:
+            return None
+
+        def s(a: F64) -> int:
+            return round(float(a[mask].sum()))
+
+        return Evidence(
+            span_ns=n * self.grid.width_ns,
+            buckets=n,
+            sched_n=s(self.sched_n),
+            offcpu_ns=s(self.offcpu),
+            io_n=s(self.io_n),
+            io_ns=s(self.io_ns),
+            io_max_ns=int(self.io_max[mask].max(initial=0)),
+            io_reads=s(self.io_reads),
+            io_writes=s(self.io_writes),
+            io_bytes=s(self.io_bytes),
+            page_n=s(self.page_n),
+            page_bytes=s(self.page_bytes),
+            tcp_n=s(self.tcp_n),
+            net_n=s(self.net_n),
+            net_bytes=s(self.net_bytes),
+            cpu_max=_peak(self.snap.cpu, mask, "max"),
+            mem_max=_peak(self.snap.mem, mask, "max"),
+            swap_max=_peak(self.snap.swap, mask, "max"),
+            avail_min=_peak(self.snap.avail, mask, "min"),
+            load_max=_peak(self.snap.load, mask, "max"),
+        )
+
+
+def runs(mask: BoolArr, max_gap: int = 1) -> list[tuple[int, int]]:
+    """Runs of True in ``mask`` as (first, last) bucket pairs, joining runs separated by ≤ max_gap buckets."""
+    idx = np.flatnonzero(mask)
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) > max_gap + 1)
+    starts = np.concatenate(([idx[0]], idx[breaks + 1]))
+    ends = np.concatenate((idx[breaks], [idx[-1]]))
+    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]

@@ -1,0 +1,321 @@
+"""Loading events into numpy, fast: the one place the explain engine reads ``events`` row by row.
+
+Materialising a million rows through ``sqlite3`` cursors costs about a microsecond per value; SQLite's
+own ``group_concat`` over integer expressions costs a fraction of that. So each row is packed into
+two 64-bit integers *inside SQLite* and read back as two comma-separated strings that numpy parses in C:
+
+* ``a = node_idx << 56 | source << 52 | op << 44 | failed << 43 | duration`` (duration capped at 2^43 ns ≈ 2.4 h)
+* ``b = ((timestamp - t0) // ts_div) << 22 | pid``             (pid_max is at most 2^22)
+
+The few columns only some rules need (``arg0``/``arg1`` of block I/O, page allocations, socket and
+memcpy rows; GPU ids) come from narrower queries over the rows that have them.
+
+Node names map to small integers through a ``CASE`` expression built from the database's node list;
+databases written by several nodes (a merged cluster DB) are split into one :class:`Frame` per node,
+because latency distributions of different machines are never mixed.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ingero.store.catalog import CUDA, DRIVER, HOST, IO, NCCL, NET
+from ingero.store.db import node_names
+from ingero.store.window import Window
+
+I64 = npt.NDArray[np.int64]
+
+GPU_SOURCES = (CUDA, DRIVER, NCCL)
+MAX_DUR = (1 << 43) - 1
+PID_BITS = 22
+NODES_PER_QUERY = 127  # node index 127 = "not in the list" (found and loaded in another round)
+CHUNK_ROWS = 2_000_000  # rows per group_concat string (keeps each string well under SQLite's 1 GB limit)
+
+# Rows whose arguments some rule reads: block I/O (sectors), socket I/O (bytes), page allocations
+# (bytes), OOM kills and process starts (who), synchronous memcpy (bytes, direction).
+ARG_ROWS_SQL = (
+    f"(source = {IO} OR source = {NET} OR (source = {HOST} AND op IN (3, 4, 5, 7, 12))"
+    f" OR (source = {CUDA} AND op IN (4, 7)) OR (source = {DRIVER} AND op IN (2, 3)))"
+)
+
+
+def _parse(text: str | None) -> I64:
+    if not text:
+        return np.zeros(0, dtype=np.int64)
+    return np.fromstring(text, dtype=np.int64, sep=",")
+
+
+@dataclass
+class ArgRows:
+    """Rows that carry meaningful ``arg0``/``arg1`` (see ARG_ROWS_SQL), for one node."""
+
+    source: I64
+    op: I64
+    pid: I64
+    ts_ns: I64
+    arg0: I64
+    arg1: I64
+
+    @classmethod
+    def empty(cls) -> ArgRows:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z, z, z, z)
+
+    def select(self, mask: npt.NDArray[np.bool_]) -> ArgRows:
+        return ArgRows(
+            self.source[mask], self.op[mask], self.pid[mask], self.ts_ns[mask], self.arg0[mask], self.arg1[mask]
+        )
+
+    def of(self, source: int, ops: Sequence[int] | None = None) -> ArgRows:
+        m = self.source == source
+        if ops is not None:
+            m &= np.isin(self.op, np.asarray(ops, dtype=np.int64))
+        return self.select(m)
+
+
+@dataclass
+class Frame:
+    """Every event of one node in a window, as parallel arrays (not necessarily time-ordered)."""
+
+    node: str
+    source: I64
+    op: I64
+    dur: I64
+    ts_ns: I64
+    pid: I64
+    failed: npt.NDArray[np.bool_]  # ret_code != 0
+    args: ArgRows = field(default_factory=ArgRows.empty)
+    gpu_ids: dict[int, set[int]] = field(default_factory=dict)  # pid -> GPU ids it used
+
+    @property
+    def size(self) -> int:
+        return int(self.source.size)
+
+    @property
+    def first_ns(self) -> int:
+        return int(self.ts_ns.min()) if self.size else 0
+
+    @property
+    def last_ns(self) -> int:
+        return int(self.ts_ns.max()) if self.size else 0
+
+    def is_op(self, source: int, op: int | None = None) -> npt.NDArray[np.bool_]:
+        m: npt.NDArray[np.bool_] = self.source == source
+        if op is not None:
+            m &= self.op == op
+        return m
+
+    @cached_property
+    def pids(self) -> I64:
+        """Distinct pids of the rows (computed once per frame)."""
+        return np.unique(self.pid)
+
+    def gpu_mask(self) -> npt.NDArray[np.bool_]:
+        return np.isin(self.source, np.asarray(GPU_SOURCES, dtype=np.int64))
+
+    def select(self, mask: npt.NDArray[np.bool_]) -> Frame:
+        return Frame(
+            self.node,
+            self.source[mask],
+            self.op[mask],
+            self.dur[mask],
+            self.ts_ns[mask],
+            self.pid[mask],
+            self.failed[mask],
+            self.args,
+            self.gpu_ids,
+        )
+
+
+def _node_case(names: Sequence[str], trusted_single: bool = False) -> tuple[str, list[Any]]:
+    if not names:
+        return str(NODES_PER_QUERY), []
+    if trusted_single and len(names) == 1:
+        return "0", []  # the database names one node only: skip the per-row CASE
+    whens = " ".join("WHEN ? THEN ?" for _ in names)
+    params: list[Any] = []
+    for i, n in enumerate(names):
+        params.extend((n, i))
+    return f"(CASE node {whens} ELSE {NODES_PER_QUERY} END)", params
+
+
+def _filters(window: Window, node: str | None, pid: int | None) -> tuple[str, list[Any]]:
+    where, params = window.clause("timestamp")
+    extra: list[Any] = list(params)
+    if node is not None:
+        where += " AND node = ?"
+        extra.append(node)
+    if pid is not None:
+        # GPU calls of this process only; host-side evidence stays node-wide (the rules pick the pid's rows)
+        where += f" AND (source NOT IN ({CUDA}, {DRIVER}, {NCCL}) OR pid = ?)"
+        extra.append(pid)
+    return where, extra
+
+
+def _only_node(conn: sqlite3.Connection, name: str) -> bool:
+    """True when the database's own bookkeeping (sessions and our writer's node_seq) names ``name`` only."""
+    try:
+        others = conn.execute("SELECT count(*) FROM node_seq WHERE node != ?", (name,)).fetchone()[0]
+    except sqlite3.OperationalError:
+        return False  # not written by our writer (an Ingero database): check every row
+    return int(others) == 0
+
+
+def _time_slices(conn: sqlite3.Connection, where: str, params: list[Any]) -> tuple[int, int, list[Window]]:
+    lo, hi, count = conn.execute(
+        f"SELECT min(timestamp), max(timestamp), count(*) FROM events WHERE {where}", params
+    ).fetchone()
+    if lo is None:
+        return 0, 0, []
+    lo, hi, count = int(lo), int(hi), int(count)
+    n = max(1, math.ceil(count / CHUNK_ROWS))
+    if n == 1:
+        return lo, hi, [Window(lo, hi)]
+    step = (hi - lo) // n + 1
+    return lo, hi, [Window(lo + i * step, min(hi, lo + (i + 1) * step - 1)) for i in range(n)]
+
+
+def load_frames(
+    conn: sqlite3.Connection,
+    window: Window | None = None,
+    *,
+    node: str | None = None,
+    pid: int | None = None,
+    with_args: bool = True,
+) -> dict[str, Frame]:
+    """One :class:`Frame` per node with events in ``window`` (``node`` restricts to one).
+
+    With ``pid``, GPU API rows are that process's only; host, I/O and network rows stay node-wide.
+    """
+    window = window or Window()
+    where, params = _filters(window, node, pid)
+    t0, t1, slices = _time_slices(conn, where, params)
+    if not slices:
+        return {}
+    ts_div = max(1000, math.ceil((t1 - t0 + 1) / (1 << (63 - PID_BITS - 1))))
+    names = [node] if node is not None else node_names(conn)
+    trusted = node is not None or (len(names) == 1 and _only_node(conn, names[0]))
+    frames: dict[str, Frame] = {}
+    pending: list[str] | None = names or [""]
+    seen: set[str] = set()
+    while pending is not None:
+        batch, pending = pending[:NODES_PER_QUERY], pending[NODES_PER_QUERY:] or None
+        parts, missing = _load_batch(conn, where, params, slices, batch, t0, ts_div, trusted)
+        if with_args and parts:
+            _attach_args(conn, parts, where, params, batch, trusted)
+        trusted = False
+        frames.update(parts)
+        seen.update(batch)
+        if missing and pending is None:
+            found = [
+                r[0]
+                for r in conn.execute(f"SELECT DISTINCT node FROM events WHERE {where}", params)
+                if r[0] is not None and r[0] not in seen
+            ]
+            pending = sorted(found) or None
+    return {k: frames[k] for k in sorted(frames)}
+
+
+def _load_batch(
+    conn: sqlite3.Connection,
+    where: str,
+    params: list[Any],
+    slices: list[Window],
+    names: Sequence[str],
+    t0: int,
+    ts_div: int,
+    trusted: bool,
+) -> tuple[dict[str, Frame], bool]:
+    case, case_params = _node_case(names, trusted)
+    # sources and ops are small ids (< 16, < 256 in the catalog): masked rather than range-checked, which
+    # keeps the per-row work to a few bit operations
+    sql = (
+        f"SELECT group_concat(({case} << 56) | ((source & 15) << 52) | ((op & 255) << 44)"
+        f" | ((ret_code != 0) << 43) | min(max(duration, 0), {MAX_DUR})),"
+        f" group_concat((((timestamp - ?) / ?) << {PID_BITS}) | (pid & {(1 << PID_BITS) - 1}))"
+        f" FROM events WHERE {where}"
+    )
+    a_parts: list[I64] = []
+    b_parts: list[I64] = []
+    for sl in slices:
+        # one slice = the whole window: no extra range (it would steer SQLite to the index, ~30% slower)
+        sw, sp = sl.clause("timestamp") if len(slices) > 1 else ("1", [])
+        a_txt, b_txt = conn.execute(sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]).fetchone()
+        a_parts.append(_parse(a_txt))
+        b_parts.append(_parse(b_txt))
+    a = np.concatenate(a_parts) if a_parts else np.zeros(0, dtype=np.int64)
+    b = np.concatenate(b_parts) if b_parts else np.zeros(0, dtype=np.int64)
+    idx = a >> 56
+    missing = bool(np.any(idx == NODES_PER_QUERY))
+    out: dict[str, Frame] = {}
+    if idx.size and not (idx[0] == idx).all():  # several nodes: group their rows
+        order = np.argsort(idx, kind="stable")
+        a, b, idx = a[order], b[order], idx[order]
+    bounds = np.searchsorted(idx, np.arange(len(names) + 1))
+    for i, name in enumerate(names):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        if hi <= lo:
+            continue
+        aa, bb = a[lo:hi], b[lo:hi]
+        out[name] = Frame(
+            node=name,
+            source=(aa >> 52) & 0xF,
+            op=(aa >> 44) & 0xFF,
+            dur=aa & MAX_DUR,
+            failed=((aa >> 43) & 1).astype(bool),
+            ts_ns=t0 + (bb >> PID_BITS) * ts_div,
+            pid=bb & ((1 << PID_BITS) - 1),
+        )
+    return out, missing
+
+
+def _attach_args(
+    conn: sqlite3.Connection,
+    frames: dict[str, Frame],
+    where: str,
+    params: list[Any],
+    names: Sequence[str],
+    trusted: bool,
+) -> None:
+    """Arguments and GPU ids for the frames of one batch of nodes (one or two scans)."""
+    case, case_params = _node_case(names, trusted)
+    row = conn.execute(
+        f"SELECT group_concat(({case} << 56) | (source << 52) | (op << 44) | (pid & {(1 << 44) - 1})),"
+        f" group_concat(timestamp), group_concat(arg0), group_concat(arg1)"
+        f" FROM events WHERE {where} AND {ARG_ROWS_SQL}",
+        [*case_params, *params],
+    ).fetchone()
+    a = _parse(row[0])
+    if a.size:
+        ts, arg0, arg1 = _parse(row[1]), _parse(row[2]), _parse(row[3])
+        idx = a >> 56
+        for i, name in enumerate(names):
+            fr = frames.get(name)
+            if fr is None:
+                continue
+            m = idx == i
+            am = a[m]
+            fr.args = ArgRows(
+                source=(am >> 52) & 0xF,
+                op=(am >> 44) & 0xFF,
+                pid=am & ((1 << 44) - 1),
+                ts_ns=ts[m],
+                arg0=arg0[m],
+                arg1=arg1[m],
+            )
+    if not any(np.unique(fr.pid[fr.gpu_mask()]).size > 1 for fr in frames.values()):
+        return
+    for i_node, p, g in conn.execute(
+        f"SELECT DISTINCT {case}, pid, gpu_id FROM events WHERE {where} AND source IN ({CUDA}, {DRIVER}, {NCCL})",
+        [*case_params, *params],
+    ):
+        if 0 <= i_node < len(names) and names[i_node] in frames:
+            frames[names[i_node]].gpu_ids.setdefault(int(p), set()).add(int(g or 0))

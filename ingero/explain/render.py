@@ -1,0 +1,110 @@
+"""Text rendering of explain reports and chains (the CLI's default output; the demo prints the same)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from ingero.explain.engine import ExplainReport
+from ingero.explain.model import Chain
+from ingero.explain.stats import HostSummary, OpStats
+from ingero.timeutil import fmt_duration, fmt_ts, fmt_us
+
+WIDTH = 100
+SEVERITY_MARK = {"HIGH": "[HIGH]  ", "MEDIUM": "[MEDIUM]", "LOW": "[LOW]   "}
+
+
+def _ops_table(ops: list[OpStats], limit: int) -> list[str]:
+    from ingero.cli.output import render_table
+
+    rows = [
+        [
+            o.name,
+            o.source_name,
+            o.count,
+            fmt_us(o.p50_ns),
+            fmt_us(o.p95_ns),
+            fmt_us(o.p99_ns),
+            fmt_us(o.max_ns),
+            f"{o.tail_ratio:.1f}x",
+            *([o.pid] if o.pid is not None else []),
+        ]
+        for o in ops[:limit]
+    ]
+    cols = ["op", "source", "count", "p50", "p95", "p99", "max", "p99/p50"]
+    if ops and ops[0].pid is not None:
+        cols.append("pid")
+    text = render_table(cols, rows).splitlines()
+    if len(ops) > limit:
+        text.append(f"... {len(ops) - limit} more op(s) (--json shows all)")
+    return ["  " + line for line in text]
+
+
+def _host_line(h: HostSummary) -> str:
+    parts = [f"{h.sched_switch} sched_switch ({fmt_duration(round(h.offcpu_ns / 1e6) * 1e6)} off-CPU)"]
+    parts.append(f"{h.block_io} block I/O ({h.block_reads} reads, {h.block_writes} writes)")
+    if h.tcp_retransmits:
+        parts.append(f"{h.tcp_retransmits} TCP retransmits")
+    parts.append(f"host events avg {fmt_us(h.host_avg_ns)}")
+    return "  host: " + ", ".join(parts)
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ") or [indent]
+
+
+def render_chain(c: Chain, *, index: int | None = None, verbose: bool = True) -> list[str]:
+    head = f"{SEVERITY_MARK.get(c.severity, c.severity)} {c.node}  {c.summary}"
+    if index is not None:
+        head = f"{index}. {head}"
+    lines = _wrap(head, "")
+    lines += _wrap(f"root cause: {c.root_cause}", "    ")
+    if c.timeline:
+        lines.append("    timeline:")
+        for t in c.timeline:
+            lines += _wrap(f"{t.layer:<7} {t.op:<16} {t.detail}", "      ")
+    if verbose and c.explanation:
+        lines += _wrap(f"why: {c.explanation}", "    ")
+    if c.recommendations:
+        lines.append("    fix:")
+        for i, r in enumerate(c.recommendations, 1):
+            lines += _wrap(f"{i}. {r}", "      ")
+    origin = f"stored, detected {fmt_ts(c.detected_at)}" if c.origin == "stored" else f"{c.family}; id {c.id}"
+    lines.append(f"    ({origin})")
+    return lines
+
+
+def render_chains(chains: list[Chain], *, verbose: bool = True) -> str:
+    out: list[str] = []
+    for i, c in enumerate(chains, 1):
+        out += render_chain(c, index=i, verbose=verbose)
+        out.append("")
+    return "\n".join(out).rstrip() + "\n" if out else ""
+
+
+def render_report(report: ExplainReport, *, source: str = "", op_limit: int = 12, stored: int = 0) -> str:
+    out: list[str] = []
+    span = f"{fmt_ts(report.first_ns)} → {fmt_ts(report.last_ns)}" if report.first_ns else "no events"
+    where = f"{source}: " if source else ""
+    out.append(f"{where}{report.events:,} events, {len(report.nodes)} node(s), {span}")
+    for node in report.nodes:
+        ops = [o for o in report.ops if o.node == node]
+        out.append("")
+        out.append(f"{node}")
+        if ops:
+            out += _ops_table(ops, op_limit)
+        host = report.hosts.get(node)
+        if host is not None:
+            out.append(_host_line(host))
+    out.append("")
+    if report.chains:
+        out.append(f"causal chains ({len(report.chains)})")
+        out.append("")
+        out.append(render_chains(report.chains).rstrip())
+    else:
+        msg = "no causal chains: no GPU op shows a tail, drop or contention that host evidence explains"
+        if stored:
+            msg += (
+                f" — the database stores {stored} chain(s) recorded while tracing (ingero explain --chains shows them)"
+            )
+        out.append(msg)
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,477 @@
+"""Rules on events and on how processes use the GPU: OOM kills, TCP retransmit bursts, multi-process
+GPU contention, cold starts, and transfer-bound processes.
+
+OOM, TCP and contention are node-wide (run once per node); cold start and transfers are per process
+(folded to one chain per node unless ``per_process``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ingero.explain import causes as cz
+from ingero.explain.context import Context, layer_of, us
+from ingero.explain.frame import I64
+from ingero.explain.model import Chain, TimelineEntry
+from ingero.explain.stats import OpStats
+from ingero.store.catalog import CUDA, DRIVER, HOST, TCP, op_name
+from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
+
+MIN_CALLS = 10
+TCP_CHAIN = 10  # retransmits in the window before they make a chain of their own
+TCP_HIGH = 100
+BURST_NS = 10 * NS_PER_S
+CONTENTION = 1.5  # median latency while sharing / alone
+CONTENTION_HIGH = 2.5
+COLD_RATIO = 20.0
+COLD_GATE = 10.0
+TRANSFER_SHARE = 0.30
+MEMCPY_OPS = ((CUDA, 4), (DRIVER, 2))  # synchronous copies (async ones only time the enqueue)
+DIRECTIONS = {0: "host→host", 1: "host→device", 2: "device→host", 3: "device→device", 4: "default"}
+
+
+def _fmt(ns: float) -> str:
+    return fmt_duration(round(ns / 1000) * 1000 if ns >= 1000 else ns)
+
+
+def _short(ns: float) -> str:
+    step = 10 ** max(0, len(str(int(max(ns, 1)))) - 3)  # three significant digits
+    return fmt_duration(round(ns / step) * step)
+
+
+# --- OOM ---------------------------------------------------------------------------------------
+
+
+def oom_chains(ctx: Context) -> list[Chain]:
+    a = ctx.frame.args
+    m = (a.source == HOST) & np.isin(a.op, (4, 12))
+    if not m.any():
+        return []
+    ts, pids = a.ts_ns[m], a.pid[m]
+    first, last = int(ts.min()), int(ts.max())
+    g = ctx.grid
+    ep = ctx.series.over_range(int(g.index(np.array([first - BURST_NS]))[0]), int(g.index(np.array([last]))[0]))
+    victims = list(dict.fromkeys(int(p) for p in pids))
+    gpu_pids = set(ctx.gpu.pids.tolist())
+    hit = [p for p in victims if p in gpu_pids]
+    tl = cz.timeline([cz.Cause("memory", 1.0, True)], ep, [])
+    tl.append(
+        TimelineEntry("HOST", "oom_kill", f"{int(m.sum())} OOM kill(s): {', '.join(ctx.proc(p) for p in victims[:4])}")
+    )
+    if hit:
+        for p in hit[:2]:
+            last_call = int(ctx.gpu.ts_ns[ctx.gpu.pid == p].max())
+            tl.append(TimelineEntry("CUDA", "all", f"GPU work of {ctx.proc(p)} stopped at {fmt_ts(last_call)}"))
+    else:
+        tl.append(TimelineEntry("CUDA", "all", "GPU processes share the exhausted host memory"))
+    who = f"killed {', '.join(ctx.proc(p) for p in hit)}, a GPU process" if hit else "killed a process on this node"
+    return [
+        ctx.chain(
+            cid=ctx.chain_id("oom"),
+            detected_at=last,
+            severity="HIGH",
+            summary=f"OOM killer triggered {int(m.sum())} time(s) — {who}",
+            root_cause="host memory exhaustion triggered the OOM killer"
+            + (f" ({ep.page_bytes / cz.GIB:.1f} GB of page allocations in the 10 s before)" if ep.page_bytes else ""),
+            explanation=(
+                f"The kernel's OOM killer ran {int(m.sum())} time(s) between {fmt_ts(first)} and {fmt_ts(last)} and "
+                f"{who}. A killed trainer loses its GPU context and all in-flight work; in a distributed job every "
+                "other rank then hangs in its next collective until the job times out."
+            ),
+            recommendations=[
+                "Reduce host memory use: DataLoader workers x prefetch_factor, pinned-memory pools, in-memory datasets",
+                "Cap co-located jobs with cgroup memory limits (memory.max) so the trainer is not the victim; "
+                "set oom_score_adj=-500 on the trainer",
+                "Add swap as a buffer or more RAM; check dmesg for the OOM report",
+            ],
+            family="oom",
+            evidence={
+                "rule": "oom",
+                "oom_kills": int(m.sum()),
+                "victims": victims,
+                "gpu_victims": hit,
+                "page_alloc_gb": round(ep.page_bytes / cz.GIB, 2),
+                "mem_max_pct": ep.mem_max,
+                "swap_max_mb": ep.swap_max,
+                "score": 1.0,
+            },
+            timeline=tl,
+        )
+    ]
+
+
+# --- TCP retransmits ---------------------------------------------------------------------------
+
+
+def tcp_chains(ctx: Context) -> list[Chain]:
+    ts = np.sort(ctx.frame.ts_ns[ctx.frame.source == TCP])
+    n = int(ts.size)
+    if n <= TCP_CHAIN:
+        return []
+    ends = np.searchsorted(ts, ts + BURST_NS, side="right")
+    k = int(np.argmax(ends - np.arange(n)))
+    burst = int(ends[k] - k)
+    b_start, b_end = int(ts[k]), int(ts[ends[k] - 1])
+    sev = "HIGH" if n > TCP_HIGH or burst > 50 else "MEDIUM"
+    tcp_buckets = np.zeros(ctx.grid.n, dtype=bool)
+    tcp_buckets[ctx.grid.index(ts)] = True
+    affected = _slowest_during(ctx, tcp_buckets)
+    tl = [TimelineEntry("NET", "tcp_retransmit", f"{n} retransmits; {burst} within 10 s from {fmt_ts(b_start)}")]
+    extra = ""
+    if affected:
+        st, ratio, during, outside = affected
+        tl.append(
+            TimelineEntry(
+                layer_of(st.source),
+                st.name,
+                f"p50 {_fmt(during)} during retransmits vs {_fmt(outside)} otherwise ({ratio:.1f}x)",
+            )
+        )
+        extra = f" {st.name} was {ratio:.1f}x slower (p50) in the seconds with retransmits."
+    else:
+        tl.append(TimelineEntry("CUDA", "all", "GPU work may stall waiting for network data (NCCL, gRPC)"))
+    return [
+        ctx.chain(
+            cid=ctx.chain_id("tcp-retransmit"),
+            detected_at=b_end,
+            severity=sev,
+            summary=f"{n} TCP retransmits ({burst} within 10 s)"
+            + (f" — {affected[0].name} {affected[1]:.1f}x slower" if affected else ""),
+            root_cause="TCP retransmit burst — network congestion or packet loss on this node's links",
+            explanation=(
+                f"{n} TCP segments were retransmitted, {burst} of them within 10 s starting {fmt_ts(b_start)}. "
+                "For distributed training every retransmit delays an all-reduce on all ranks; for serving it adds "
+                f"client latency.{extra}"
+            ),
+            recommendations=[cz.NET_HEALTH, cz.NCCL_NET],
+            family="network",
+            evidence={
+                "rule": "tcp",
+                "tcp_retransmits": n,
+                "burst_10s": burst,
+                "burst_start_ns": b_start,
+                **({"affected_op": affected[0].name, "slowdown": round(affected[1], 2)} if affected else {}),
+                "score": min(1.0, n / TCP_HIGH),
+            },
+            timeline=tl,
+        )
+    ]
+
+
+def _slowest_during(ctx: Context, buckets: np.ndarray) -> tuple[OpStats, float, float, float] | None:
+    best: tuple[OpStats, float, float, float] | None = None
+    for st in ctx.ops:
+        rows = ctx.rows(st)
+        inside = buckets[ctx.grid.index(rows.ts_ns)]
+        if inside.sum() < MIN_CALLS or (~inside).sum() < MIN_CALLS:
+            continue
+        during, outside = float(np.median(rows.dur[inside])), float(np.median(rows.dur[~inside]))
+        ratio = during / outside if outside > 0 else 0.0
+        if ratio >= CONTENTION and (best is None or ratio > best[1]):
+            best = (st, ratio, during, outside)
+    return best
+
+
+# --- multi-process GPU contention --------------------------------------------------------------
+
+
+def contention_chains(ctx: Context) -> list[Chain]:
+    gpu = ctx.gpu
+    if gpu.pids.size < 2:
+        return []
+    pids, counts = np.unique(gpu.pid, return_counts=True)
+    busy = [int(p) for p, c in zip(pids, counts, strict=True) if c >= MIN_CALLS]
+    if len(busy) < 2:
+        return []
+    by_gpu: dict[int, list[int]] = {}
+    for p in busy:
+        for gid in sorted(ctx.frame.gpu_ids.get(p, {0})):
+            by_gpu.setdefault(gid, []).append(p)
+    chains: list[Chain] = []
+    g = ctx.grid
+    for gid, members in sorted(by_gpu.items()):
+        if len(members) < 2:
+            continue
+        active = {p: np.bincount(g.index(gpu.ts_ns[gpu.pid == p]), minlength=g.n) > 0 for p in members}
+        best: tuple[float, int, OpStats, np.ndarray, np.ndarray, I64] | None = None
+        always_shared = True
+        for p in members:
+            others = np.logical_or.reduce([active[q] for q in members if q != p])
+            for st in _pid_ops(ctx, p):
+                m = (gpu.pid == p) & (gpu.source == st.source) & (gpu.op == st.op)
+                ts, dur = gpu.ts_ns[m], gpu.dur[m]
+                shared = others[g.index(ts)]
+                if (~shared).sum() >= MIN_CALLS:
+                    always_shared = False
+                if shared.sum() < MIN_CALLS or (~shared).sum() < MIN_CALLS:
+                    continue
+                ratio = float(np.median(dur[shared]) / max(1.0, float(np.median(dur[~shared]))))
+                if best is None or ratio > best[0]:
+                    best = (ratio, p, st, dur[shared], dur[~shared], ts)
+        procs = ", ".join(ctx.proc(p) for p in members[:4])
+        if best is not None and best[0] >= CONTENTION:
+            chains.append(_contention_chain(ctx, gid, members, best))
+        elif best is None and always_shared:
+            chains.append(
+                ctx.chain(
+                    cid=ctx.chain_id("gpu-contention", f"gpu{gid}"),
+                    detected_at=ctx.grid.end_of(ctx.grid.n - 1),
+                    severity="LOW",
+                    summary=f"GPU {gid} shared by {len(members)} processes for the whole window ({procs})",
+                    root_cause=f"multi-process GPU contention — {procs} submit work to GPU {gid} at the same time",
+                    explanation=(
+                        f"{len(members)} processes used GPU {gid} throughout the window, so there is no period to "
+                        "compare their latency alone; the GPU time-slices between their contexts."
+                    ),
+                    recommendations=_contention_recs(),
+                    family="gpu-contention",
+                    evidence={"rule": "gpu-contention", "gpu": gid, "pids": members, "score": 0.0},
+                    timeline=[TimelineEntry("CUDA", "context", f"{len(members)} processes on GPU {gid}: {procs}")],
+                )
+            )
+    return chains
+
+
+def _pid_ops(ctx: Context, pid: int) -> list[OpStats]:
+    from ingero.explain.stats import stats_from_columns
+
+    gpu = ctx.gpu
+    m = gpu.pid == pid
+    return [s for s in stats_from_columns(gpu.source[m], gpu.op[m], gpu.dur[m]) if s.count >= 2 * MIN_CALLS]
+
+
+def _contention_recs() -> list[str]:
+    return [
+        "Give each job its own GPU (CUDA_VISIBLE_DEVICES) or schedule them at different times",
+        "If sharing is intended, use MPS (nvidia-cuda-mps-control -d) or MIG partitions instead of time-slicing",
+        "Find the other process: nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv",
+    ]
+
+
+def _contention_chain(
+    ctx: Context, gid: int, members: list[int], best: tuple[float, int, OpStats, np.ndarray, np.ndarray, I64]
+) -> Chain:
+    ratio, victim, st, shared, alone, _ts = best
+    others = [p for p in members if p != victim]
+    gpu = ctx.gpu
+    starts = {p: int(gpu.ts_ns[gpu.pid == p].min()) for p in members}
+    intruder = max(others, key=lambda p: starts[p])
+    sev = "HIGH" if ratio >= CONTENTION_HIGH else "MEDIUM"
+    p_sh, p_al = float(np.median(shared)), float(np.median(alone))
+    tl = [
+        TimelineEntry("CUDA", "context", f"{ctx.proc(intruder)} starts using GPU {gid} at {fmt_ts(starts[intruder])}"),
+        TimelineEntry(
+            layer_of(st.source),
+            st.name,
+            f"{ctx.proc(victim)}: p50 {_fmt(p_sh)} while sharing vs {_fmt(p_al)} alone ({ratio:.1f}x)",
+            round(p_sh / 1000),
+        ),
+    ]
+    return ctx.chain(
+        cid=ctx.chain_id("gpu-contention", f"gpu{gid}"),
+        detected_at=ctx.grid.end_of(ctx.grid.n - 1),
+        severity=sev,
+        summary=f"GPU {gid} time-sliced between {len(members)} processes — {st.name} {ratio:.1f}x slower "
+        f"while {ctx.proc(intruder)} runs",
+        root_cause=(
+            f"multi-process GPU contention — {', '.join(ctx.proc(p) for p in members[:4])} submit work to GPU {gid}; "
+            "the GPU time-slices between their contexts, so each waits for the other's kernels"
+        ),
+        explanation=(
+            f"{ctx.proc(victim)} calls {st.name}: p50 {_fmt(p_al)} when it has GPU {gid} to itself, {_fmt(p_sh)} in the "
+            f"seconds when {', '.join(ctx.proc(p) for p in others[:3])} also submit work ({len(shared)} vs {len(alone)} "
+            "calls). No host evidence is needed: the slowdown follows the other process's activity on the same GPU."
+        ),
+        recommendations=_contention_recs(),
+        family="gpu-contention",
+        evidence={
+            "rule": "gpu-contention",
+            "gpu": gid,
+            "pids": members,
+            "victim": victim,
+            "intruder": intruder,
+            "op": st.name,
+            "p50_shared_us": us(p_sh),
+            "p50_alone_us": us(p_al),
+            "slowdown": round(ratio, 2),
+            "score": round(ratio, 3),
+        },
+        timeline=tl,
+        st=st,
+    )
+
+
+# --- cold start --------------------------------------------------------------------------------
+
+
+def cold_start_chains(ctx: Context) -> list[Chain]:
+    gpu = ctx.gpu
+    found: list[tuple[int, list[tuple[str, float, float]], float, int]] = []  # pid, [(op, ratio, excess)], total, t
+    for pid in gpu.pids:
+        m = gpu.pid == pid
+        src, op, dur, ts = gpu.source[m], gpu.op[m], gpu.dur[m], gpu.ts_ns[m]
+        ops: list[tuple[str, float, float]] = []
+        for key in np.unique(src * 256 + op).tolist():
+            s, o = divmod(int(key), 256)
+            k = (src == s) & (op == o)
+            if k.sum() < 2 * MIN_CALLS:
+                continue
+            d = dur[k][np.argsort(ts[k], kind="stable")]
+            n_cold = int(min(20, max(3, np.ceil(d.size * 0.01))))
+            cold, rest = float(np.median(d[:n_cold])), d[max(n_cold, d.size // 10) :]
+            steady = float(np.median(rest))
+            ratio = cold / steady if steady > 0 else 0.0
+            # compare with the steady state's p95 too: an op with two kinds of calls (big and small copies)
+            # must not look cold because its first calls happen to be the big ones
+            if ratio >= COLD_RATIO and cold >= COLD_GATE * float(np.percentile(rest, 95)):
+                ops.append((op_name(s, o), ratio, float(np.clip(d[:n_cold] - steady, 0, None).sum())))
+        if ops:
+            ops.sort(key=lambda x: x[2], reverse=True)
+            found.append((int(pid), ops, sum(x[2] for x in ops), int(ts.min())))
+    if not found:
+        return []
+    span = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
+    total = sum(f[2] for f in found)
+    ratios = [r for f in found for _, r, _ in f[1]]
+    lo, hi = min(ratios), max(ratios)
+    worst = max((x for f in found for x in f[1]), key=lambda x: x[2])
+    per_op: dict[str, float] = {}
+    for f in found:
+        for name, r, _ in f[1]:
+            per_op[name] = max(per_op.get(name, 0.0), r)
+    top = ", ".join(f"{n} {r:.0f}x" for n, r in sorted(per_op.items(), key=lambda x: -x[1])[:3])
+    share = total / span
+    sev = "MEDIUM" if share >= 0.05 or len(found) > 1 else "LOW"
+    starts = len(found)
+    tl = [TimelineEntry("HOST", "process_exec", f"{ctx.proc(p)} starts at {fmt_ts(t)}") for p, _, _, t in found[:3]]
+    tl += [
+        TimelineEntry("CUDA", n, f"first calls {r:.0f}x slower than steady state") for n, r in list(per_op.items())[:3]
+    ]
+    st = next((s for s in ctx.ops if s.name == worst[0]), None)
+    return [
+        ctx.chain(
+            cid=ctx.chain_id("cold-start"),
+            detected_at=max(f[3] for f in found),
+            severity=sev,
+            summary=f"cold start: first CUDA calls {lo:.0f}–{hi:.0f}x slower than steady state ({top})"
+            + (f" — {starts} process starts" if starts > 1 else ""),
+            root_cause=(
+                "CUDA initialisation on process start — context creation, lazy kernel-module loading and allocator "
+                f"warm-up make each process's first calls {lo:.0f}–{hi:.0f}x slower"
+                + (f"; {starts} processes started in this window and each paid it" if starts > 1 else "")
+            ),
+            explanation=(
+                f"{starts} process(es) made their first GPU calls in this window. Their first calls ran "
+                f"{lo:.0f}–{hi:.0f}x slower than the same calls later ({top}); together that is {_short(total)} "
+                f"({100 * share:.1f}% of the window) before the processes reached steady state."
+            ),
+            recommendations=[
+                "Warm up before timing or serving: run a few dummy iterations (and torch.cuda.synchronize()) at start",
+                "Keep the CUDA context alive: reuse worker processes instead of restarting them per job/request",
+                "Enable GPU persistence mode (nvidia-smi -pm 1) so the driver stays initialised between processes",
+                "Keep CUDA_MODULE_LOADING=LAZY (default since CUDA 12.2); for torch.compile cache compiled kernels",
+            ],
+            family="cold-start",
+            evidence={
+                "rule": "cold-start",
+                "processes": [p for p, _, _, _ in found],
+                "ratio_min": round(lo, 1),
+                "ratio_max": round(hi, 1),
+                "ops": {n: round(r, 1) for n, r in per_op.items()},
+                "excess_ms": round(total / 1e6, 1),
+                "score": round(share, 4),
+            },
+            timeline=tl,
+            st=st,
+        )
+    ]
+
+
+# --- transfer-bound ----------------------------------------------------------------------------
+
+
+def transfer_chains(ctx: Context) -> list[Chain]:
+    gpu = ctx.gpu
+    best: tuple[float, int, OpStats, float, float] | None = None
+    for pid in gpu.pids:
+        m = gpu.pid == pid
+        wall = float(gpu.ts_ns[m].max() - gpu.ts_ns[m].min())
+        api = float(gpu.dur[m].sum())
+        if wall <= 0 or api <= 0:
+            continue
+        for s, o in MEMCPY_OPS:
+            k = m & (gpu.source == s) & (gpu.op == o)
+            if k.sum() < MIN_CALLS:
+                continue
+            copy = float(gpu.dur[k].sum())
+            share = copy / wall
+            if share >= TRANSFER_SHARE and copy / api >= 0.5 and (best is None or share > best[0]):
+                st = next(x for x in ctx.ops if (x.source, x.op) == (s, o))
+                best = (share, int(pid), st, copy, copy / api)
+    if best is None:
+        return []
+    share, pid, st, copy, api_share = best
+    a = ctx.frame.args
+    k = (a.source == st.source) & (a.op == st.op) & (a.pid == pid)
+    nbytes = float(a.arg0[k].sum())
+    bw = nbytes / (copy / NS_PER_S) / 1e9 if copy > 0 else 0.0
+    dirs = {DIRECTIONS.get(int(d), str(d)): float(a.arg0[k & (a.arg1 == d)].sum()) for d in np.unique(a.arg1[k])}
+    main_dir = max(dirs, key=lambda x: dirs[x]) if dirs else "host→device"
+    n_calls = int(k.sum()) or st.count
+    avg = nbytes / n_calls if n_calls else 0.0
+    slow_bw = 0 < bw < 8
+    recs = []
+    if slow_bw:
+        recs.append(
+            "Use pinned host memory (DataLoader(pin_memory=True) / cudaHostAlloc): pageable copies run at a fraction "
+            "of PCIe bandwidth"
+        )
+    recs.append(
+        "Overlap copies with compute: cudaMemcpyAsync / tensor.to(device, non_blocking=True) on a separate stream"
+    )
+    if 0 < avg < (1 << 20):
+        recs.append(f"Batch small transfers (average {avg / 1024:.0f} KB) into fewer large ones")
+    recs.append("Keep data resident on the GPU between steps; avoid .cpu()/.item() round-trips in the loop")
+    if not slow_bw:
+        recs.append("Move less data: preprocess on the GPU, use lower-precision inputs (fp16/uint8)")
+    gb = nbytes / 1e9
+    return [
+        ctx.chain(
+            cid=ctx.chain_id("transfer", "", st.name),
+            detected_at=int(gpu.ts_ns[gpu.pid == pid].max()),
+            severity="HIGH" if share >= 0.6 else "MEDIUM",
+            summary=f"{st.name} takes {100 * share:.0f}% of wall time ({st.count} calls, {gb:.1f} GB at {bw:.1f} GB/s) — transfer-bound",
+            root_cause=(
+                f"synchronous host↔device copies dominate {ctx.proc(pid)}: {100 * share:.0f}% of its wall time and "
+                f"{100 * api_share:.0f}% of its GPU API time is {st.name}, mostly {main_dir}"
+                + (f", at {bw:.1f} GB/s — pageable-memory speed, far below PCIe" if slow_bw else "")
+            ),
+            explanation=(
+                f"{ctx.proc(pid)} spent {_short(copy)} in {st.name} ({st.count} calls moving {gb:.2f} GB, "
+                f"{avg / (1 << 20):.1f} MB per call on average). While a synchronous copy runs the CPU waits and the "
+                "GPU has no kernels queued, so copies and compute never overlap."
+            ),
+            recommendations=recs,
+            family="transfer",
+            evidence={
+                "rule": "transfer",
+                "pid": pid,
+                "op": st.name,
+                "wall_share": round(share, 3),
+                "api_share": round(api_share, 3),
+                "bytes": int(nbytes),
+                "gb_per_s": round(bw, 2),
+                "directions_gb": {k2: round(v / 1e9, 3) for k2, v in dirs.items()},
+                "score": round(share, 4),
+            },
+            timeline=[
+                TimelineEntry(
+                    layer_of(st.source),
+                    st.name,
+                    f"{st.count} copies, {gb:.2f} GB {main_dir} at {bw:.1f} GB/s; {100 * share:.0f}% of wall time",
+                    round(copy / 1000),
+                )
+            ],
+            st=st,
+        )
+    ]

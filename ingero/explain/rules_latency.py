@@ -1,0 +1,445 @@
+"""Rules on a GPU op's own timing: tail latency, throughput drop, periodic spikes.
+
+* **tail** — an op with ≥ 10 calls and p99 ≥ 3x p50. Its slow calls (≥ 3x p50) mark buckets; runs of
+  them (± one bucket) are *episodes*. Each episode's host evidence is weighed against the op's other
+  buckets (:func:`ingero.explain.causes.assess`); an episode with no corroborating evidence makes no
+  chain. Episodes are folded into one chain per (op, primary cause family), keeping the strongest.
+* **drop** — an op's call rate (moving average over ~5 s) falls ≥ 40 % below its baseline for ≥ 2
+  buckets while it keeps running, corroborated the same way.
+* **periodic** — slow calls (≥ 10x p50) that recur at a regular interval with no host evidence:
+  an in-process cause (allocator churn, a periodic eval/checkpoint step), reported with its period
+  in iterations of the process's synchronisation op.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingero.explain import causes as cz
+from ingero.explain.context import Context, OpRows, layer_of, us
+from ingero.explain.evidence import Evidence, runs
+from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
+from ingero.explain.stats import OpStats
+from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
+
+TAIL_RATIO = 3.0
+MIN_CALLS = 10
+DROP = 0.40
+MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
+SPIKE_RATIO = 10.0
+MIN_SPIKES = 4
+MAX_CV = 0.35
+SYNC_OPS = ((1, 5), (1, 6), (4, 4))  # cudaStreamSync, cudaDeviceSync, cuCtxSynchronize
+ALLOC_OPS = {(1, 1), (1, 2), (1, 8), (4, 5), (4, 6)}
+
+
+def _fmt(ns: float) -> str:
+    return fmt_duration(round(ns / 1000) * 1000 if ns >= 1000 else ns)
+
+
+def _short(ns: float) -> str:
+    """Three significant digits: 2.54s, 41.2ms, 734µs."""
+    if ns <= 0:
+        return "0s"
+    step = 10 ** max(0, int(np.floor(np.log10(ns))) - 2)
+    return fmt_duration(round(ns / step) * step)
+
+
+def _mask(ctx: Context, ts: np.ndarray, dilate: int = 0) -> np.ndarray:
+    m = np.zeros(ctx.grid.n, dtype=bool)
+    m[ctx.grid.index(ts)] = True
+    if dilate:
+        d = m.copy()
+        d[:-1] |= m[1:]
+        d[1:] |= m[:-1]
+        return d
+    return m
+
+
+def _evidence_dict(ep: Evidence, base: Evidence | None) -> dict[str, object]:
+    d: dict[str, object] = {
+        "sched_switch": ep.sched_n,
+        "offcpu_ms": round(ep.offcpu_ns / 1e6, 1),
+        "offcpu_share": round(ep.offcpu_frac, 3),
+        "block_io": ep.io_n,
+        "block_reads": ep.io_reads,
+        "block_writes": ep.io_writes,
+        "block_io_ms": round(ep.io_ns / 1e6, 1),
+        "block_io_peak_ms": round(ep.io_max_ns / 1e6, 2),
+        "block_io_mb": round(ep.io_bytes / cz.MIB, 1),
+        "page_alloc_gb": round(ep.page_bytes / cz.GIB, 2),
+        "tcp_retransmits": ep.tcp_n,
+        "socket_ops": ep.net_n,
+    }
+    for k in ("cpu_max", "mem_max", "swap_max"):
+        v = getattr(ep, k)
+        if v is not None:
+            d[k.replace("_max", "_max_pct" if k != "swap_max" else "_max_mb")] = round(v, 1)
+    if base is not None:
+        d["baseline_offcpu_share"] = round(base.offcpu_frac, 3)
+        d["baseline_block_io_per_s"] = round(base.per_s(base.io_n), 2)
+        d["baseline_sched_switch_per_s"] = round(base.per_s(base.sched_n), 2)
+    return d
+
+
+def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
+    """Chains for corroborated tails, and the ops whose tails nothing on the host explains."""
+    chains: list[Chain] = []
+    unexplained: list[OpStats] = []
+    for st in ctx.ops:
+        if st.count < MIN_CALLS or st.p50_ns <= 0 or st.tail_ratio < TAIL_RATIO:
+            continue
+        rows = ctx.rows(st)
+        slow = rows.dur >= TAIL_RATIO * st.p50_ns
+        episodes = runs(_mask(ctx, rows.ts_ns[slow]), max_gap=2)  # runs ± one bucket that touch merge
+        active = _mask(ctx, rows.ts_ns)
+        dilated = _mask(ctx, rows.ts_ns[slow], dilate=1)
+        base = ctx.series.over_mask(active & ~dilated)
+        best: dict[str, tuple[tuple[int, float], int, int, list[cz.Cause], Evidence, str]] = {}
+        counts: Counter[str] = Counter()
+        for b0, b1 in episodes:
+            ep = ctx.series.over_range(b0 - 1, b1 + 1)
+            found = cz.assess(ep, base, st.p99_ns)
+            if not found:
+                continue
+            sev = cz.severity(found, ep, st.tail_ratio)
+            fam = found[0].family
+            counts[fam] += 1
+            key = (SEVERITY_RANK[sev], -found[0].score)
+            if fam not in best or key < best[fam][0]:
+                best[fam] = (key, b0, b1, found, ep, sev)
+        if not best:
+            unexplained.append(st)
+            continue
+        for fam, (_key, b0, b1, found, ep, sev) in best.items():
+            chains.append(_tail_chain(ctx, st, rows, slow, fam, b0, b1, found, ep, base, sev, counts[fam]))
+    return chains, unexplained
+
+
+def _tail_chain(
+    ctx: Context,
+    st: OpStats,
+    rows: OpRows,
+    slow: np.ndarray,
+    fam: str,
+    b0: int,
+    b1: int,
+    found: list[cz.Cause],
+    ep: Evidence,
+    base: Evidence | None,
+    sev: str,
+    n_episodes: int,
+) -> Chain:
+    g = ctx.grid
+    start = max(g.start_of(max(0, b0 - 1)), ctx.frame.first_ns)
+    end = min(g.end_of(min(g.n - 1, b1 + 1)), ctx.frame.last_ns + 1)
+    in_ep = (rows.ts_ns >= start) & (rows.ts_ns < end)
+    ep_slow = slow & in_ep
+    worst = int(rows.dur[ep_slow].max(initial=0))
+    culprits = ctx.culprits(start, end) if found[0].family == "cpu" else []
+    subject = ctx.subject(rows.pid)
+    words = " + ".join(cz.phrase(c, ep) for c in found[:3])
+    summary = f"{st.name} p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50) — {words}"
+    base_txt = ""
+    if base is not None and found[0].family == "cpu":
+        base_txt = f" (elsewhere: {100 * base.offcpu_frac:.1f}% off-CPU)"
+    elif base is not None and found[0].family.startswith("io"):
+        base_txt = f" (elsewhere: {base.per_s(base.io_n):.1f} I/O ops/s)"
+    explanation = (
+        f"{st.name} ran {st.count} times: p50 {_fmt(st.p50_ns)}, p99 {_fmt(st.p99_ns)}, max {_fmt(st.max_ns)}. "
+        f"{int(slow.sum())} calls took ≥ {TAIL_RATIO:.0f}x p50; {int(ep_slow.sum())} of them (up to {_fmt(worst)}) "
+        f"fell in {fmt_ts(start)} – {fmt_ts(end)}, where the host shows {words}{base_txt}. "
+        + (f"The same cause recurs in {n_episodes} separate windows. " if n_episodes > 1 else "")
+        + _mechanism(found[0].family, st.name)
+    )
+    tl = cz.timeline(found, ep, culprits)
+    tl.append(
+        TimelineEntry(
+            layer_of(st.source),
+            st.name,
+            f"p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50={_fmt(st.p50_ns)}); {int(ep_slow.sum())} slow calls, worst {_fmt(worst)}",
+            round(st.p99_ns / 1000),
+        )
+    )
+    evidence = {
+        "rule": "tail",
+        "op": st.name,
+        "count": st.count,
+        "p50_us": us(st.p50_ns),
+        "p99_us": us(st.p99_ns),
+        "tail_ratio": round(st.tail_ratio, 2),
+        "slow_calls": int(slow.sum()),
+        "slow_calls_in_window": int(ep_slow.sum()),
+        "window_start_ns": start,
+        "window_end_ns": end,
+        "episodes": n_episodes,
+        "causes": [c.family for c in found],
+        "score": round(found[0].score, 4),
+        **_evidence_dict(ep, base),
+    }
+    return ctx.chain(
+        cid=ctx.chain_id("tail", fam, st.name),
+        detected_at=end,
+        severity=sev,
+        summary=summary,
+        root_cause=cz.root_cause(found[0], ep, subject, culprits),
+        explanation=explanation,
+        recommendations=cz.recommendations(found, ep),
+        family=f"tail/{fam}",
+        evidence=evidence,
+        timeline=tl,
+        st=st,
+    )
+
+
+def _mechanism(family: str, op: str) -> str:
+    return {
+        "cpu": f"While the calling thread is off-CPU it cannot issue or return from {op}, so the call's "
+        "measured time includes the wait for a CPU.",
+        "io-write": f"Checkpoint writes saturate the disk and the page cache flush steals CPU and memory bandwidth "
+        f"from the process calling {op}.",
+        "io-read": f"The input pipeline waits on disk reads, so the process reaches {op} late and the GPU starves.",
+        "io": f"Block I/O competes with the process calling {op} for CPU time and memory bandwidth.",
+        "memory": f"Host memory pressure (reclaim, page faults) stalls the CPU side of {op}.",
+        "network": f"The process blocks on the network (retransmits, remote data) before or inside {op}.",
+    }.get(family, "")
+
+
+# --- throughput drop ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Drop:
+    st: OpStats
+    b0: int
+    b1: int
+    found: list[cz.Cause]
+    ep: Evidence
+    base: Evidence | None
+    sev: str
+    fall: float
+    base_rate: float
+    rate: float
+    episodes: int
+
+
+def drop_chains(ctx: Context) -> list[Chain]:
+    """Throughput drops, one chain per cause family: the ops of one process slow down together, so the
+    drop is reported on its busiest op with the others listed."""
+    found_by_family: dict[str, list[_Drop]] = {}
+    for st in ctx.ops:
+        d = _drop(ctx, st)
+        if d is not None:
+            found_by_family.setdefault(d.found[0].family, []).append(d)
+    chains = []
+    for drops in found_by_family.values():
+        drops.sort(key=lambda d: (SEVERITY_RANK[d.sev], -d.base_rate))
+        chains.append(_drop_chain(ctx, drops[0], drops[1:]))
+    return chains
+
+
+def _drop(ctx: Context, st: OpStats) -> _Drop | None:
+    g = ctx.grid
+    width_s = g.width_ns / NS_PER_S
+    w = max(3, round(5 / width_s)) if width_s < 5 else 1
+    if st.count < MIN_CALLS:
+        return None
+    rows = ctx.rows(st)
+    idx = g.index(rows.ts_ns)
+    lo, hi = int(idx.min()) + 1, int(idx.max()) - 1  # first and last buckets are partial
+    if hi - lo + 1 < 2 * w + 2:
+        return None
+    counts = np.bincount(idx, minlength=g.n)[lo : hi + 1].astype(np.float64)
+    kernel = np.ones(w)
+    rate = np.convolve(counts, kernel, mode="same") / np.convolve(np.ones(counts.size), kernel, mode="same") / width_s
+    peak = float(rate.max(initial=0))
+    if peak < MIN_PEAK_RATE:
+        return None
+    low = (rate < (1 - DROP) * peak) & (rate >= 1.0)
+    if low.all():
+        return None
+    base_mask = np.zeros(g.n, dtype=bool)
+    base_mask[lo : hi + 1] = ~low
+    base_rate = float(counts[~low].sum() / (int((~low).sum()) * width_s))
+    base = ctx.series.over_mask(base_mask)
+    best: _Drop | None = None
+    n_eps = 0
+    for a, b in runs(low, max_gap=0):
+        if b - a + 1 < 2:
+            continue
+        ep_rate = float(counts[a : b + 1].sum() / ((b - a + 1) * width_s))
+        fall = 1 - ep_rate / base_rate if base_rate > 0 else 0.0
+        if fall < DROP:
+            continue
+        ep = ctx.series.over_range(lo + a, lo + b)
+        found = cz.assess(ep, base, st.p99_ns)
+        if not found:
+            continue
+        n_eps += 1
+        sev = "HIGH" if fall >= 0.6 or ep.pressure or found[0].strong else cz.severity(found, ep, 10.0)
+        cand = _Drop(st, lo + a, lo + b, found, ep, base, sev, fall, base_rate, ep_rate, 0)
+        if best is None or (SEVERITY_RANK[sev], -fall) < (SEVERITY_RANK[best.sev], -best.fall):
+            best = cand
+    if best is not None:
+        best.episodes = n_eps
+    return best
+
+
+def _drop_chain(ctx: Context, d: _Drop, others: list[_Drop]) -> Chain:
+    g = ctx.grid
+    st, found, ep = d.st, d.found, d.ep
+    start, end = g.start_of(d.b0), min(g.end_of(d.b1), ctx.frame.last_ns + 1)
+    culprits = ctx.culprits(start, end) if found[0].family == "cpu" else []
+    words = " + ".join(cz.phrase(c, ep) for c in found[:3])
+    change = f"{d.base_rate:.0f} → {d.rate:.0f} ops/s"
+    tl = cz.timeline(found, ep, culprits)
+    tl.append(TimelineEntry(layer_of(st.source), st.name, f"throughput dropped {100 * d.fall:.0f}% ({change})"))
+    also = ", ".join(f"{o.st.name} -{100 * o.fall:.0f}%" for o in others[:4])
+    return ctx.chain(
+        cid=ctx.chain_id("drop", found[0].family, st.name),
+        detected_at=end,
+        severity=d.sev,
+        summary=f"{st.name} throughput dropped {100 * d.fall:.0f}% ({change}) — {words}",
+        root_cause=cz.root_cause(found[0], ep, ctx.subject(ctx.rows(st).pid), culprits),
+        explanation=(
+            f"{st.name} ran at {d.base_rate:.0f} calls/s, then at {d.rate:.0f} calls/s from {fmt_ts(start)} to "
+            f"{fmt_ts(end)} ({_fmt(end - start)}) with its per-call latency unchanged (p50 {_fmt(st.p50_ns)}): the "
+            f"process issued less work; it did not wait longer per call. "
+            + (f"Its other GPU calls fell with it ({also}). " if also else "")
+            + f"In that window the host shows {words}. "
+            + _mechanism(found[0].family, st.name)
+        ),
+        recommendations=cz.recommendations(found, ep),
+        family=f"drop/{found[0].family}",
+        evidence={
+            "rule": "drop",
+            "op": st.name,
+            "baseline_per_s": round(d.base_rate, 1),
+            "rate_per_s": round(d.rate, 1),
+            "drop_pct": round(100 * d.fall, 1),
+            "also_dropped": {o.st.name: round(100 * o.fall, 1) for o in others},
+            "window_start_ns": start,
+            "window_end_ns": end,
+            "episodes": d.episodes,
+            "causes": [c.family for c in found],
+            "score": round(d.fall, 4),
+            **_evidence_dict(ep, d.base),
+        },
+        timeline=tl,
+        st=st,
+    )
+
+
+# --- periodic spikes ---------------------------------------------------------------------------
+
+
+def periodic_chains(ctx: Context, candidates: list[OpStats]) -> list[Chain]:
+    chains: list[Chain] = []
+    for st in candidates:
+        if st.count < 5 * MIN_CALLS or st.p50_ns <= 0 or st.max_ns < SPIKE_RATIO * st.p50_ns:
+            continue
+        rows = ctx.rows(st)
+        order = np.argsort(rows.ts_ns, kind="stable")
+        ts, dur = rows.ts_ns[order], rows.dur[order]
+        spike_ts = ts[dur >= SPIKE_RATIO * st.p50_ns]
+        if spike_ts.size < MIN_SPIKES:
+            continue
+        gap = max(ctx.grid.width_ns, NS_PER_S)
+        starts = spike_ts[np.concatenate(([True], np.diff(spike_ts) > gap))]
+        if starts.size < MIN_SPIKES:
+            continue
+        intervals = np.diff(starts).astype(np.float64)
+        mean = float(intervals.mean())
+        cv = float(intervals.std() / mean) if mean > 0 else 1.0
+        if cv > MAX_CV:
+            continue
+        marker, unit = _marker(ctx, st)
+        mts = np.sort(marker)
+        between = np.diff(np.searchsorted(mts, starts))
+        per = float(np.median(between)) if between.size else 0.0
+        spikes = dur >= SPIKE_RATIO * st.p50_ns
+        excess = float((dur[spikes] - st.p50_ns).sum())
+        span = max(1, int(ts[-1] - ts[0]))
+        share = excess / span
+        sev = "HIGH" if share >= 0.10 else "MEDIUM"
+        alloc = (st.source, st.op) in ALLOC_OPS
+        every = f"every ~{per:.0f} {unit}" if per >= 2 else f"every {_short(mean)}"
+        summary = (
+            f"{st.name} spikes {every} ({_short(mean)} apart): {starts.size} spikes up to {_fmt(st.max_ns)} "
+            f"({st.max_ns / st.p50_ns:.0f}x p50)"
+        )
+        if alloc:
+            root = (
+                f"periodic allocator churn — {every} the caching allocator releases cached blocks and {st.name} "
+                "has to get fresh memory from the driver (torch.cuda.empty_cache(), a periodic eval/logging step, "
+                "or changing tensor shapes)"
+            )
+            recs = [
+                "Do not call torch.cuda.empty_cache() inside the training loop",
+                "Keep tensor shapes static (pad variable-length batches to a few fixed sizes) so cached blocks are reused",
+                "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation",
+                "If a periodic eval/checkpoint step allocates, pre-allocate its buffers once",
+            ]
+        else:
+            root = (
+                f"a periodic in-process step {every} stalls {st.name}; no host evidence in the same windows, "
+                "so the cause is inside the process (evaluation, checkpoint, logging, metric sync)"
+            )
+            recs = [
+                f"Find what runs {every} (eval, checkpoint, logging, metric sync) and make it asynchronous or less frequent",
+                "Query the slow calls' stacks: SELECT e.timestamp, e.duration, s.frames FROM events e "
+                f"JOIN stack_traces s ON e.stack_hash = s.hash WHERE e.duration > {int(SPIKE_RATIO * st.p50_ns)}",
+            ]
+        chains.append(
+            ctx.chain(
+                cid=ctx.chain_id("periodic", "", st.name),
+                detected_at=int(starts[-1]),
+                severity=sev,
+                summary=summary,
+                root_cause=root,
+                explanation=(
+                    f"{int(spikes.sum())} of {st.count} {st.name} calls took ≥ {SPIKE_RATIO:.0f}x p50 "
+                    f"({_fmt(st.p50_ns)}), in {starts.size} bursts {_short(mean)} apart (variation {100 * cv:.0f}%), "
+                    f"{every}. The regular period and the absence of host evidence point to the program's own "
+                    f"schedule rather than interference. Spikes cost {_short(excess)} ({100 * share:.1f}% of the time)."
+                ),
+                recommendations=recs,
+                family="periodic",
+                evidence={
+                    "rule": "periodic",
+                    "op": st.name,
+                    "spikes": int(spikes.sum()),
+                    "bursts": int(starts.size),
+                    "period_ms": round(mean / 1e6, 1),
+                    "period_cv": round(cv, 3),
+                    "iterations_between": round(per, 1),
+                    "iteration_unit": unit,
+                    "excess_ms": round(excess / 1e6, 1),
+                    "score": round(share, 4),
+                },
+                timeline=[
+                    TimelineEntry(
+                        layer_of(st.source),
+                        st.name,
+                        f"{starts.size} spikes {every}, worst {_fmt(st.max_ns)} ({st.max_ns / st.p50_ns:.0f}x p50={_fmt(st.p50_ns)})",
+                        round(st.max_ns / 1000),
+                    )
+                ],
+                st=st,
+            )
+        )
+    return chains
+
+
+def _marker(ctx: Context, st: OpStats) -> tuple[np.ndarray, str]:
+    """Timestamps of the op that marks iterations (the busiest sync op), and the word for them."""
+    best: OpStats | None = None
+    for o in ctx.ops:
+        if (o.source, o.op) in SYNC_OPS and (best is None or o.count > best.count):
+            best = o
+    if best is None or best.count < st.count / 10:
+        return ctx.rows(st).ts_ns, "calls"
+    return ctx.rows(best).ts_ns, "iterations"

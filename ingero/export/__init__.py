@@ -1,0 +1,1 @@
+"""Exports of trace data for other tools (Perfetto / Chrome Trace Event JSON)."""

@@ -1,0 +1,169 @@
+"""``ingero export --nodes``: node traces fetched from live agents through the fleet client.
+
+One fan-out (:meth:`ingero.fleet.client.FleetClient.fan_out`), one job per agent, with the client's
+clock-skew samples taken alongside on the same connections:
+
+1. ``/api/v1/info`` (identity, layout) and ``/api/v1/chains`` (the agent resolves the window — on a
+   finished recording ``--since`` counts back from its last event — and returns it with the chains);
+2. ``process_names`` through ``/api/v1/query``;
+3. the events in the window, paged with keyset SQL on ``(timestamp, rowid)`` (the timestamp index
+   serves it; each page is one guarded query, well under the agent's row and byte caps) until the
+   window is exhausted or ``--max-events``.
+
+Each node's measured clock offset (agent minus this host) is subtracted from its timestamps, and the
+trace metadata records it with its uncertainty. Nodes that fail are reported and left out; with none
+answering the export fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from ingero.errors import NoNodeAnsweredError, UsageError
+from ingero.explain.model import Chain
+from ingero.export.perfetto import EXPORT_COLUMNS, NodeTrace, iter_rows
+from ingero.fleet.outcome import NodeOutcome
+
+PAGE_ROWS = 5000
+DEFAULT_EXPORT_TIMEOUT_S = 120.0
+
+
+def _window_sql(start: Any, end: Any) -> list[str]:
+    conds = []
+    if isinstance(start, int):
+        conds.append(f"timestamp >= {int(start)}")
+    if isinstance(end, int):
+        conds.append(f"timestamp <= {int(end)}")
+    return conds
+
+
+async def _fetch_node(conn: Any, params: dict[str, str] | None, max_events: int) -> dict[str, Any]:
+    """The fan-out job for one agent (``conn`` is a :class:`ingero.fleet.client.NodeConn`)."""
+    info = await conn.get("/api/v1/info")
+    chains = await conn.get("/api/v1/chains", params)
+    window = chains.get("window") if isinstance(chains.get("window"), dict) else {}
+    names = await conn.post("/api/v1/query", {"sql": "SELECT pid, name FROM process_names", "limit": 10_000})
+    has_node = info.get("layout") != "ingero-0.8"
+    node_col = "node" if has_node else "''"
+    rows: list[list[Any]] = []
+    cursor: tuple[int, int] | None = None
+    capped = False
+    while True:
+        conds = _window_sql(window.get("start_ns"), window.get("end_ns"))
+        if cursor is not None:
+            conds.append(f"(timestamp > {cursor[0]} OR (timestamp = {cursor[0]} AND rowid > {cursor[1]}))")
+        want = min(PAGE_ROWS, max_events - len(rows))
+        sql = (
+            f"SELECT rowid, {node_col}, {EXPORT_COLUMNS} FROM main.events WHERE {' AND '.join(conds) or '1'} "
+            "ORDER BY timestamp, rowid"
+        )
+        page = await conn.post("/api/v1/query", {"sql": sql, "limit": want})
+        got = page.get("rows") or []
+        rows.extend(got)
+        if not page.get("truncated") or not got:
+            break
+        if len(rows) >= max_events:
+            capped = True
+            break
+        cursor = (int(got[-1][2]), int(got[-1][0]))
+    return {"info": info, "chains": chains, "names": names, "rows": rows, "window": window, "capped": capped}
+
+
+def _chains(body: Any, default_node: str) -> list[Chain]:
+    found: dict[str, Chain] = {}
+    for key in ("stored", "chains"):  # computed chains replace stored rows with the same id
+        for d in body.get(key) or [] if isinstance(body, dict) else []:
+            if isinstance(d, dict):
+                c = Chain.from_dict(d)
+                c.node = c.node or default_node
+                found[c.id] = c
+    return list(found.values())
+
+
+def node_traces(outcome: NodeOutcome) -> list[NodeTrace]:
+    """The traces of one answered agent (several when it serves a merged database)."""
+    data = outcome.data
+    info = data["info"]
+    ident = str(info.get("node") or outcome.label)
+    offset = round(outcome.skew.offset_ns) if outcome.skew else 0
+    uncertainty = round(outcome.skew.uncertainty_ns) if outcome.skew else None
+    names_body = data["names"]
+    names = {int(r[0]): str(r[1]) for r in names_body.get("rows") or [] if len(r) == 2}
+    by_node: dict[str, list[list[Any]]] = {}
+    for r in data["rows"]:
+        by_node.setdefault(str(r[1] or ident), []).append(r[2:])
+    chains = _chains(data["chains"], ident)
+    for c in chains:
+        by_node.setdefault(c.node, [])
+    traces = []
+    for node, rows in by_node.items():
+        own = node == ident
+        traces.append(
+            NodeTrace(
+                node=node,
+                rank=info.get("rank") if own else None,
+                world_size=info.get("world_size") if own else None,
+                first_ns=int(rows[0][0]) if rows else None,
+                events=iter_rows(rows),
+                process_names=names,
+                chains=[c for c in chains if c.node == node],
+                offset_ns=offset,
+                offset_uncertainty_ns=uncertainty,
+            )
+        )
+    return traces
+
+
+def export_fleet(args: argparse.Namespace) -> tuple[list[NodeTrace], dict[str, Any], Callable[[], None]]:
+    """Fetch every node's trace (CLI entry point). Returns (traces, metadata, close)."""
+    import trio
+
+    from ingero.cli import common
+    from ingero.cli.fleet_cmds import settings_from_args
+    from ingero.cli.output import warn
+    from ingero.fleet.client import FleetClient
+    from ingero.fleet.operations import window_params
+    from ingero.fleet.render import skew_warnings, unanswered_lines
+
+    nodes = common.fleet_nodes_from(args)
+    if not nodes:
+        raise UsageError("no nodes to export from", hint="pass --nodes host:port,... or set fleet.nodes in the config")
+    settings = settings_from_args(args)
+    if getattr(args, "timeout", None) is None:  # a whole trace takes longer than one query
+        settings = settings.with_(timeout_s=max(settings.timeout_s, DEFAULT_EXPORT_TIMEOUT_S))
+    params = window_params(args.since, args.from_, args.to)
+    max_events = int(args.max_events)
+
+    async def main() -> list[NodeOutcome]:
+        async def job(conn: Any) -> dict[str, Any]:
+            return await _fetch_node(conn, params, max_events)
+
+        async with FleetClient(nodes, settings) as fc:
+            return await fc.fan_out(job)
+
+    outcomes: list[NodeOutcome] = trio.run(main)
+    answered = [o for o in outcomes if o.answered]
+    for line in unanswered_lines(outcomes):
+        warn(line)
+    if not answered:
+        raise NoNodeAnsweredError("no node answered: " + "; ".join(unanswered_lines(outcomes)))
+    if getattr(args, "strict", False) and len(answered) < len(outcomes):
+        raise NoNodeAnsweredError(f"{len(outcomes) - len(answered)} node(s) did not answer (--strict)")
+    for line in skew_warnings(outcomes, settings.skew_threshold_ms):
+        warn(line + " — corrected in the export")
+    traces: list[NodeTrace] = []
+    for o in sorted(answered, key=lambda o: o.label):
+        if o.data.get("capped"):
+            warn(f"{o.label}: stopped at --max-events {max_events}; narrow the window with --since/--from/--to")
+        traces.extend(node_traces(o))
+    traces.sort(key=lambda t: (t.rank if t.rank is not None else 1 << 30, t.node))
+    meta = {
+        "source": "fleet",
+        "clock_correction": "each node's timestamps are shifted by its measured clock offset (agent clock minus "
+        "this host's, NTP four-timestamp method, lowest-delay sample); see nodes[].clock_offset_ns",
+        "unreachable": [o.as_dict() for o in outcomes if not o.answered],
+        "windows": {o.label: o.data.get("window") for o in answered},
+    }
+    return traces, meta, lambda: None

@@ -1,0 +1,124 @@
+"""The MCP ``query_fleet`` tool: one fan-out through the fleet client (:mod:`ingero.fleet`).
+
+Runs inside the MCP server's trio loop. Every answer starts with the clock-skew warnings and the
+nodes that did not answer (with their reasons), then the merged data with a ``node`` column first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ingero.config import NodeSpec
+from ingero.errors import UsageError
+from ingero.fleet.outcome import NodeOutcome
+from ingero.fleet.settings import ClientSettings
+from ingero.mcp.local_tools import MAX_SQL_ROWS, check_limit, check_since
+
+ACTIONS = ("chains", "sql", "ops", "overview", "status")
+OPS_COLUMNS = ["node", "source", "op", "count", "p50_us", "p95_us", "p99_us", "max_us", "tail_ratio", "total_ms"]
+OVERVIEW_COLUMNS = ["node", "events", "first_ns", "last_ns", "live", "high", "medium", "low", "top_op", "top_op_p99_us"]
+
+
+def _header(outcomes: Sequence[NodeOutcome], settings: ClientSettings) -> dict[str, Any]:
+    from ingero.fleet.render import skew_warnings, unanswered_lines
+
+    answered = [o for o in outcomes if o.answered]
+    return {
+        "clock_skew_warnings": skew_warnings(outcomes, settings.skew_threshold_ms),
+        "unreachable": unanswered_lines(outcomes),
+        "answered": len(answered),
+        "asked": len(outcomes),
+        "nodes": [o.as_dict() for o in outcomes],
+    }
+
+
+async def query_fleet(
+    nodes: Sequence[NodeSpec],
+    settings: ClientSettings,
+    action: str,
+    since: str | None = None,
+    sql: str | None = None,
+    limit: int = 200,
+) -> dict[str, Any]:
+    """Fan ``action`` out to every node; raises UsageError on bad input, FleetError-free otherwise:
+    unreachable nodes are listed, never raised (partial answers are answers)."""
+    from ingero.fleet import operations as ops
+
+    if action not in ACTIONS:
+        raise UsageError(f"action={action!r} is not one of {', '.join(ACTIONS)}")
+    if not nodes:
+        raise UsageError(
+            "no fleet nodes configured",
+            hint="list them under fleet.nodes in the config given to 'ingero mcp --config', or pass --nodes",
+        )
+    since = check_since(since)
+    check_limit(limit, "limit", MAX_SQL_ROWS)
+    if action == "sql":
+        if not isinstance(sql, str) or not sql.strip():
+            raise UsageError(
+                "action=sql needs sql", hint="e.g. SELECT source, count(*) AS n FROM events GROUP BY source"
+            )
+        result = await ops.fleet_query(nodes, settings, sql, limit=limit, since=since)
+        return {
+            **_header(result.outcomes, settings),
+            "columns": result.columns,
+            "rows": result.rows,
+            "rows_by_node": result.rows_by_node,
+            "truncated_nodes": [o.label for o in result.truncated],
+        }
+    if sql:
+        raise UsageError(f"sql is only used with action=sql (not {action})")
+    if action == "chains":
+        fleet = await ops.fleet_explain(nodes, settings, since=since)
+        return {
+            **_header(fleet.outcomes, settings),
+            "straggler": fleet.verdict.as_dict(),
+            "chains": [c.as_dict() for c in fleet.chains[:limit]],
+            "windows": fleet.windows,
+        }
+    if action == "ops":
+        outcomes = await ops.fleet_ops(nodes, settings, since=since)
+        rows = []
+        for o in outcomes:
+            body = o.data if o.answered and isinstance(o.data, dict) else {}
+            for d in body.get("ops") or []:
+                if isinstance(d, dict):
+                    rows.append([o.label, *(d.get(c) for c in OPS_COLUMNS[1:])])
+        return {**_header(outcomes, settings), "columns": OPS_COLUMNS, "rows": rows[: limit * max(1, len(nodes))]}
+    if action == "overview":
+        return await _overview(nodes, settings, since)
+    status = await ops.fleet_status(nodes, settings)
+    return {**_header(status.outcomes, settings), "columns": status.columns, "rows": status.rows()}
+
+
+async def _overview(nodes: Sequence[NodeSpec], settings: ClientSettings, since: str | None) -> dict[str, Any]:
+    from ingero.fleet.client import FleetClient
+    from ingero.fleet.operations import window_params
+
+    async with FleetClient(nodes, settings) as fc:
+        outcomes = await fc.request_all("GET", "/api/v1/overview", params=window_params(since))
+    rows = []
+    for o in sorted(outcomes, key=lambda o: o.label):
+        body = o.data if o.answered and isinstance(o.data, dict) else None
+        if body is None:
+            continue
+        raw_counts, raw_ops = body.get("chain_counts"), body.get("top_ops")
+        counts: dict[str, Any] = raw_counts if isinstance(raw_counts, dict) else {}
+        top_ops: list[Any] = raw_ops if isinstance(raw_ops, list) else []
+        top: dict[str, Any] = top_ops[0] if top_ops and isinstance(top_ops[0], dict) else {}
+        rows.append(
+            [
+                o.label,
+                body.get("events"),
+                body.get("first_ns"),
+                body.get("last_ns"),
+                body.get("live"),
+                counts.get("HIGH", 0),
+                counts.get("MEDIUM", 0),
+                counts.get("LOW", 0),
+                top.get("op"),
+                top.get("p99_us"),
+            ]
+        )
+    return {**_header(outcomes, settings), "columns": OVERVIEW_COLUMNS, "rows": rows}

@@ -1,0 +1,283 @@
+"""The MCP server's tools over one local trace database: blocking functions returning JSON-able dicts.
+
+Each opens its own read-only connection (:func:`ingero.store.db.open_readonly`); free SQL goes
+through the SQL guard (:func:`ingero.store.guard.run_query`). Invalid input raises
+:class:`~ingero.errors.UsageError` with a one-line message the server turns into a tool error.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ingero.errors import UsageError
+from ingero.explain.model import SEVERITIES, Chain, sort_chains, stored_chains
+from ingero.store import guard
+from ingero.store.catalog import GPU_API_SOURCES, SOURCE_NAMES, lookup_op, op_name
+from ingero.store.db import open_readonly, summarize, translate
+from ingero.store.window import Window, resolve_window
+from ingero.timeutil import fmt_duration, fmt_ts, parse_duration
+
+MAX_SQL_ROWS = 1000
+DEFAULT_SQL_ROWS = 200
+MAX_ITEMS = 100
+
+
+# --- input validation --------------------------------------------------------------------------
+
+
+def check_since(since: str | None) -> str | None:
+    """``since`` must be a positive duration (30s, 5m, 2h) or empty."""
+    if since is None or not since.strip():
+        return None
+    text = since.strip()
+    try:
+        span = parse_duration(text)
+    except UsageError:
+        raise UsageError(f"since={since!r} is not a duration", hint="use e.g. 30s, 5m, 2h") from None
+    if span <= 0:
+        raise UsageError(f"since={since!r} must be positive")
+    return text
+
+
+def check_limit(limit: int, name: str = "limit", maximum: int = MAX_ITEMS) -> int:
+    if limit < 1 or limit > maximum:
+        raise UsageError(f"{name}={limit} is out of range (1..{maximum})")
+    return limit
+
+
+def check_severity(severity: str | None) -> str | None:
+    if not severity:
+        return None
+    sev = severity.strip().upper()
+    if sev not in SEVERITIES:
+        raise UsageError(f"severity={severity!r} is not one of {', '.join(SEVERITIES)}")
+    return sev
+
+
+@contextmanager
+def _reader(db: Path) -> Iterator[sqlite3.Connection]:
+    conn = open_readonly(db)
+    try:
+        yield conn
+    except sqlite3.Error as e:
+        raise translate(e, db) from None
+    finally:
+        conn.close()
+
+
+def _window(conn: sqlite3.Connection, since: str | None) -> Window:
+    return resolve_window(conn, check_since(since))
+
+
+def _node_clause(node: str | None, column: str = "node") -> tuple[str, list[Any]]:
+    return (f" AND {column} = ?", [node]) if node else ("", [])
+
+
+# --- tools -------------------------------------------------------------------------------------
+
+
+def overview(db: Path, since: str | None = None) -> dict[str, Any]:
+    """What is in the database: nodes, time range, event mix, slowest ops, chain counts."""
+    from ingero.explain.engine import explain
+
+    with _reader(db) as conn:
+        s = summarize(conn, db)
+        window = _window(conn, since)
+        where, params = window.clause("timestamp")
+        mix = conn.execute(
+            f"SELECT node, source, count(*) FROM events WHERE {where} GROUP BY node, source", params
+        ).fetchall()
+        report = explain(conn, window)
+    by_node: dict[str, dict[str, int]] = {}
+    for node, source, count in mix:
+        by_node.setdefault(node, {})[SOURCE_NAMES.get(source, str(source))] = count
+    counts = {sev: 0 for sev in SEVERITIES}
+    for c in report.chains:
+        counts[c.severity] = counts.get(c.severity, 0) + 1
+    ops = sorted(report.ops, key=lambda o: o.total_ns, reverse=True)[:10]
+    return {
+        "database": str(db),
+        "layout": s.layout,
+        "nodes": s.nodes or sorted(by_node),
+        "events": s.events,
+        "first_event": fmt_ts(s.first_ns) if s.first_ns else None,
+        "last_event": fmt_ts(s.last_ns) if s.last_ns else None,
+        "span": fmt_duration(s.last_ns - s.first_ns) if s.first_ns and s.last_ns else None,
+        "live": s.live,
+        "stored_chains": s.chains,
+        "window": window.as_dict(),
+        "events_in_window_by_node": by_node,
+        "top_ops_by_total_time": [o.as_dict() for o in ops],
+        "chain_counts": counts,
+        "top_chains": [f"[{c.severity}] {c.node}: {c.summary}" for c in report.chains[:5]],
+        "notes": report.notes,
+        "next_steps": "chains() for root causes; stacks(op) for the code behind a slow op; "
+        "processes() for who is busy; sql() for anything else",
+    }
+
+
+def chains(
+    db: Path, since: str | None = None, severity: str | None = None, node: str | None = None, limit: int = 20
+) -> dict[str, Any]:
+    """Causal chains: computed by the explain engine over the window, plus those stored in the database."""
+    from ingero.explain.engine import explain
+
+    sev = check_severity(severity)
+    check_limit(limit)
+    with _reader(db) as conn:
+        window = _window(conn, since)
+        report = explain(conn, window, node=node or None)
+        stored = stored_chains(conn, window)
+    found: dict[str, Chain] = {c.id: c for c in stored}
+    for c in report.chains:
+        found[c.id] = c  # a fresh computation replaces the stored row with the same id
+    picked = [
+        c for c in sort_chains(list(found.values())) if (not sev or c.severity == sev) and (not node or c.node == node)
+    ]
+    return {
+        "window": window.as_dict(),
+        "count": len(picked),
+        "chains": [c.as_dict() for c in picked[:limit]],
+        "truncated": len(picked) > limit,
+        "notes": report.notes,
+    }
+
+
+def sql(db: Path, query: str, limit: int = DEFAULT_SQL_ROWS) -> dict[str, Any]:
+    """One read-only statement through the SQL guard."""
+    if not isinstance(query, str) or not query.strip():
+        raise UsageError("sql is empty", hint="give one SELECT statement")
+    check_limit(limit, "limit", MAX_SQL_ROWS)
+    result = guard.run_query(db, query, limit=limit)
+    return result.as_dict()
+
+
+def _frames(text: str | None) -> list[str]:
+    try:
+        frames = json.loads(text or "[]")
+    except ValueError:
+        return [text or ""]
+    out = []
+    for f in frames if isinstance(frames, list) else []:
+        if isinstance(f, dict):
+            where = f.get("s") or f.get("i") or "?"
+            out.append(f"{where} ({f['f']})" if f.get("f") else str(where))
+    return out
+
+
+def stacks(db: Path, op: str, since: str | None = None, node: str | None = None, limit: int = 10) -> dict[str, Any]:
+    """Call stacks behind one op, most frequent first, with their latency."""
+    if not isinstance(op, str) or not op.strip():
+        raise UsageError("op is empty", hint="e.g. cudaMalloc, cuLaunchKernel, cudaStreamSynchronize")
+    ref = lookup_op(op)
+    check_limit(limit)
+    node_sql, node_params = _node_clause(node, "e.node")
+    with _reader(db) as conn:
+        window = _window(conn, since)
+        where, params = window.clause("e.timestamp")
+        base = f"FROM events e WHERE e.source = ? AND e.op = ? AND {where}{node_sql}"
+        args = [ref.source, ref.op, *params, *node_params]
+        total, with_stack = conn.execute(f"SELECT count(*), total(e.stack_hash != 0) {base}", args).fetchone()
+        rows = conn.execute(
+            f"SELECT e.stack_hash, count(*) AS calls, avg(e.duration), max(e.duration), "
+            f"group_concat(DISTINCT e.node) {base} AND e.stack_hash != 0 "
+            "GROUP BY e.stack_hash ORDER BY calls DESC, e.stack_hash LIMIT ?",
+            [*args, limit],
+        ).fetchall()
+        frames: dict[int, str] = {}
+        for h, *_ in rows:
+            row = conn.execute("SELECT frames FROM stack_traces WHERE hash = ?", (h,)).fetchone()
+            frames[h] = row[0] if row else ""
+    return {
+        "op": ref.name,
+        "window": window.as_dict(),
+        "calls": int(total or 0),
+        "calls_with_stack": int(with_stack or 0),
+        "stacks": [
+            {
+                "stack_hash": h,
+                "calls": calls,
+                "share": round(calls / total, 4) if total else 0.0,
+                "avg_us": round(avg / 1000, 3),
+                "max_us": round(mx / 1000, 3),
+                "nodes": sorted((nodes or "").split(",")),
+                "frames": _frames(frames.get(h)) or ["(stack not resolved in this database)"],
+            }
+            for h, calls, avg, mx, nodes in rows
+        ],
+        "notes": [] if total else [f"no {ref.name} events in the window"],
+    }
+
+
+def processes(db: Path, since: str | None = None, node: str | None = None, limit: int = 20) -> dict[str, Any]:
+    """Per-process breakdown: GPU API time, off-CPU time, block I/O, busiest op."""
+    check_limit(limit)
+    gpu = ",".join(str(s) for s in GPU_API_SOURCES)
+    node_sql, node_params = _node_clause(node)
+    with _reader(db) as conn:
+        window = _window(conn, since)
+        where, params = window.clause("timestamp")
+        args = [*params, *node_params]
+        rows = conn.execute(
+            "SELECT node, pid, count(*), "
+            f"sum(source IN ({gpu})), total(CASE WHEN source IN ({gpu}) THEN duration END), "
+            "sum(source = 3 AND op = 1), total(CASE WHEN source = 3 AND op = 1 THEN duration END), "
+            "sum(source = 5), total(CASE WHEN source = 5 THEN duration END), min(timestamp), max(timestamp) "
+            f"FROM events WHERE {where}{node_sql} GROUP BY node, pid "
+            "ORDER BY 5 DESC, 7 DESC, 3 DESC LIMIT ?",
+            [*args, limit],
+        ).fetchall()
+        top: dict[tuple[str, int], tuple[int, int, int, float]] = {}
+        for n, pid, source, op, count, tot in conn.execute(
+            f"SELECT node, pid, source, op, count(*), total(duration) FROM events WHERE {where}{node_sql} "
+            f"AND source IN ({gpu}) GROUP BY node, pid, source, op",
+            args,
+        ):
+            if (n, pid) not in top or tot > top[(n, pid)][3]:
+                top[(n, pid)] = (source, op, count, tot)
+        names = _names(conn)
+    out = []
+    for n, pid, count, gcalls, gtime, sw, off, io, io_t, first, last in rows:
+        best = top.get((n, pid))
+        out.append(
+            {
+                "node": n,
+                "pid": pid,
+                "name": names.get((n, pid)) or names.get(("", pid)) or "",
+                "events": count,
+                "gpu_api_calls": int(gcalls or 0),
+                "gpu_api_ms": round(gtime / 1e6, 3),
+                "sched_switch": int(sw or 0),
+                "offcpu_ms": round(off / 1e6, 3),
+                "block_io": int(io or 0),
+                "block_io_ms": round(io_t / 1e6, 3),
+                "busiest_gpu_op": (
+                    {"op": op_name(best[0], best[1]), "calls": best[2], "total_ms": round(best[3] / 1e6, 3)}
+                    if best
+                    else None
+                ),
+                "first_event": fmt_ts(first),
+                "last_event": fmt_ts(last),
+            }
+        )
+    return {"window": window.as_dict(), "processes": out, "truncated": len(out) >= limit}
+
+
+def _names(conn: sqlite3.Connection) -> dict[tuple[str, int], str]:
+    names: dict[tuple[str, int], str] = {}
+    for sql_text, per_node in (
+        ("SELECT pid, name FROM process_names", False),
+        ("SELECT node, pid, name FROM node_process_names", True),
+    ):
+        try:
+            for row in conn.execute(sql_text):
+                key = (row[0], row[1]) if per_node else ("", row[0])
+                names[key] = row[-1]
+        except sqlite3.OperationalError:
+            continue
+    return names

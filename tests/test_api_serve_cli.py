@@ -1,0 +1,111 @@
+"""`ingero serve` as a real process: ready file, the seed query over TLS, clean exit on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ingero.agent.tls import client_ssl_context
+from ingero.cli.main import main
+from tests.conftest import ROOT, SEED_QUERY
+
+
+@contextmanager
+def serve(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], str, dict[str, Any]]]:
+    """Start `ingero serve ... --ready-file`; readiness is the line it prints on stderr (no sleeping)."""
+    ready = tmp_path / "ready.json"
+    full_env = {k: v for k, v in os.environ.items() if k != "INGERO_TOKEN"}
+    full_env.update({"HOME": str(tmp_path / "home"), **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ingero", "serve", "--listen", "127.0.0.1:0", "--ready-file", str(ready), *args],
+        cwd=ROOT,
+        env=full_env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on" in line:
+                break
+        else:
+            raise AssertionError("ingero serve exited before listening: " + "".join(lines))
+        yield proc, "".join(lines), json.loads(ready.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_serve_answers_the_seed_query_and_stops_cleanly(tmp_path: Path) -> None:
+    db = ROOT / "tests" / "data" / "ingero-samples" / "sample-gpu-node-01.db"
+    with serve(tmp_path, "--db", str(db), "--node", "gpu-node-01") as (proc, err, ready):
+        assert ready["pid"] == proc.pid and ready["node"] == "gpu-node-01" and ready["tls"] == "tls"
+        assert ready["url"] == f"https://127.0.0.1:{ready['port']}" and ready["port"] > 0
+        line = err.strip().splitlines()[-1]
+        assert ready["url"] in line and "node=gpu-node-01" in line and "tls=tls" in line
+        assert f"fingerprint=SHA256:{ready['fingerprint_sha256']}" in line
+        assert "created a self-signed certificate" in err
+        cert = tmp_path / "home" / ".ingero" / "tls" / "server-cert.pem"
+        with httpx.Client(verify=client_ssl_context(ca_cert=cert), base_url=ready["url"]) as c:
+            doc = c.post("/api/v1/query", json={"sql": SEED_QUERY}).json()
+            assert doc["node"] == "gpu-node-01" and doc["columns"] == ["node", "source", "cnt", "avg_us"]
+            assert [r[:3] for r in doc["rows"]] == [["gpu-node-01", 3, 99], ["gpu-node-01", 5, 101]]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert not (tmp_path / "ready.json").exists()
+
+
+def test_serve_with_token_from_the_environment_and_sigint(tmp_path: Path) -> None:
+    db = ROOT / "tests" / "data" / "ingero-samples" / "sample-cluster.db"
+    with serve(tmp_path, "--db", str(db), "--no-tls", env={"INGERO_TOKEN": "from-env"}) as (proc, err, ready):
+        assert ready["tls"] == "plaintext" and ready["fingerprint_sha256"] is None and "warning" in err
+        with httpx.Client(base_url=ready["url"]) as c:
+            assert c.get("/api/v1/health").status_code == 401
+            r = c.get("/api/v1/info", headers={"Authorization": "Bearer from-env"})
+            assert r.status_code == 200 and r.json()["auth"] == "token" and r.json()["events"] == 600
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["--db", "/nonexistent/trace.db"], 1, "no such database"),
+        (["--db", "{db}", "--listen", "0.0.0.0:0", "--no-tls"], 2, "refusing plain HTTP"),
+        (["--db", "{db}", "--listen", "nowhere:99999"], 2, "--listen"),
+        (["--db", "{db}", "--tls-cert", "{db}"], 2, "go together"),
+        (["--db", "{db}", "--tls-cert", "{db}", "--tls-key", "{db}"], 2, "cannot load"),
+        (["--db", "{db}", "--allow-plaintext-remote"], 2, "only makes sense with --no-tls"),
+        (["--db", "{db}", "--max-rows", "0"], 2, "--max-rows"),
+    ],
+)
+def test_serve_refuses_bad_settings_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    code: int,
+    words: str,
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    db = str(ROOT / "tests" / "data" / "ingero-samples" / "sample-gpu-node-01.db")
+    argv = [a.replace("{db}", db) for a in args]
+    listen = [] if "--listen" in argv else ["--listen", "127.0.0.1:0"]
+    assert main(["serve", *listen, *argv]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("ingero: error: ") and words in err and err.count("\n") == 1

@@ -1,0 +1,213 @@
+"""``ingero explain`` on local databases: output, windows, stored chains, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ingero.cli.main import main
+from ingero.demo.runner import run_scenario
+from ingero.explain.engine import explain
+from ingero.explain.frame import load_frames
+from ingero.explain.stats import op_stats
+from ingero.store.db import open_readonly
+from tests.conftest import ROOT
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_scenario("incident", tmp_path_factory.mktemp("demo") / "incident.db").db
+
+
+def test_text_report(capsys: pytest.CaptureFixture[str], incident: Path) -> None:
+    code, out, _ = cli(capsys, "explain", "--db", str(incident))
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.strip().startswith("op "))
+    assert header.split() == ["op", "source", "count", "p50", "p95", "p99", "max", "p99/p50"]
+    assert "causal chains (1)" in out and "[HIGH]" in out
+    for part in ("root cause: CPU contention", "timeline:", "SYSTEM", "sched_switch", "fix:", "1. Pin"):
+        assert part in out
+
+
+def test_json_report(capsys: pytest.CaptureFixture[str], incident: Path) -> None:
+    code, out, _ = cli(capsys, "explain", "--db", str(incident), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["nodes"] == ["demo-node"] and doc["stored_chains"] == 1
+    assert doc["chains"][0]["severity"] == "HIGH" and doc["chains"][0]["origin"] == "computed"
+    sync = next(o for o in doc["ops"] if o["op"] == "cudaStreamSync")
+    assert sync["node"] == "demo-node" and sync["p99_us"] > 6 * sync["p50_us"]
+    assert doc["host"]["sched_switch"] == doc["hosts"]["demo-node"]["sched_switch"] > 500
+
+
+def test_op_filter_and_per_process(capsys: pytest.CaptureFixture[str], incident: Path) -> None:
+    code, out, _ = cli(capsys, "explain", "--db", str(incident), "--op", "cudaStreamSynchronize", "--json")
+    doc = json.loads(out)
+    assert code == 0 and [o["op"] for o in doc["ops"]] == ["cudaStreamSync"] and len(doc["chains"]) == 1
+    code, out, _ = cli(capsys, "explain", "--db", str(incident), "--op", "cuMemAlloc", "--json")
+    doc = json.loads(out)
+    assert doc["ops"] == [] and doc["chains"] == [] and "no cuMemAlloc events in the window" in doc["notes"]
+    code, out, _ = cli(capsys, "explain", "--db", str(incident), "--per-process", "--json")
+    assert json.loads(out)["chains"][0]["id"] == "demo-node:tail-cpu-cudaStreamSync-pid4242"
+
+
+def test_since_on_a_finished_recording_counts_back_from_its_end(
+    capsys: pytest.CaptureFixture[str], incident: Path
+) -> None:
+    code, out, err = cli(capsys, "explain", "--db", str(incident), "--since", "5s")
+    assert code == 0 and "not a live recording: --since 5s counts back 5s from its last event" in err
+    assert "no causal chains" in out  # the storm ended ten seconds before the end
+    code, out, _ = cli(capsys, "explain", "--db", str(incident), "--since", "25s", "--json")
+    doc = json.loads(out)
+    assert doc["window"]["note"].startswith("not a live recording") and doc["chains"][0]["severity"] == "HIGH"
+
+
+def test_ingero_samples_computed_and_stored(capsys: pytest.CaptureFixture[str], samples: Path) -> None:
+    db = str(samples / "sample-cluster.db")
+    code, out, err = cli(capsys, "explain", "--db", db)
+    assert code == 0 and "gpu-node-01" in out and "cuMemAlloc" in out
+    assert "no causal chains" in out and "stores 6 chain(s)" in out and "--chains" in out
+    assert "gpu-node-01: no CUDA/driver/NCCL events in the window" in err
+    code, out, _ = cli(capsys, "explain", "--db", db, "--chains", "--json")
+    chains = json.loads(out)["chains"]
+    assert code == 0 and len(chains) == 6 and {c["origin"] for c in chains} == {"stored"}
+    assert [c["severity"] for c in chains] == ["HIGH", "HIGH", "MEDIUM", "MEDIUM", "MEDIUM", "MEDIUM"]
+    code, out, _ = cli(capsys, "explain", "--db", db, "--chains", "--node", "gpu-node-03")
+    assert code == 0 and "1 stored causal chain(s)" in out and "137.2x" in out
+    for name in ("sample-gpu-node-01.db", "sample-gpu-node-02.db"):
+        code, out, _ = cli(capsys, "explain", "--db", str(samples / name), "--json")
+        assert code == 0 and json.loads(out)["events"] == 200
+
+
+def test_legacy_ingero_08_database(tmp_path: Path) -> None:
+    db = tmp_path / "old-node.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(
+        """
+        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, timestamp INTEGER NOT NULL,
+            pid INTEGER NOT NULL, tid INTEGER NOT NULL, source INTEGER NOT NULL, op INTEGER NOT NULL,
+            duration INTEGER NOT NULL, gpu_id INTEGER NOT NULL DEFAULT 0, arg0 INTEGER NOT NULL DEFAULT 0,
+            arg1 INTEGER NOT NULL DEFAULT 0, ret_code INTEGER NOT NULL DEFAULT 0,
+            stack_hash INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE sessions (id INTEGER PRIMARY KEY AUTOINCREMENT, started_at INTEGER NOT NULL,
+            stopped_at INTEGER NOT NULL DEFAULT 0);
+        """
+    )
+    conn.executemany(
+        "INSERT INTO events(timestamp, pid, tid, source, op, duration, ret_code) VALUES (?, 7, 7, 1, 5, ?, ?)",
+        [(10**18 + i * 10**7, 1000 + i, int(i == 3)) for i in range(50)],
+    )
+    conn.commit()
+    conn.close()
+    report = explain(open_readonly(db))
+    assert report.nodes == ["old-node"] and report.ops[0].count == 50 and report.ops[0].errors == 1
+
+
+def test_frames_split_nodes_and_find_nodes_without_sessions(tmp_path: Path) -> None:
+    from ingero.explain import frame
+
+    db = tmp_path / "m.db"
+    from ingero.identity import Identity
+    from ingero.store.writer import StoreWriter
+
+    for node, dur in (("a", 1000), ("b", 2000), ("c", 3000)):
+        with StoreWriter(db, Identity(node)) as w:
+            if node != "c":  # node c wrote events but no session
+                w.end_session(w.start_session({}, started_at=1), stopped_at=2)
+            w.write_events([(10**18 + i, 1, 1, 1, 5, dur, 0, 0, 0, 0, 0, 0) for i in range(300)])
+    conn = open_readonly(db)
+    frames = load_frames(conn)
+    assert list(frames) == ["a", "b", "c"]
+    assert {n: set(f.dur.tolist()) for n, f in frames.items()} == {"a": {1000}, "b": {2000}, "c": {3000}}
+    old = frame.CHUNK_ROWS
+    frame.CHUNK_ROWS = 100  # several group_concat slices
+    try:
+        again = load_frames(conn)
+    finally:
+        frame.CHUNK_ROWS = old
+    assert {n: f.size for n, f in again.items()} == {"a": 300, "b": 300, "c": 300}
+    assert [s.p50_ns for s in op_stats(conn, node="b")] == [2000.0]
+    assert op_stats(conn)[0].count == 900  # without node: pooled, as before
+
+
+def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in ("explain", "demo", "investigations"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        out, _ = capsys.readouterr()
+        assert e.value.code == 0 and "examples:" in out and f"ingero {cmd}" in out
+
+
+@pytest.fixture
+def not_sqlite(tmp_path: Path) -> Path:
+    p = tmp_path / "notes.db"
+    p.write_text("this is not a database\n" * 100)
+    return p
+
+
+@pytest.fixture
+def no_events(tmp_path: Path) -> Path:
+    p = tmp_path / "other.db"
+    with sqlite3.connect(p) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    return p
+
+
+@pytest.fixture
+def truncated(tmp_path: Path, incident: Path) -> Path:
+    p = tmp_path / "cut.db"
+    p.write_bytes(incident.read_bytes()[: 40 * 4096])
+    return p
+
+
+@pytest.mark.parametrize(
+    ("args", "needle", "code"),
+    [
+        (["--db", "/nonexistent/trace.db"], "no such database file", 1),
+        (["--db", "{not_sqlite}"], "is not a SQLite database", 1),
+        (["--db", "{no_events}"], "has no 'events' table", 1),
+        (["--db", "{truncated}"], "malformed", 1),
+        (["--db", "{incident}", "--op", "cudaFrobnicate"], "unknown op 'cudaFrobnicate'", 2),
+        (["--db", "{incident}", "--since", "yesterday"], "cannot parse duration 'yesterday'", 2),
+        (["--db", "{incident}", "--from", "noon"], "cannot parse time 'noon'", 2),
+        (["--db", "{incident}", "--node", "gpu-node-99"], "no node 'gpu-node-99'", 2),
+        (["--db", "{incident}", "--pid", "-3"], "must be a process id", 2),
+    ],
+)
+def test_bad_input_is_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+    args: list[str],
+    needle: str,
+    code: int,
+) -> None:
+    argv = ["explain"]
+    for a in args:
+        if a.startswith("{"):
+            a = str(request.getfixturevalue(a.strip("{}")))
+        argv.append(a)
+    rc, out, err = cli(capsys, *argv)
+    assert rc == code and out == ""
+    assert err.count("\n") == 1 and err.startswith("ingero: error: ") and needle in err, err
+
+
+def test_no_traceback_from_the_real_command(not_sqlite: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ingero", "explain", "--db", str(not_sqlite)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("ingero: error:") and "Traceback" not in proc.stderr

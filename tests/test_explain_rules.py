@@ -1,0 +1,288 @@
+"""Explain rules on hand-built databases written through the real StoreWriter.
+
+Each database is a small synthetic training loop (4 kernel launches + one cudaStreamSync per step) with
+one disturbance injected between t=10 s and t=18 s; the disturbance *causes* the slow calls (a sync
+returns late by exactly the off-CPU time of the sched_switch row written with it, and so on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ingero.demo.synth import Recorder
+from ingero.explain.engine import ExplainReport, explain
+from ingero.explain.model import Chain
+from ingero.store.catalog import CUDA, HOST, TCP
+from ingero.store.db import open_readonly
+from ingero.timeutil import NS_PER_MS
+
+BASE = 1_776_000_000_000_000_000
+WINDOW = (10.0, 18.0)
+Hook = Callable[[Recorder, float, int], float]  # returns extra ns added to the step's sync
+
+
+def trainer(
+    rec: Recorder,
+    pid: int,
+    t0: float,
+    t1: float,
+    *,
+    sync_ms: float = 5.0,
+    hook: Hook | None = None,
+    gpu: int = 0,
+    slow_factor: Callable[[float], float] | None = None,
+) -> None:
+    t, i = t0, 0
+    while t < t1:
+        for k in range(4):
+            rec.ev(t + k * 3e-5, pid, CUDA, 3, rec.jitter(8000, 0.1), gpu=gpu)
+        sync = rec.jitter(sync_ms * NS_PER_MS, 0.05) * (slow_factor(t) if slow_factor else 1.0)
+        extra = hook(rec, t, i) if hook else 0.0
+        rec.ev(t + 1e-4, pid, CUDA, 5, sync + extra, gpu=gpu)
+        t += 1e-4 + (sync + extra) / 1e9 + 1e-3
+        i += 1
+
+
+def in_window(t: float, window: tuple[float, float] = WINDOW) -> bool:
+    return window[0] <= t < window[1]
+
+
+def build(
+    path: Path,
+    hook: Hook | None = None,
+    *,
+    node: str = "node-a",
+    seconds: float = 30.0,
+    extra: Callable[[Recorder], None] | None = None,
+    seed: int = 1,
+) -> Path:
+    rec = Recorder(node, BASE, seed)
+    rec.process(100, "python3 train.py", 0.0, exec_event=False)
+    trainer(rec, 100, 0.1, seconds, hook=hook)
+    rec.background(0.0, seconds, 100, 2, 40_000)
+    if extra:
+        extra(rec)
+    rec.write(path)
+    return path
+
+
+def report_of(path: Path, **kw: object) -> ExplainReport:
+    conn = open_readonly(path)
+    try:
+        return explain(conn, **kw)  # type: ignore[arg-type]
+    finally:
+        conn.close()
+
+
+def only(report: ExplainReport, family: str, op: str | None = None) -> Chain:
+    found = [c for c in report.chains if c.family == family and (op is None or c.cuda_op == op)]
+    assert len(found) == 1, [(c.family, c.cuda_op, c.severity) for c in report.chains]
+    return found[0]
+
+
+def stall(prob: float, lo_ms: float, hi_ms: float, *, sched: bool, window: tuple[float, float] = WINDOW) -> Hook:
+    def hook(rec: Recorder, t: float, _i: int) -> float:
+        if in_window(t, window) and rec.rng.random() < prob:
+            off = float(rec.rng.uniform(lo_ms, hi_ms)) * NS_PER_MS
+            if sched:
+                rec.sched(t + 1e-4, 100, off)
+            return off
+        return 0.0
+
+    return hook
+
+
+def test_tail_with_sched_switch_storm_is_cpu_contention(tmp_path: Path) -> None:
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=True)))
+    c = only(r, "tail/cpu", "cudaStreamSync")
+    assert c.severity == "HIGH" and c.origin == "computed" and c.id == "node-a:tail-cpu-cudaStreamSync"
+    assert "sched_switch storm" in c.root_cause and "(pid 100, python3 train.py)" in c.root_cause
+    assert any("taskset" in r for r in c.recommendations)
+    assert [t.layer for t in c.timeline] == ["HOST", "CUDA"]
+    assert c.tail_ratio >= 3 and c.cuda_p99_us > 3 * c.cuda_p50_us
+    ev = c.evidence
+    assert ev["sched_switch"] >= 100 and ev["offcpu_share"] > 0.1 and ev["baseline_offcpu_share"] < 0.01
+    # the window the evidence came from is the disturbance, give or take a bucket
+    assert BASE + 8 * 10**9 <= ev["window_start_ns"] <= BASE + 11 * 10**9
+    assert BASE + 17 * 10**9 <= ev["window_end_ns"] <= BASE + 20 * 10**9
+
+
+def _io(write: bool, n: int = 400) -> Callable[[Recorder], None]:
+    def add(rec: Recorder) -> None:
+        for t in sorted(rec.rng.uniform(*WINDOW, n)):
+            rec.block_io(float(t), 281, write, rec.jitter(6 * NS_PER_MS, 0.3), 256)
+
+    return add
+
+
+def test_tail_with_read_heavy_io_advises_dataloader(tmp_path: Path) -> None:
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=_io(write=False)))
+    c = only(r, "tail/io-read", "cudaStreamSync")
+    assert "read-heavy block I/O" in c.root_cause
+    assert any("DataLoader" in x for x in c.recommendations)
+    assert not any("checkpoint" in x.lower() for x in c.recommendations)
+    assert c.evidence["block_reads"] >= 300 and c.evidence["block_writes"] == 0
+    assert "IO" in [t.layer for t in c.timeline]
+
+
+def test_tail_with_write_heavy_io_advises_async_checkpointing(tmp_path: Path) -> None:
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=_io(write=True)))
+    c = only(r, "tail/io-write", "cudaStreamSync")
+    assert "checkpoint" in c.root_cause
+    assert any("async checkpointing" in x for x in c.recommendations)
+    assert c.evidence["block_io_mb"] == pytest.approx(400 * 256 * 512 / 2**20, rel=0.01)
+
+
+def test_tail_with_large_page_allocations_is_memory_pressure(tmp_path: Path) -> None:
+    def pages(rec: Recorder) -> None:
+        for t in sorted(rec.rng.uniform(*WINDOW, 48)):
+            rec.ev(float(t), 555, HOST, 3, 2000, arg0=64 << 20)  # 48 x 64 MB = 3 GB
+
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=pages))
+    c = only(r, "tail/memory", "cudaStreamSync")
+    assert "page allocations" in c.root_cause and c.evidence["page_alloc_gb"] == pytest.approx(3.0)
+    assert any(t.op == "mm_page_alloc" for t in c.timeline)
+
+
+def test_tail_with_tcp_retransmits_blames_the_network(tmp_path: Path) -> None:
+    def retrans(rec: Recorder) -> None:
+        for t in sorted(rec.rng.uniform(*WINDOW, 40)):
+            rec.ev(float(t), 0, TCP, 1, 0)
+
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=retrans))
+    c = only(r, "tail/network", "cudaStreamSync")
+    assert "40 TCP retransmits" in c.root_cause and any("ethtool" in x for x in c.recommendations)
+    # the standalone retransmit chain is folded into the one that already blames the network
+    assert [x.family for x in r.chains] == ["tail/network"]
+
+
+def test_tcp_retransmit_burst_alone_makes_its_own_chain(tmp_path: Path) -> None:
+    def retrans(rec: Recorder) -> None:
+        for t in sorted(rec.rng.uniform(12.0, 15.0, 150)):
+            rec.ev(float(t), 0, TCP, 1, 0)
+
+    r = report_of(build(tmp_path / "t.db", extra=retrans))
+    c = only(r, "network")
+    assert c.severity == "HIGH" and c.evidence["tcp_retransmits"] == 150 and c.evidence["burst_10s"] == 150
+    assert c.id == "node-a:tcp-retransmit" and c.timeline[0].layer == "NET"
+
+
+def test_snapshots_raise_severity(tmp_path: Path) -> None:
+    hook = stall(0.05, 10, 16, sched=True)
+    calm = report_of(build(tmp_path / "calm.db", hook))
+    c = only(calm, "tail/cpu", "cudaStreamSync")
+    assert c.severity == "MEDIUM" and 0.02 <= c.evidence["offcpu_share"] < 0.10
+
+    def hot(rec: Recorder) -> None:
+        rec.snapshots_every(0.0, 30.0, lambda s: 97.0 if in_window(s) else 40.0)
+
+    r = report_of(build(tmp_path / "hot.db", hook, extra=hot))
+    c = only(r, "tail/cpu", "cudaStreamSync")
+    assert c.severity == "HIGH" and c.evidence["cpu_max_pct"] > 90
+    assert c.timeline[0].layer == "SYSTEM" and c.timeline[0].detail.startswith("CPU 9")
+
+    def swap(rec: Recorder) -> None:
+        for s in range(30):
+            rec.snapshot(float(s), 40.0, 97.0 if in_window(s) else 60.0, 900, 2048 if in_window(s) else 0)
+
+    r = report_of(build(tmp_path / "swap.db", hook, extra=swap))
+    c = only(r, "tail/cpu", "cudaStreamSync")
+    assert c.severity == "HIGH" and {"memory", "swap"} <= {t.op for t in c.timeline if t.layer == "SYSTEM"}
+    assert any("Swap in use (2048 MB)" in x for x in c.recommendations)
+
+
+def test_throughput_drop_with_cpu_contention(tmp_path: Path) -> None:
+    rec = Recorder("node-a", BASE, 3)
+    t = 0.1
+    while t < 30.0:
+        share = 0.4 if 12.0 <= t < 24.0 else 1.0
+        rec.ev(t, 100, CUDA, 3, rec.jitter(8000, 0.1))
+        t += rec.jitter(2 * NS_PER_MS, 0.1) / 1e9 / share
+    rec.background(12.0, 24.0, 100, 120, 5 * NS_PER_MS)
+    rec.write(tmp_path / "d.db")
+    r = report_of(tmp_path / "d.db")
+    c = only(r, "drop/cpu", "cudaLaunchKernel")
+    assert c.severity == "HIGH" and 55 <= c.evidence["drop_pct"] <= 65
+    assert c.evidence["baseline_per_s"] == pytest.approx(500, rel=0.1)
+    assert any("taskset" in x for x in c.recommendations)
+    assert not [x for x in r.chains if x.family.startswith("tail/")]  # latency per call never changed
+
+
+def test_oom_kill_is_always_high(tmp_path: Path) -> None:
+    def oom(rec: Recorder) -> None:
+        rec.ev(20.0, 100, HOST, 4, 0)
+
+    r = report_of(build(tmp_path / "o.db", seconds=20.0, extra=oom))
+    c = only(r, "oom")
+    assert c.severity == "HIGH" and c.evidence["gpu_victims"] == [100]
+    assert "pid 100 (python3 train.py)" in c.summary and [t.layer for t in c.timeline][-2:] == ["HOST", "CUDA"]
+
+
+def test_multi_process_gpu_contention(tmp_path: Path) -> None:
+    rec = Recorder("node-a", BASE, 4)
+    rec.process(100, "python3 train.py", 0.0, exec_event=False)
+    rec.process(200, "python3 eval.py", 9.9)
+    trainer(rec, 100, 0.1, 30.0, slow_factor=lambda t: 2.0 if 10.0 <= t < 20.0 else 1.0)
+    trainer(rec, 200, 10.0, 20.0, sync_ms=4.0)
+    trainer(rec, 300, 0.1, 30.0, gpu=1)  # another GPU: not part of it
+    rec.write(tmp_path / "g.db")
+    r = report_of(tmp_path / "g.db")
+    c = only(r, "gpu-contention")
+    assert c.severity == "MEDIUM" and c.cuda_op == "cudaStreamSync"
+    assert c.evidence["gpu"] == 0 and sorted(c.evidence["pids"]) == [100, 200]
+    assert c.evidence["victim"] == 100 and c.evidence["intruder"] == 200
+    assert c.evidence["slowdown"] == pytest.approx(2.0, rel=0.1)
+    assert any("CUDA_VISIBLE_DEVICES" in x for x in c.recommendations)
+
+
+def test_many_similar_windows_make_one_chain_per_op_and_family(tmp_path: Path) -> None:
+    def storms(rec: Recorder, t: float, _i: int) -> float:
+        if (t % 5.0) < 1.0 and rec.rng.random() < 0.4:  # a one-second storm every 5 s, 12 times
+            off = float(rec.rng.uniform(20, 40)) * NS_PER_MS
+            rec.sched(t + 1e-4, 100, off)
+            return off
+        return 0.0
+
+    r = report_of(build(tmp_path / "m.db", storms, seconds=60.0))
+    c = only(r, "tail/cpu", "cudaStreamSync")
+    assert c.evidence["episodes"] >= 10
+    assert len(r.chains) == 1
+
+
+def test_per_process_and_pid_filter(tmp_path: Path) -> None:
+    rec = Recorder("node-a", BASE, 5)
+    rec.process(100, "python3 train.py", 0.0, exec_event=False)
+    rec.process(200, "python3 other.py", 0.0, exec_event=False)
+    trainer(rec, 100, 0.1, 30.0, hook=stall(0.3, 20, 40, sched=True), gpu=0)
+    trainer(rec, 200, 0.1, 30.0, sync_ms=7.0, gpu=1)
+    rec.write(tmp_path / "p.db")
+
+    r = report_of(tmp_path / "p.db", per_process=True)
+    assert [c.id for c in r.chains] == ["node-a:tail-cpu-cudaStreamSync-pid100"]
+    assert r.chains[0].evidence["pid"] == 100
+    syncs = {o.pid: o for o in r.ops if o.name == "cudaStreamSync"}
+    assert set(syncs) == {100, 200} and syncs[200].p50_ns == pytest.approx(7e6, rel=0.05)
+
+    r = report_of(tmp_path / "p.db", pid=100)
+    assert [c.family for c in r.chains] == ["tail/cpu"] and {o.pid for o in r.ops} == {100}
+    r = report_of(tmp_path / "p.db", pid=200)
+    assert r.chains == [] and r.host.gpu_api_calls > 0 and r.host.sched_switch == 0
+
+
+def test_nodes_of_a_merged_database_are_never_mixed(tmp_path: Path) -> None:
+    db = tmp_path / "cluster.db"
+    build(db, stall(0.3, 20, 40, sched=True), node="node-a")
+    rec = Recorder("node-b", BASE, 9)
+    trainer(rec, 100, 0.1, 30.0, sync_ms=20.0)  # same pid, other machine, slower GPU
+    rec.write(db)
+    r = report_of(db)
+    assert r.nodes == ["node-a", "node-b"]
+    assert [c.node for c in r.chains] == ["node-a"]
+    p50 = {o.node: o.p50_ns for o in r.ops if o.name == "cudaStreamSync"}
+    assert p50["node-a"] == pytest.approx(5e6, rel=0.05) and p50["node-b"] == pytest.approx(20e6, rel=0.05)
+    assert r.hosts["node-a"].sched_switch > r.hosts["node-b"].sched_switch == 0
+    only_b = report_of(db, node="node-b")
+    assert only_b.nodes == ["node-b"] and only_b.chains == []

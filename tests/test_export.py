@@ -1,0 +1,260 @@
+"""ingero export --format perfetto: Chrome Trace Event JSON that Perfetto's trace processor loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ingero.cli.main import main
+from ingero.export.perfetto import TID_STRIDE
+from ingero.store.db import open_readonly
+from ingero.store.merge import merge_databases
+from tests.conftest import INVESTIGATIONS, write_db
+
+NODES = ("sample-gpu-node-01.db", "sample-gpu-node-02.db", "sample-gpu-node-03.db")
+
+
+def export(db: Path, out: Path, *extra: str) -> dict[str, Any]:
+    assert main(["export", "--db", str(db), "-o", str(out), *extra]) == 0
+    doc: dict[str, Any] = json.loads(out.read_text())
+    check_trace_invariants(doc)
+    return doc
+
+
+def check_trace_invariants(doc: dict[str, Any]) -> None:
+    """What Perfetto's JSON importer relies on: named processes/threads, globally unique thread ids,
+    non-negative durations, and properly nested slices on every thread."""
+    events = doc["traceEvents"]
+    proc_names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    thread_names = {e["tid"]: e["pid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    by_thread: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e["ph"] == "M":
+            continue
+        assert e["pid"] in proc_names, e
+        assert thread_names.get(e["tid"]) == e["pid"], e  # every thread named, under its own process
+        assert isinstance(e["ts"], int | float) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+            by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+        else:
+            assert e["ph"] == "i" and e["s"] == "t"
+    for spans in by_thread.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        stack: list[float] = []
+        for start, end in spans:
+            while stack and stack[-1] <= start:
+                stack.pop()
+            assert not stack or end <= stack[-1], "slices on one thread must nest"
+            stack.append(end)
+
+
+def slices(doc: dict[str, Any], **match: Any) -> list[dict[str, Any]]:
+    return [e for e in doc["traceEvents"] if e["ph"] in ("X", "i") and all(e.get(k) == v for k, v in match.items())]
+
+
+def test_cluster_sample_exports_one_track_per_node(tmp_path: Path, samples: Path) -> None:
+    doc = export(samples / "sample-cluster.db", tmp_path / "t.json")
+    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
+    assert procs == {1: "gpu-node-01", 2: "gpu-node-02", 3: "gpu-node-03"}
+    events = [e for e in doc["traceEvents"] if e["ph"] in ("X", "i") and e["cat"] != "causal_chain"]
+    assert len(events) == 600  # every event, nothing dropped
+    per_node = Counter((e["pid"], e["cat"]) for e in events)
+    assert per_node == {
+        (1, "HOST"): 99,
+        (1, "IO"): 101,
+        (2, "HOST"): 62,
+        (2, "DRIVER"): 40,
+        (2, "IO"): 98,
+        (3, "HOST"): 58,
+        (3, "DRIVER"): 36,
+        (3, "IO"): 106,
+    }
+    # exact placement: a cuMemAlloc is stamped at entry, an off-CPU period at its end
+    base = doc["metadata"]["base_unix_ns"]
+    conn = open_readonly(samples / "sample-cluster.db")
+    ts, dur, tid = conn.execute(
+        "SELECT timestamp, duration, tid FROM events WHERE node = 'gpu-node-02' AND source = 4 ORDER BY timestamp LIMIT 1"
+    ).fetchone()
+    alloc = min(slices(doc, pid=2, name="cuMemAlloc"), key=lambda e: e["ts"])
+    assert (alloc["ts"], alloc["dur"], alloc["tid"]) == ((ts - base) / 1000, dur / 1000, 2 * TID_STRIDE + tid)
+    assert alloc["args"]["bytes"] > 0
+    ts, dur = conn.execute(
+        "SELECT timestamp, duration FROM events WHERE node = 'gpu-node-02' AND source = 3 ORDER BY timestamp LIMIT 1"
+    ).fetchone()
+    off = min(slices(doc, pid=2, name="off-CPU"), key=lambda e: e["ts"])
+    assert (off["ts"], off["dur"]) == ((ts - dur - base) / 1000, dur / 1000)
+    # threads carry the process name; block I/O sits on lanes
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert "python3 4599/4599" in names and "block I/O #1" in names
+    # causal chains: markers on per-severity lanes, coloured by severity
+    chains = slices(doc, cat="causal_chain")
+    assert len(chains) == 6
+    assert Counter((c["pid"], c["args"]["severity"], c["cname"]) for c in chains) == {
+        (1, "HIGH", "terrible"): 2,
+        (1, "MEDIUM", "bad"): 2,
+        (2, "MEDIUM", "bad"): 1,
+        (3, "MEDIUM", "bad"): 1,
+    }
+    assert all(c["name"].startswith(c["args"]["severity"]) and c["args"]["recommendations"] for c in chains)
+    assert "causal chains: HIGH" in names
+    assert [n["node"] for n in doc["metadata"]["nodes"]] == ["gpu-node-01", "gpu-node-02", "gpu-node-03"]
+    assert doc["metadata"]["base_unix_ns"] % 1_000_000_000 == 0
+
+
+def test_merged_nodes_export_like_ingero_cluster(tmp_path: Path, samples: Path) -> None:
+    merged = tmp_path / "cluster.db"
+    merge_databases([samples / n for n in NODES], merged)
+    mine = export(merged, tmp_path / "mine.json")
+    theirs = export(samples / "sample-cluster.db", tmp_path / "theirs.json")
+    strip = [
+        (e["ph"], e["pid"], e["tid"], e["ts"], e.get("dur"), e["name"]) for e in mine["traceEvents"] if e["ph"] != "M"
+    ]
+    assert sorted(strip) == sorted(
+        (e["ph"], e["pid"], e["tid"], e["ts"], e.get("dur"), e["name"]) for e in theirs["traceEvents"] if e["ph"] != "M"
+    )
+    # merged databases carry per-node process names: pid 96 (it issues block I/O) differs on nodes 01 and 02
+    issuers = {(e["pid"], e["args"].get("process")) for e in slices(mine, cat="IO") if e["args"]["pid"] == 96}
+    assert issuers == {(1, "jbd2/nvme1n1p1-8"), (2, "jbd2/nvme0n1p1-8")}
+
+
+def test_window_and_single_node(tmp_path: Path, samples: Path) -> None:
+    doc = export(samples / NODES[2], tmp_path / "t.json", "--since", "1s")
+    conn = open_readonly(samples / NODES[2])
+    last = conn.execute("SELECT max(timestamp) FROM events").fetchone()[0]
+    want = conn.execute("SELECT count(*) FROM events WHERE timestamp >= ?", (last - 1_000_000_000,)).fetchone()[0]
+    assert 0 < want < 200
+    assert len([e for e in doc["traceEvents"] if e["ph"] in ("X", "i") and e["cat"] != "causal_chain"]) == want
+    assert doc["metadata"]["window"]["start_ns"] == last - 1_000_000_000
+
+
+def test_overlaps_become_instants_and_io_gets_lanes(tmp_path: Path) -> None:
+    t0 = 1_775_218_723_000_000_000
+    rows = [
+        (t0, 50, 51, 1, 5, 10_000, 0, 0, 0, 0, 0, 0),  # cudaStreamSync [t0, t0+10us] (entry-stamped)
+        (t0 + 2_000, 50, 51, 1, 3, 1_000, 0, 0xABC, 0, 0, 0, 0),  # launch nested inside
+        (t0 + 8_000, 50, 51, 4, 1, 5_000, 0, 0, 0, 0, 0, 0),  # cuLaunchKernel [8us, 13us]: crosses the end
+        (t0 + 20_000, 50, 51, 3, 1, 4_000, 0, 0, 0, 0, 0, 0),  # off-CPU [16us, 20us]
+        (t0 + 30_000, 50, 52, 5, 1, 20_000, 0, 4096, 0, 0, 0, 0),  # three overlapping block reads
+        (t0 + 31_000, 50, 52, 5, 1, 20_000, 0, 4096, 0, 0, 0, 0),
+        (t0 + 32_000, 50, 53, 5, 2, 5_000, 0, 8192, 0, 0, 0, 0),
+        (t0 + 60_000, 50, 52, 5, 1, 1_000, 0, 4096, 0, 0, 0, 0),  # after all three: back on lane 1
+        (t0 + 40_000, 50, 51, 3, 5, 0, 0, 0, 0, 0, 0, 0),  # process_exec: an instant
+    ]
+    db = write_db(tmp_path / "n.db", rows, node="gpu-x", rank=2, world_size=4)
+    doc = export(db, tmp_path / "t.json")
+    procs = [e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"]
+    assert procs == ["gpu-x (rank 2)"]
+    crossing = slices(doc, name="cuLaunchKernel")
+    assert len(crossing) == 1 and crossing[0]["ph"] == "i" and crossing[0]["args"]["overlaps_enclosing_slice"]
+    assert slices(doc, name="cudaLaunchKernel")[0]["args"]["func"] == "0xabc"
+    assert slices(doc, name="process_exec")[0]["ph"] == "i"
+    lanes = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    io = slices(doc, cat="IO")
+    assert len(io) == 4 and all(e["ph"] == "X" for e in io)
+    assert sorted(lanes[e["tid"]] for e in io) == ["block I/O #1", "block I/O #1", "block I/O #2", "block I/O #3"]
+
+
+def test_ingero_08_and_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_merge import _make_ingero_08
+
+    old = tmp_path / "old-node.db"
+    _make_ingero_08(old)
+    doc = export(old, tmp_path / "t.json")
+    assert [e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"] == ["old-node"]
+    assert len(slices(doc, cat="DRIVER")) == 4
+    capsys.readouterr()
+    assert main(["export", "--db", str(old), "-o", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["metadata"]["source"] == "database"
+    assert main(["export", "--db", str(tmp_path / "nope.db"), "-o", str(tmp_path / "x.json")]) == 1
+    assert "no such database" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+# --- Perfetto's own trace processor -------------------------------------------------------------
+
+
+def _trace_processor_shell() -> str | None:
+    """The trace_processor_shell binary: $INGERO_TRACE_PROCESSOR, PATH, or the perfetto package's
+    pinned prebuilt (cached under ~/.local/share/perfetto, downloaded on first use when reachable)."""
+    env = os.environ.get("INGERO_TRACE_PROCESSOR")
+    if env:
+        return env
+    found = shutil.which("trace_processor_shell")
+    if found:
+        return found
+    try:
+        from perfetto.prebuilts.manifests.trace_processor_shell import TRACE_PROCESSOR_SHELL_MANIFEST
+        from perfetto.prebuilts.perfetto_prebuilts import get_perfetto_prebuilt
+
+        cache = Path.home() / ".local" / "share" / "perfetto" / "prebuilts"
+        before = set(cache.glob("*.tmp")) if cache.is_dir() else set()
+        try:
+            return str(get_perfetto_prebuilt(TRACE_PROCESSOR_SHELL_MANIFEST))
+        finally:
+            for leftover in set(cache.glob("*.tmp")) - before if cache.is_dir() else ():
+                leftover.unlink(missing_ok=True)
+    except Exception:  # no network, no prebuilt for this platform
+        return None
+
+
+def test_trace_processor_loads_the_export(tmp_path: Path, samples: Path) -> None:
+    shell = _trace_processor_shell()
+    if shell is None:
+        pytest.skip(
+            "Perfetto's trace_processor_shell is not installed and cannot be downloaded here "
+            "(set INGERO_TRACE_PROCESSOR=/path/to/trace_processor_shell)"
+        )
+    from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
+
+    out = tmp_path / "cluster.json"
+    export(samples / "sample-cluster.db", out)
+    tp = TraceProcessor(trace=str(out), config=TraceProcessorConfig(bin_path=shell))
+    try:
+
+        def q(sql: str) -> list[Any]:
+            return list(tp.query(sql))
+
+        procs = q("SELECT upid, name FROM process WHERE name LIKE 'gpu-node-%' ORDER BY name")
+        assert [p.name for p in procs] == ["gpu-node-01", "gpu-node-02", "gpu-node-03"]
+        per_node = {
+            r.pname: r.n
+            for r in q(
+                "SELECT p.name AS pname, count(*) AS n FROM slice s JOIN thread_track tt ON s.track_id = tt.id "
+                "JOIN thread USING (utid) JOIN process p USING (upid) WHERE s.category != 'causal_chain' "
+                "GROUP BY p.name"
+            )
+        }
+        assert per_node == {"gpu-node-01": 200, "gpu-node-02": 200, "gpu-node-03": 200}
+        markers = q(
+            "SELECT s.name, s.dur, EXTRACT_ARG(s.arg_set_id, 'args.severity') AS sev FROM slice s "
+            "WHERE s.category = 'causal_chain'"
+        )
+        assert len(markers) == 6 and all(m.dur == 0 for m in markers)
+        assert Counter(m.sev for m in markers) == {"HIGH": 2, "MEDIUM": 4}
+        alloc = q("SELECT count(*) AS n, min(dur) AS lo FROM slice WHERE name = 'cuMemAlloc'")[0]
+        assert alloc.n == 76 and alloc.lo > 0
+        errors = q("SELECT name, value FROM stats WHERE severity IN ('error', 'data_loss') AND value > 0")
+        assert errors == [], [(e.name, e.value) for e in errors]
+    finally:
+        tp.close()
+
+
+@pytest.mark.skipif(
+    not (INVESTIGATIONS / "sample-cluster.db").exists(), reason="investigations/ not generated (make investigations)"
+)
+def test_investigations_cluster_exports(tmp_path: Path) -> None:
+    db = INVESTIGATIONS / "sample-cluster.db"
+    doc = export(db, tmp_path / "t.json")
+    procs = [e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"]
+    assert procs == ["gpu-node-01 (rank 0)", "gpu-node-02 (rank 1)", "gpu-node-03 (rank 2)"]
+    total = open_readonly(db).execute("SELECT count(*) FROM events").fetchone()[0]
+    assert len([e for e in doc["traceEvents"] if e["ph"] in ("X", "i") and e["cat"] != "causal_chain"]) == total
+    high = [c for c in slices(doc, cat="causal_chain") if c["args"]["severity"] == "HIGH"]
+    assert high and all(c["pid"] == 1 for c in high)  # the straggler, gpu-node-01

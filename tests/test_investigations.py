@@ -1,0 +1,139 @@
+"""investigations/: the committed sample databases are reproducible and tell the straggler story."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ingero.cli.main import main
+from ingero.demo.investigations import CLUSTER_FILE, FILES, generate
+from ingero.explain.engine import explain
+from ingero.explain.model import stored_chains
+from ingero.explain.stats import host_summary, op_stats
+from ingero.store.catalog import CUDA, DRIVER
+from ingero.store.db import open_readonly
+from tests.conftest import INVESTIGATIONS, SEED_QUERY
+
+ALL_FILES = [*FILES.values(), CLUSTER_FILE]
+
+
+def canonical(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every table's rows, sorted; the writer's version string normalised (it changes with releases)."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    try:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        dump: dict[str, list[tuple[Any, ...]]] = {}
+        for t in tables:
+            cols = [r[1] for r in conn.execute(f"PRAGMA table_info({t})")]
+            rows = conn.execute(f"SELECT * FROM {t}").fetchall()
+            if t == "sessions":
+                i = cols.index("ingero_ver")
+                rows = [(*r[:i], "ingero-py", *r[i + 1 :]) for r in rows]
+            dump[t] = sorted(rows, key=repr)
+        dump["_schema"] = sorted(conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall(), key=repr)
+        return dump
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("inv")
+    generate(out)
+    return out
+
+
+@pytest.mark.parametrize("name", ALL_FILES)
+def test_committed_files_are_reproducible(regenerated: Path, name: str) -> None:
+    committed = INVESTIGATIONS / name
+    assert committed.exists(), "run: ingero investigations --out investigations"
+    a, b = canonical(committed), canonical(regenerated / name)
+    assert a.keys() == b.keys()
+    for table in a:
+        assert a[table] == b[table], f"{name}: table {table} differs (regenerate: make investigations)"
+
+
+@pytest.mark.parametrize("name", ALL_FILES)
+def test_files_are_small_and_take_the_seed_query(name: str) -> None:
+    path = INVESTIGATIONS / name
+    assert path.stat().st_size < 3_000_000
+    assert not Path(f"{path}-wal").exists()
+    conn = open_readonly(path)
+    rows = conn.execute(SEED_QUERY).fetchall()
+    conn.close()
+    nodes = {r[0] for r in rows}
+    assert nodes == ({"gpu-node-01", "gpu-node-02", "gpu-node-03"} if name == CLUSTER_FILE else {name[7:-3]})
+    assert {r[1] for r in rows} == {1, 3, 4, 5}
+
+
+def test_cluster_holds_the_three_nodes_with_their_identity() -> None:
+    conn = open_readonly(INVESTIGATIONS / CLUSTER_FILE)
+    sessions = conn.execute("SELECT node, rank, world_size FROM sessions ORDER BY node").fetchall()
+    assert sessions == [("gpu-node-01", 0, 3), ("gpu-node-02", 1, 3), ("gpu-node-03", 2, 3)]
+    ids = conn.execute("SELECT min(id), count(DISTINCT id), count(*) FROM events WHERE node = 'gpu-node-02'").fetchone()
+    assert ids[0].startswith("gpu-node-02:") and ids[1] == ids[2]
+    for table in ("stack_traces", "event_aggregates", "process_names", "system_snapshots"):
+        assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] > 0, table
+    assert conn.execute("SELECT max(cpu_pct) FROM system_snapshots").fetchone()[0] > 90
+    conn.close()
+
+
+def test_straggler_is_unmistakable_from_host_and_op_figures() -> None:
+    conn = open_readonly(INVESTIGATIONS / CLUSTER_FILE)
+    hosts = {n: host_summary(conn, node=n) for n in ("gpu-node-01", "gpu-node-02", "gpu-node-03")}
+    sync_p99 = {n: op_stats(conn, node=n, op=(CUDA, 5))[0].p99_ns for n in hosts}
+    launch_p99 = {n: op_stats(conn, node=n, op=(DRIVER, 1))[0].p99_ns for n in hosts}
+    conn.close()
+    straggler, peers = hosts["gpu-node-01"], [hosts["gpu-node-02"], hosts["gpu-node-03"]]
+    assert straggler.host_events >= 800 and straggler.host_avg_ns >= 12e6
+    for p in peers:
+        assert p.host_events < straggler.host_events / 3 and p.host_avg_ns < 3e6
+        assert p.block_writes < straggler.block_writes / 3
+    assert sync_p99["gpu-node-01"] > 4 * max(sync_p99["gpu-node-02"], sync_p99["gpu-node-03"])
+    assert launch_p99["gpu-node-01"] > 20 * max(launch_p99["gpu-node-02"], launch_p99["gpu-node-03"])
+
+
+def test_explain_finds_the_straggler_and_nothing_on_peers() -> None:
+    for name, expect_chains in (("gpu-node-01", True), ("gpu-node-02", False), ("gpu-node-03", False)):
+        conn = open_readonly(INVESTIGATIONS / FILES[name])
+        report = explain(conn)
+        stored = stored_chains(conn)
+        conn.close()
+        if not expect_chains:
+            assert all(c.severity == "LOW" for c in report.chains) and stored == []
+            continue
+        high = {c.cuda_op: c for c in report.chains if c.severity == "HIGH"}
+        assert set(high) == {"cudaStreamSync", "cuLaunchKernel"}
+        assert all(c.family == "tail/cpu" for c in high.values())
+        sync = high["cudaStreamSync"]
+        assert "sched_switch storm" in sync.root_cause and "preprocess.py" in sync.root_cause
+        assert any("taskset" in r for r in sync.recommendations)
+        assert any("checkpoint" in r for r in sync.recommendations)  # rank 0's checkpoint writes
+        assert {c.id for c in stored} == {c.id for c in report.chains}  # what --chains shows
+
+
+def test_explain_on_the_cluster_file_keeps_nodes_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["explain", "--db", str(INVESTIGATIONS / CLUSTER_FILE)])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert {"gpu-node-01", "gpu-node-02", "gpu-node-03"} <= {line.strip() for line in out.splitlines()}
+    assert out.count("[HIGH]") == 2 and "gpu-node-02  " not in out.split("causal chains")[1]
+    # the nodes recorded at the same time; system_snapshots.node keeps each snapshot with its node
+    assert "snapshot(s) left out" not in err
+    code = main(["explain", "--db", str(INVESTIGATIONS / CLUSTER_FILE), "--chains"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "2 stored causal chain(s)" in out
+
+
+def test_cli_regenerates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["investigations", "--out", str(tmp_path / "x"), "--json"])
+    out, _ = capsys.readouterr()
+    files = {Path(f["path"]).name: f for f in json.loads(out)["files"]}
+    assert code == 0 and sorted(files) == sorted(ALL_FILES)
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == sorted(ALL_FILES)  # no -wal/-shm left
+    assert files[CLUSTER_FILE]["events"] == sum(files[f]["events"] for f in FILES.values())
+    assert files[CLUSTER_FILE]["chains"] == files[FILES["gpu-node-01"]]["chains"] == 2
