@@ -134,6 +134,7 @@ class FleetConfig:
     fanout: int = 64
     skew_threshold_ms: float = 10.0
     skew_samples: int = 4
+    plaintext: bool = False
     allow_plaintext: bool = False
     insecure_skip_verify: bool = False
 
@@ -236,6 +237,7 @@ _FLEET_KEYS: dict[str, tuple[str, Checker]] = {
     "fanout": ("fanout", _posint),
     "skew_threshold": ("skew_threshold_ms", _duration_ms),
     "skew_samples": ("skew_samples", _posint),
+    "plaintext": ("plaintext", _bool),
     "allow_plaintext": ("allow_plaintext", _bool),
     "insecure_skip_verify": ("insecure_skip_verify", _bool),
 }

@@ -1,0 +1,165 @@
+"""Fleet mode of ``ingero query`` and ``ingero explain``, and the glue every fleet command shares.
+
+``query.py`` and ``explain.py`` dispatch here when ``--nodes`` is given (or the config lists
+``fleet.nodes`` and no local database). Imports of trio/httpx/numpy happen only here, at call time.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ingero.cli import common
+from ingero.cli.output import emit_json, emit_rows, note, warn
+from ingero.config import NodeSpec
+from ingero.errors import NoNodeAnsweredError, UsageError
+
+if TYPE_CHECKING:
+    from ingero.fleet.outcome import NodeOutcome
+    from ingero.fleet.render import Progress
+    from ingero.fleet.settings import ClientSettings
+
+STRICT_EXIT = 5  # --strict and some node failed (results were still printed)
+
+
+def nodes_from(args: argparse.Namespace) -> list[NodeSpec]:
+    nodes = common.fleet_nodes_from(args)
+    if not nodes:
+        raise UsageError(
+            "no nodes to ask",
+            hint="pass --nodes host:port,host:port or list fleet.nodes in the config (--config, $INGERO_CONFIG)",
+        )
+    return nodes
+
+
+def settings_from_args(args: argparse.Namespace) -> ClientSettings:
+    """The config's ``fleet:`` section overridden by the fleet flags."""
+    from ingero.fleet.settings import settings_from
+
+    cfg = common.config_from(args)
+    return settings_from(
+        cfg.fleet,
+        config_path=cfg.path,
+        timeout=getattr(args, "timeout", None),
+        fanout=getattr(args, "fanout", None),
+        token=getattr(args, "token", None),
+        ca_cert=getattr(args, "ca_cert", None),
+        client_cert=getattr(args, "client_cert", None),
+        client_key=getattr(args, "client_key", None),
+        plaintext=bool(getattr(args, "plaintext", False)),
+        allow_plaintext_remote=bool(getattr(args, "allow_plaintext_remote", False)),
+    )
+
+
+def progress_for(nodes: Sequence[NodeSpec]) -> Progress:
+    from ingero.fleet.render import Progress
+
+    return Progress(len(nodes))
+
+
+def report(outcomes: Sequence[NodeOutcome], settings: ClientSettings, *, strict: bool, what: str = "answer") -> int:
+    """Skew warnings and the unanswered list on stderr; the exit code (or NoNodeAnsweredError)."""
+    from ingero.fleet.render import skew_warnings, unanswered_lines
+
+    for line in skew_warnings([o for o in outcomes if o.answered], settings.skew_threshold_ms):
+        warn(line)
+    failed = unanswered_lines(outcomes)
+    answered = sum(1 for o in outcomes if o.answered)
+    if failed:
+        note(f"{len(failed)} of {len(outcomes)} node(s) did not {what}:")
+        for line in failed:
+            note(f"  {line}")
+    if answered == 0:
+        listing = "; ".join(failed) if len(failed) <= 8 else f"{len(failed)} failures listed above"
+        raise NoNodeAnsweredError(
+            f"none of the {len(outcomes)} node(s) answered: {listing}",
+            hint="check the addresses, that the agents run (ingero fleet status), and the TLS/token settings",
+        )
+    if strict and failed:
+        note(f"--strict: exiting with {STRICT_EXIT} because {len(failed)} node(s) failed")
+        return STRICT_EXIT
+    return 0
+
+
+def run_query(args: argparse.Namespace) -> int:
+    """``ingero query --nodes ... SQL``: rows from every node under a ``node`` column."""
+    from ingero.cli.query import DEFAULT_SQL
+    from ingero.fleet.operations import query_sync
+    from ingero.fleet.render import query_footer, truncated_lines
+
+    nodes = nodes_from(args)
+    settings = settings_from_args(args)
+    sql = args.sql if args.sql and args.sql.strip() else DEFAULT_SQL
+    limit = getattr(args, "limit", None)
+    if limit is not None and limit <= 0:
+        raise UsageError(f"--limit {limit}: must be at least 1")
+    progress = progress_for(nodes)
+    try:
+        result = query_sync(
+            nodes,
+            settings,
+            sql,
+            limit=limit,
+            timeout_ms=getattr(args, "timeout_ms", None),
+            since=getattr(args, "since", None),
+            from_=getattr(args, "from_", None),
+            to=getattr(args, "to", None),
+            pid=getattr(args, "pid", None),
+            op=getattr(args, "op", None),
+            on_outcome=progress,
+        )
+    finally:
+        progress.clear()
+    fmt = getattr(args, "format", "table")
+    if result.answered and result.columns:
+        emit_rows(result.columns, result.rows, fmt, meta=result.meta())
+    elif fmt == "json":
+        emit_rows([], [], fmt, meta=result.meta())
+    for line in truncated_lines(result.outcomes):
+        note(line)
+    if result.answered:
+        note(query_footer(result))
+    return report(result.outcomes, settings, strict=bool(getattr(args, "strict", False)))
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    """``ingero explain --nodes ...``: every node's chains merged, plus the straggler verdict."""
+    from ingero.fleet.operations import explain_sync
+    from ingero.fleet.render import render_chains
+
+    if getattr(args, "pid", None) is not None:
+        raise UsageError("--pid works on a local --db only", hint="drop --pid, or explain one node's database")
+    nodes = nodes_from(args)
+    settings = settings_from_args(args)
+    progress = progress_for(nodes)
+    try:
+        fleet = explain_sync(
+            nodes,
+            settings,
+            since=getattr(args, "since", None),
+            from_=getattr(args, "from_", None),
+            to=getattr(args, "to", None),
+            on_outcome=progress,
+        )
+    finally:
+        progress.clear()
+    if getattr(args, "format", "table") == "json":
+        emit_json(fleet.as_dict())
+    elif fleet.answered:
+        print(render_chains(fleet))
+        window = _window_note(fleet.windows)
+        note(
+            f"{len(fleet.chains)} chain(s) from {len(fleet.answered)} node(s) in {fleet.elapsed_ms:.0f} ms"
+            + (f" (window: {window})" if window else "")
+        )
+    return report(fleet.outcomes, settings, strict=bool(getattr(args, "strict", False)))
+
+
+def _window_note(windows: dict[str, object]) -> str:
+    """The agents' notes about the window they used (e.g. 'last 5m of the recording'), de-duplicated."""
+    notes = set()
+    for w in windows.values():
+        if isinstance(w, dict) and w.get("note"):
+            notes.add(str(w["note"]))
+    return "; ".join(sorted(notes))

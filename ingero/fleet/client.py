@@ -1,0 +1,329 @@
+"""Concurrent fan-out to every agent: one trio nursery, one task per node, one shared HTTPS client.
+
+:class:`FleetClient` owns one :class:`httpx.AsyncClient` (one SSL context, built once, on a
+:class:`~ingero.fleet.transport.NodeTransport`: at most two keep-alive connections per node, so at most
+``2 × fanout`` open at once) and a :class:`trio.CapacityLimiter`. :meth:`FleetClient.fan_out`
+runs a *job* (an async function of a :class:`NodeConn`) for every node at once; each node's job runs
+under its own deadline, concurrently with that node's clock-skew samples over the same client, and
+ends as a :class:`~ingero.fleet.outcome.NodeOutcome` — a node's failure is recorded, never raised, so
+it cannot cancel the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+import trio
+
+from ingero import __version__
+from ingero.config import NodeSpec
+from ingero.fleet import skew as skewmod
+from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, classify
+from ingero.fleet.settings import ClientSettings, build_ssl_context, check_plaintext
+from ingero.fleet.transport import NodeTransport
+
+NodeJob = Callable[["NodeConn"], Awaitable[Any]]
+OutcomeCallback = Callable[[NodeOutcome], None]
+
+# Failures after which the node's skew samples are pointless (they would fail the same way).
+_TRANSPORT_KINDS = frozenset({Kind.TIMEOUT, Kind.REFUSED, Kind.UNREACHABLE, Kind.TLS})
+
+
+def base_url(spec: NodeSpec, settings: ClientSettings) -> str:
+    host = f"[{spec.host}]" if ":" in spec.host else spec.host
+    return f"{settings.scheme}://{host}:{spec.port}"
+
+
+class NodeConn:
+    """One node's handle on the shared client: JSON requests that raise :class:`NodeFailure`."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        spec: NodeSpec,
+        settings: ClientSettings,
+        transport: NodeTransport | None = None,
+    ) -> None:
+        self.client = client
+        self.spec = spec
+        self.settings = settings
+        self.transport = transport
+        self.base_url = base_url(spec, settings)
+        self.node: str | None = None  # the agent's identity, from its first answer
+        self.requests = 0
+        self._time_request: httpx.Request | None = None
+
+    async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        return await self.request("GET", path, params=params)
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("POST", path, json=body)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        return self.check(await self.send(method, path, json=json, params=params), path)
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """One request; transport failures raise a classified :class:`NodeFailure`."""
+        self.requests += 1
+        try:
+            return await self.client.request(method, self.base_url + path, json=json, params=params)
+        except NodeFailure:
+            raise
+        except Exception as e:  # transport errors of every flavour → one classified outcome
+            raise self.classify(e) from None
+
+    def classify(self, exc: BaseException) -> NodeFailure:
+        s = self.settings
+        return classify(exc, s.timeout_s, tls=not s.plaintext, client_cert=bool(s.client_cert))
+
+    def check(self, resp: httpx.Response, path: str) -> dict[str, Any]:
+        """Validate the common envelope: JSON object, ``ok``, ``node``; map error answers to kinds."""
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        status = resp.status_code
+        if status >= 400:
+            error = body.get("error") if isinstance(body, dict) else None
+            text = " ".join(str(error).split()) if error else resp.reason_phrase or "error"
+            kind = Kind.AUTH if status in (401, 403) else Kind.HTTP
+            if status == 404 and not error:
+                kind, text = Kind.SCHEMA, f"{path} not found (agent too old or not an ingero agent?)"
+            raise NodeFailure(kind, f"HTTP {status}: {text}", status=status, node=self._node_of(body))
+        if body is None:
+            raise NodeFailure(Kind.PROTOCOL, f"{path}: the answer is not JSON", status=status)
+        if not isinstance(body, dict) or body.get("ok") is not True:
+            raise NodeFailure(Kind.SCHEMA, f"{path}: the answer lacks 'ok: true' (not an ingero agent?)", status=status)
+        node = self._node_of(body)
+        if node is None:
+            raise NodeFailure(Kind.SCHEMA, f"{path}: the answer lacks the agent's 'node' name", status=status)
+        self.node = node
+        return body
+
+    @staticmethod
+    def _node_of(body: Any) -> str | None:
+        if isinstance(body, dict) and isinstance(body.get("node"), str) and body["node"]:
+            return str(body["node"])
+        return None
+
+    async def time_sample(self) -> skewmod.TimeSample:
+        """One ``/api/v1/time`` round trip for the skew estimate.
+
+        ``t1``/``t4`` come from the transport (taken around the bytes on the wire) when it provides
+        them, else from around the whole call.
+        """
+        clock = skewmod.SampleClock()
+        if self.transport is None:
+            resp = await self.send("GET", "/api/v1/time")
+        else:
+            # The same client's headers and connections, built once per node and handed straight to
+            # the transport: a sample costs a round trip, not a trip through the client's request layers.
+            if self._time_request is None:
+                self._time_request = self.client.build_request("GET", self.base_url + "/api/v1/time")
+            self.requests += 1
+            try:
+                resp = await self.transport.handle_async_request(self._time_request)
+            except Exception as e:
+                raise self.classify(e) from None
+        t4 = clock.t4()
+        body = self.check(resp, "/api/v1/time")
+        sent, received = resp.extensions.get("ingero.sent_ns"), resp.extensions.get("ingero.received_ns")
+        if isinstance(sent, int) and isinstance(received, int):
+            clock.t1, t4 = sent, received
+        try:
+            return skewmod.sample_from_body(clock, t4, body)
+        except ValueError as e:
+            raise NodeFailure(Kind.SCHEMA, str(e)) from None
+
+
+class FleetClient:
+    """Fan-out over one shared client. Use as ``async with FleetClient(nodes, settings) as fc: ...``."""
+
+    def __init__(
+        self,
+        nodes: Sequence[NodeSpec],
+        settings: ClientSettings | None = None,
+        *,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.nodes = list(nodes)
+        self.settings = settings or ClientSettings()
+        check_plaintext(self.nodes, self.settings)
+        self._own_client = client is None
+        self._client = client
+        self.transport: NodeTransport | None = None
+        # Fleets wider than the fan-out drop each node's connections when it is done (bounded fds and
+        # memory at 1,000 nodes); smaller ones keep them for the next operation on this client.
+        self.release_nodes = len(self.nodes) > self.settings.fanout
+        self.limiter = trio.CapacityLimiter(max(1, self.settings.fanout))
+
+    def _make_client(self) -> httpx.AsyncClient:
+        s = self.settings
+        headers = {"user-agent": f"ingero/{__version__}", "accept": "application/json", "accept-encoding": "identity"}
+        if s.token:
+            headers["authorization"] = f"Bearer {s.token}"
+        self.transport = NodeTransport(
+            build_ssl_context(s),
+            per_node=2,
+            # Skew samples wait up to half the deadline for the query's connection before opening their own.
+            patience=s.timeout_s / 2,
+        )
+        return httpx.AsyncClient(
+            transport=self.transport,
+            headers=headers,
+            timeout=httpx.Timeout(s.timeout_s),
+            trust_env=False,
+            follow_redirects=False,
+        )
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("FleetClient used outside 'async with'")
+        return self._client
+
+    async def __aenter__(self) -> FleetClient:
+        if self._client is None:
+            self._client = self._make_client()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._own_client and self._client is not None:
+            with trio.CancelScope(shield=True):
+                await self._client.aclose()
+            self._client = None
+
+    # --- fan-out ----------------------------------------------------------------------------------
+
+    async def fan_out(
+        self,
+        job: NodeJob,
+        *,
+        skew: bool = True,
+        on_outcome: OutcomeCallback | None = None,
+    ) -> list[NodeOutcome]:
+        """Run ``job`` on every node at once; one outcome per node, in node-list order."""
+        outcomes: list[NodeOutcome | None] = [None] * len(self.nodes)
+
+        async def one(i: int, spec: NodeSpec) -> None:
+            async with self.limiter:
+                outcome = await self._run_node(spec, job, skew)
+                if self.release_nodes and self.transport is not None:
+                    await self.transport.release(base_url(spec, self.settings))
+            outcomes[i] = outcome
+            if on_outcome is not None:
+                on_outcome(outcome)
+
+        async with trio.open_nursery() as nursery:
+            for i, spec in enumerate(self.nodes):
+                nursery.start_soon(one, i, spec)
+        return [o for o in outcomes if o is not None]
+
+    async def _run_node(self, spec: NodeSpec, job: NodeJob, want_skew: bool) -> NodeOutcome:
+        s = self.settings
+        conn = NodeConn(self.client, spec, s, self.transport)
+        started = time.perf_counter()
+        result: dict[str, Any] = {}
+        samples: list[skewmod.TimeSample] = []
+        sample_errors: list[str] = []
+
+        async def run_job(scope: trio.CancelScope) -> None:
+            try:
+                result["data"] = await job(conn)
+            except Exception as e:  # a node's failure is its outcome, whatever it was
+                failure = conn.classify(e)
+                result["failure"] = failure
+                if failure.kind in _TRANSPORT_KINDS:
+                    scope.cancel()  # its skew samples would only wait for the same failure
+
+        async def run_skew() -> None:
+            for _ in range(s.skew_samples):
+                try:
+                    samples.append(await conn.time_sample())
+                except Exception as e:  # a failed sample never drops the node
+                    sample_errors.append(conn.classify(e).reason)
+
+        with trio.move_on_after(s.timeout_s) as deadline:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_job, nursery.cancel_scope)
+                if want_skew and s.skew_samples > 0:
+                    nursery.start_soon(run_skew)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+
+        est = skewmod.estimate(samples, failed=len(sample_errors)) if want_skew else None
+        skew_error = None
+        if want_skew and est is None and s.skew_samples > 0:
+            skew_error = sample_errors[0] if sample_errors else "no /time sample completed in time"
+
+        if "data" in result:
+            data = result["data"]
+            kind, reason = Kind.OK, ""
+            if isinstance(data, dict) and data.get("truncated") is True:
+                kind = Kind.TRUNCATED
+                reason = str(data.get("truncated_reason") or "row limit")
+            return NodeOutcome(spec, kind, conn.node, reason, data, 200, elapsed_ms, est, skew_error)
+        failure: NodeFailure | None = result.get("failure")
+        if failure is None:  # the deadline struck first
+            what = "answer" if conn.node is None else "complete answer"
+            failure = NodeFailure(Kind.TIMEOUT, f"no {what} within {s.timeout_s:g}s")
+            if deadline.cancelled_caught and samples:
+                failure.reason += " (its /time answers did arrive: the agent is up but slow)"
+        return NodeOutcome(
+            spec,
+            failure.kind,
+            conn.node or failure.node,
+            failure.reason,
+            None,
+            failure.status,
+            elapsed_ms,
+            est,
+            skew_error,
+        )
+
+    # --- building blocks for callers -------------------------------------------------------------
+
+    async def request_all(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        skew: bool = True,
+        on_outcome: OutcomeCallback | None = None,
+    ) -> list[NodeOutcome]:
+        """One request per node; each outcome's ``data`` is the agent's validated JSON body."""
+
+        async def job(conn: NodeConn) -> dict[str, Any]:
+            return await conn.request(method, path, json=json, params=params)
+
+        return await self.fan_out(job, skew=skew, on_outcome=on_outcome)
+
+    async def skew(self, on_outcome: OutcomeCallback | None = None) -> list[NodeOutcome]:
+        """Clock skew only: ``/health`` as the job, ``/time`` samples alongside."""
+        return await self.request_all("GET", "/api/v1/health", on_outcome=on_outcome)
+
+
+def run_sync(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """``trio.run`` for synchronous callers (CLI, MCP tools running in a worker thread)."""
+    return trio.run(fn, *args)

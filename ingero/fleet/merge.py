@@ -1,0 +1,192 @@
+"""Merging the nodes' answers: query rows under a ``node`` column, causal chains across the fleet.
+
+Rows: every answering node's result set must have the same columns; the reference is the column list
+most nodes returned (ties: the first node by name), and a node that disagrees is reported as a
+``schema`` outcome and skipped. The merged table's first column is ``node``, the agent's own identity
+from its answer (not the address that was dialled). When the SQL itself selected a ``node`` column and
+each node's values equal that node's identity (the usual ``SELECT node, ... GROUP BY node``), that
+column is folded into the first one rather than repeated; when they differ (an agent serving a merged
+multi-node database) it is kept, renamed ``db_node``.
+
+Chains: every node's chains, tagged with their node, sorted by severity, then node, then most recent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ingero.explain.model import Chain, sort_chains
+from ingero.fleet.outcome import Kind, NodeOutcome
+from ingero.fleet.straggler import NodeFigures, StragglerVerdict, verdict
+
+
+def _order(outcomes: list[NodeOutcome]) -> list[NodeOutcome]:
+    """Deterministic order for merged output: by node name, then address."""
+    return sorted(outcomes, key=lambda o: (o.label, o.spec.host, o.spec.port))
+
+
+@dataclass
+class FleetResult:
+    """A fleet query: merged rows plus every node's outcome."""
+
+    columns: list[str]
+    rows: list[list[Any]]
+    outcomes: list[NodeOutcome]
+    elapsed_ms: float = 0.0
+    rows_by_node: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def answered(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if o.answered]
+
+    @property
+    def failed(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if not o.answered]
+
+    @property
+    def truncated(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if o.kind is Kind.TRUNCATED]
+
+    def meta(self) -> dict[str, Any]:
+        """Everything but columns/rows, for ``--json``."""
+        nodes = []
+        for o in self.outcomes:
+            d = o.as_dict()
+            d["rows"] = self.rows_by_node.get(o.label, 0) if o.answered else None
+            nodes.append(d)
+        return {
+            "answered": len(self.answered),
+            "failed": len(self.failed),
+            "truncated": bool(self.truncated),
+            "elapsed_ms": round(self.elapsed_ms, 3),
+            "nodes": nodes,
+        }
+
+
+def _check_result(o: NodeOutcome) -> tuple[list[str], list[list[Any]]] | None:
+    """Columns and rows of a /query answer, or None (the outcome becomes ``schema``)."""
+    body = o.data
+    cols = body.get("columns") if isinstance(body, dict) else None
+    rows = body.get("rows") if isinstance(body, dict) else None
+    if not isinstance(cols, list) or not all(isinstance(c, str) for c in cols):
+        o.kind, o.reason = Kind.SCHEMA, "the /query answer has no list of column names"
+        return None
+    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == len(cols) for r in rows):
+        o.kind, o.reason = Kind.SCHEMA, f"the /query answer's rows do not all have {len(cols)} values"
+        return None
+    return [str(c) for c in cols], rows
+
+
+def merge_rows(outcomes: list[NodeOutcome], elapsed_ms: float = 0.0) -> FleetResult:
+    """Merge /query answers (``outcome.data``) into one table; see the module docstring."""
+    results: dict[int, tuple[list[str], list[list[Any]]]] = {}
+    for o in _order(outcomes):
+        if o.answered:
+            checked = _check_result(o)
+            if checked is not None:
+                results[id(o)] = checked
+    if not results:
+        return FleetResult([], [], outcomes, elapsed_ms)
+    ordered = [o for o in _order(outcomes) if id(o) in results]
+    counts = Counter(tuple(results[id(o)][0]) for o in ordered)
+    top = max(counts.values())
+    reference = next(tuple(results[id(o)][0]) for o in ordered if counts[tuple(results[id(o)][0])] == top)
+    for o in ordered:
+        cols = tuple(results[id(o)][0])
+        if cols != reference:
+            o.kind = Kind.SCHEMA
+            o.reason = f"columns ({', '.join(cols)}) differ from the other nodes' ({', '.join(reference)}); skipped"
+            o.data = None
+            del results[id(o)]
+    ordered = [o for o in ordered if id(o) in results]
+
+    columns = list(reference)
+    node_idx = next((i for i, c in enumerate(columns) if c.lower() == "node"), None)
+    fold = node_idx is not None and all(
+        row[node_idx] == o.label for o in ordered for row in results[id(o)][1] if node_idx is not None
+    )
+    if node_idx is not None and fold:
+        out_cols = ["node"] + [c for i, c in enumerate(columns) if i != node_idx]
+    elif node_idx is not None:
+        out_cols = ["node"] + ["db_node" if i == node_idx else c for i, c in enumerate(columns)]
+    else:
+        out_cols = ["node", *columns]
+
+    rows: list[list[Any]] = []
+    per_node: dict[str, int] = {}
+    for o in ordered:
+        node_rows = results[id(o)][1]
+        per_node[o.label] = per_node.get(o.label, 0) + len(node_rows)
+        for row in node_rows:
+            if node_idx is not None and fold:
+                rows.append([o.label, *row[:node_idx], *row[node_idx + 1 :]])
+            else:
+                rows.append([o.label, *row])
+    return FleetResult(out_cols, rows, outcomes, elapsed_ms, per_node)
+
+
+@dataclass
+class FleetChains:
+    """A fleet explain: every node's chains merged, and the straggler verdict."""
+
+    chains: list[Chain]
+    outcomes: list[NodeOutcome]
+    verdict: StragglerVerdict
+    windows: dict[str, Any] = field(default_factory=dict)  # node -> the window it used
+    elapsed_ms: float = 0.0
+
+    @property
+    def answered(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if o.answered]
+
+    @property
+    def failed(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if not o.answered]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "chains": [c.as_dict() for c in self.chains],
+            "straggler": self.verdict.as_dict(),
+            "answered": len(self.answered),
+            "failed": len(self.failed),
+            "elapsed_ms": round(self.elapsed_ms, 3),
+            "nodes": [{**o.as_dict(), "window": self.windows.get(o.label)} for o in self.outcomes],
+        }
+
+
+def _chains_of(o: NodeOutcome, key: str) -> list[Chain]:
+    body = o.data.get("chains") if isinstance(o.data, dict) else None
+    raw = body.get(key) if isinstance(body, dict) else None
+    chains: list[Chain] = []
+    for d in raw if isinstance(raw, list) else []:
+        if isinstance(d, dict):
+            c = Chain.from_dict(d)
+            c.node = c.node or o.label
+            chains.append(c)
+    return chains
+
+
+def merge_chains(outcomes: list[NodeOutcome], elapsed_ms: float = 0.0) -> FleetChains:
+    """Merge explain answers: ``outcome.data`` is ``{"chains": /chains body, "ops": /ops body}``.
+
+    A node's computed chains are shown; its stored chains (recorded by the tracer or by Ingero) are
+    added when the node computed none, so an agent serving a recording without enough raw events
+    still contributes its diagnosis.
+    """
+    chains: list[Chain] = []
+    figures: list[NodeFigures] = []
+    windows: dict[str, Any] = {}
+    for o in _order(outcomes):
+        if not o.answered or not isinstance(o.data, dict):
+            continue
+        computed = _chains_of(o, "chains")
+        chains.extend(computed or _chains_of(o, "stored"))
+        ops = o.data.get("ops")
+        if isinstance(ops, dict):
+            figures.append(NodeFigures.from_ops_body(o.label, ops))
+        body = o.data.get("chains")
+        if isinstance(body, dict) and body.get("window") is not None:
+            windows[o.label] = body.get("window")
+    return FleetChains(sort_chains(chains), outcomes, verdict(figures), windows, elapsed_ms)

@@ -1,0 +1,245 @@
+"""The fleet operations: query, explain, ops, status — async, plus ``*_sync`` wrappers (``trio.run``).
+
+Each takes the node list and :class:`~ingero.fleet.settings.ClientSettings` (or an open
+:class:`~ingero.fleet.client.FleetClient` through ``client=``), fans out once with clock-skew
+sampling alongside, and returns merged data together with every node's outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ingero.config import NodeSpec
+from ingero.fleet.client import FleetClient, NodeConn, OutcomeCallback
+from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
+from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome
+from ingero.fleet.settings import API_VERSION, ClientSettings
+from ingero.timeutil import NS_PER_MS, fmt_ts
+
+
+@asynccontextmanager
+async def _client(
+    nodes: Sequence[NodeSpec], settings: ClientSettings | None, client: FleetClient | None
+) -> AsyncIterator[FleetClient]:
+    """The caller's open client, or a fresh one closed afterwards."""
+    if client is not None:
+        yield client
+        return
+    async with FleetClient(nodes, settings) as fc:
+        yield fc
+
+
+async def fleet_query(
+    nodes: Sequence[NodeSpec],
+    settings: ClientSettings | None,
+    sql: str,
+    *,
+    limit: int | None = None,
+    timeout_ms: int | None = None,
+    since: str | None = None,
+    from_: str | None = None,
+    to: str | None = None,
+    pid: int | None = None,
+    op: str | None = None,
+    client: FleetClient | None = None,
+    on_outcome: OutcomeCallback | None = None,
+) -> FleetResult:
+    """``POST /api/v1/query`` on every node; rows merged under ``node`` (see :mod:`ingero.fleet.merge`).
+
+    ``limit`` caps rows per node. ``since``/``from_``/``to``/``pid``/``op`` restrict what the table
+    ``events`` shows to the SQL on each node (each agent resolves ``since`` against its own data).
+    """
+    body: dict[str, Any] = {"sql": sql}
+    extra = {"limit": limit, "timeout_ms": timeout_ms, "since": since, "from": from_, "to": to, "pid": pid, "op": op}
+    body.update({k: v for k, v in extra.items() if v is not None})
+
+    async def job(conn: NodeConn) -> dict[str, Any]:
+        return await conn.post("/api/v1/query", body)
+
+    started = time.perf_counter()
+    async with _client(nodes, settings, client) as fc:
+        outcomes = await fc.fan_out(job, on_outcome=on_outcome)
+    return merge_rows(outcomes, (time.perf_counter() - started) * 1000)
+
+
+def window_params(since: str | None = None, from_: str | None = None, to: str | None = None) -> dict[str, str] | None:
+    params = {k: v for k, v in (("since", since), ("from", from_), ("to", to)) if v}
+    return params or None
+
+
+async def fleet_explain(
+    nodes: Sequence[NodeSpec],
+    settings: ClientSettings | None,
+    *,
+    since: str | None = None,
+    from_: str | None = None,
+    to: str | None = None,
+    client: FleetClient | None = None,
+    on_outcome: OutcomeCallback | None = None,
+) -> FleetChains:
+    """``/chains`` and ``/ops`` from every node: chains merged and the straggler verdict."""
+    params = window_params(since, from_, to)
+
+    async def job(conn: NodeConn) -> dict[str, Any]:
+        chains = await conn.get("/api/v1/chains", params)
+        ops = await conn.get("/api/v1/ops", params)
+        for name, b in (("chains", chains), ("ops", ops)):
+            if not isinstance(b.get(name), list):
+                raise NodeFailure(Kind.SCHEMA, f"the /{name} answer has no '{name}' list")
+        return {"chains": chains, "ops": ops}
+
+    started = time.perf_counter()
+    async with _client(nodes, settings, client) as fc:
+        outcomes = await fc.fan_out(job, on_outcome=on_outcome)
+    return merge_chains(outcomes, (time.perf_counter() - started) * 1000)
+
+
+async def fleet_ops(
+    nodes: Sequence[NodeSpec],
+    settings: ClientSettings | None,
+    *,
+    since: str | None = None,
+    from_: str | None = None,
+    to: str | None = None,
+    client: FleetClient | None = None,
+    on_outcome: OutcomeCallback | None = None,
+) -> list[NodeOutcome]:
+    """``/api/v1/ops`` from every node (each answered outcome's ``data`` is the agent's body)."""
+    async with _client(nodes, settings, client) as fc:
+        return await fc.request_all("GET", "/api/v1/ops", params=window_params(since, from_, to), on_outcome=on_outcome)
+
+
+STATUS_COLUMNS = [
+    "reachable",
+    "node",
+    "addr",
+    "rank",
+    "version",
+    "rtt_ms",
+    "skew",
+    "events",
+    "first",
+    "last",
+    "tls",
+]
+
+
+@dataclass
+class FleetStatus:
+    outcomes: list[NodeOutcome]
+    elapsed_ms: float = 0.0
+    columns: list[str] = field(default_factory=lambda: list(STATUS_COLUMNS))
+
+    @property
+    def answered(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if o.answered]
+
+    @property
+    def failed(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if not o.answered]
+
+    def rows(self) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        for o in sorted(self.outcomes, key=lambda o: (not o.answered, o.label, o.spec.port)):
+            info = o.data if o.answered and isinstance(o.data, dict) else {}
+            rank = info.get("rank")
+            world = info.get("world_size")
+            rank_s = f"{rank}/{world}" if rank is not None and world is not None else ("-" if info else "")
+            rtt = o.skew.delay_ns / NS_PER_MS if o.skew else None
+            out.append(
+                [
+                    "yes" if o.answered else f"no: {o.kind}",
+                    o.label,
+                    o.spec.addr,
+                    rank_s,
+                    info.get("version", ""),
+                    round(rtt, 2) if rtt is not None else "",
+                    o.skew.short() if o.skew else "",
+                    info.get("events", ""),
+                    fmt_ts(info.get("first_ns")) if info.get("first_ns") else "",
+                    fmt_ts(info.get("last_ns")) if info.get("last_ns") else "",
+                    _tls_mode(info) if info else "",
+                ]
+            )
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        nodes = []
+        for o in self.outcomes:
+            d = o.as_dict()
+            d["info"] = o.data if o.answered else None
+            nodes.append(d)
+        return {
+            "answered": len(self.answered),
+            "failed": len(self.failed),
+            "elapsed_ms": round(self.elapsed_ms, 3),
+            "nodes": nodes,
+        }
+
+
+def _tls_mode(info: dict[str, Any]) -> str:
+    tls = info.get("tls")
+    mode = str(tls.get("mode", "")) if isinstance(tls, dict) else str(tls or "")
+    auth = info.get("auth")
+    if auth and str(auth) not in ("none", "False", "false"):
+        mode = f"{mode}+token" if mode else "token"
+    return mode
+
+
+async def fleet_status(
+    nodes: Sequence[NodeSpec],
+    settings: ClientSettings | None,
+    *,
+    client: FleetClient | None = None,
+    on_outcome: OutcomeCallback | None = None,
+) -> FleetStatus:
+    """``/api/v1/info`` and clock skew for every node."""
+
+    async def job(conn: NodeConn) -> dict[str, Any]:
+        info = await conn.get("/api/v1/info")
+        version = info.get("api_version")
+        if version != API_VERSION:
+            raise NodeFailure(Kind.SCHEMA, f"the agent speaks API version {version}; this client speaks {API_VERSION}")
+        return info
+
+    started = time.perf_counter()
+    async with _client(nodes, settings, client) as fc:
+        outcomes = await fc.fan_out(job, on_outcome=on_outcome)
+    return FleetStatus(outcomes, (time.perf_counter() - started) * 1000)
+
+
+# --- synchronous wrappers (CLI, MCP tools, scripts) --------------------------------------------
+
+
+def query_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, sql: str, **kw: Any) -> FleetResult:
+    async def main() -> FleetResult:
+        return await fleet_query(nodes, settings, sql, **kw)
+
+    return trio.run(main)
+
+
+def explain_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, **kw: Any) -> FleetChains:
+    async def main() -> FleetChains:
+        return await fleet_explain(nodes, settings, **kw)
+
+    return trio.run(main)
+
+
+def ops_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, **kw: Any) -> list[NodeOutcome]:
+    async def main() -> list[NodeOutcome]:
+        return await fleet_ops(nodes, settings, **kw)
+
+    return trio.run(main)
+
+
+def status_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, **kw: Any) -> FleetStatus:
+    async def main() -> FleetStatus:
+        return await fleet_status(nodes, settings, **kw)
+
+    return trio.run(main)

@@ -1,0 +1,98 @@
+"""Text for humans: query footers, the unanswered-nodes list, skew warnings, merged chains, progress.
+
+Shared by the CLI (``query --nodes``, ``explain --nodes``, ``fleet status``) and anything else that
+prints fleet results (MCP tools return these lines too).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import IO
+
+from ingero.fleet.merge import FleetChains, FleetResult
+from ingero.fleet.outcome import NodeOutcome
+from ingero.fleet.skew import warning as skew_warning
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def query_footer(result: FleetResult) -> str:
+    """``12 rows from 3 node(s) in 41 ms``."""
+    answered = len(result.answered)
+    return f"{_plural(len(result.rows), 'row')} from {answered} node(s) in {result.elapsed_ms:.0f} ms"
+
+
+def unanswered_lines(outcomes: Sequence[NodeOutcome]) -> list[str]:
+    """One line per node that did not answer: ``gpu-node-04 (10.0.0.4:8080): timeout — no answer within 5s``."""
+    return [f"{o.display}: {o.kind} — {o.reason}" for o in outcomes if not o.answered]
+
+
+def truncated_lines(outcomes: Sequence[NodeOutcome]) -> list[str]:
+    return [
+        f"{o.display}: rows capped ({o.reason}); raise --limit or narrow the query"
+        for o in outcomes
+        if o.answered and o.reason
+    ]
+
+
+def skew_warnings(outcomes: Sequence[NodeOutcome], threshold_ms: float) -> list[str]:
+    """``gpu-node-02 is ~47 ms ahead of this host (±1 ms); ...`` for every node past the threshold."""
+    out = []
+    for o in outcomes:
+        line = skew_warning(o.label, o.skew, threshold_ms)
+        if line:
+            out.append(line)
+    return out
+
+
+def render_chains(fleet: FleetChains, *, verbose: bool = False) -> str:
+    """The fleet diagnosis: every chain tagged with its node (as ``ingero explain`` prints chains),
+    sorted by severity then node, then the straggler verdict."""
+    from ingero.explain.render import render_chains as render_chain_list
+
+    parts: list[str] = []
+    n = len(fleet.answered)
+    if fleet.chains:
+        high = sum(1 for c in fleet.chains if c.severity == "HIGH")
+        parts.append(
+            f"FLEET DIAGNOSIS — {_plural(len(fleet.chains), 'causal chain')} across {n} node(s)"
+            + (f", {high} HIGH" if high else "")
+        )
+        parts.append(render_chain_list(fleet.chains, verbose=verbose).rstrip())
+    else:
+        parts.append(f"FLEET DIAGNOSIS — no causal chains on any of {n} node(s)")
+    parts.append(f"straggler: {fleet.verdict.line}")
+    return "\n\n".join(parts)
+
+
+class Progress:
+    """``3/8 nodes done, 1 failed …`` redrawn in place on a terminal's stderr; silent elsewhere."""
+
+    def __init__(self, total: int, stream: IO[str] | None = None, *, enabled: bool | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.total = total
+        self.done = 0
+        self.failed = 0
+        is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.enabled = is_tty if enabled is None else enabled
+        self._drawn = False
+
+    def __call__(self, outcome: NodeOutcome) -> None:
+        self.done += 1
+        if not outcome.answered:
+            self.failed += 1
+        if not self.enabled:
+            return
+        failed = f", {self.failed} failed" if self.failed else ""
+        self.stream.write(f"\r\x1b[2Kingero: {self.done}/{self.total} nodes done{failed} …")
+        self.stream.flush()
+        self._drawn = True
+
+    def clear(self) -> None:
+        if self.enabled and self._drawn:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+            self._drawn = False

@@ -1,0 +1,164 @@
+"""Clock skew between this host and each agent: NTP's four-timestamp method, with numpy.
+
+One sample is one ``GET /api/v1/time`` round trip:
+
+* ``t1`` — this host's wall clock when the request leaves,
+* ``t2`` — the agent's wall clock when the request arrived (``receive_ns``),
+* ``t3`` — the agent's wall clock when the answer left (``transmit_ns``),
+* ``t4`` — this host's wall clock when the answer arrived.
+
+``offset = ((t2 − t1) + (t3 − t4)) / 2`` is how far the agent's clock is ahead of ours (negative:
+behind) and ``delay = (t4 − t1) − (t3 − t2)`` the network round trip. Causality bounds the true
+offset to ``[t3 − t4, t2 − t1]``, which is exactly ``offset ± delay / 2``: that is the uncertainty we
+report. Several samples are taken per node and the one with the lowest delay wins (the tightest
+bound). ``t4`` is measured as ``t1`` plus a ``perf_counter_ns`` interval, so a clock step on this host
+in the middle of a sample cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ingero.timeutil import NS_PER_MS
+
+
+@dataclass(frozen=True)
+class TimeSample:
+    """One /time round trip (all wall-clock Unix ns)."""
+
+    t1: int
+    t2: int
+    t3: int
+    t4: int
+
+    @property
+    def offset_ns(self) -> float:
+        return ((self.t2 - self.t1) + (self.t3 - self.t4)) / 2
+
+    @property
+    def delay_ns(self) -> float:
+        return float((self.t4 - self.t1) - (self.t3 - self.t2))
+
+
+class SampleClock:
+    """Takes ``t1`` and ``t4`` for one sample: wall clock at the start, monotonic interval after."""
+
+    __slots__ = ("_pc", "t1")
+
+    def __init__(self) -> None:
+        self.t1 = time.time_ns()
+        self._pc = time.perf_counter_ns()
+
+    def t4(self) -> int:
+        return self.t1 + (time.perf_counter_ns() - self._pc)
+
+
+@dataclass(frozen=True)
+class SkewEstimate:
+    """The best (lowest-delay) sample's offset, with its ±delay/2 uncertainty."""
+
+    offset_ns: float  # > 0: the agent's clock is ahead of this host's
+    delay_ns: float  # round trip of the winning sample
+    samples: int  # samples that succeeded
+    failed: int = 0  # samples that did not (they never drop the node)
+
+    @property
+    def uncertainty_ns(self) -> float:
+        return self.delay_ns / 2
+
+    @property
+    def offset_ms(self) -> float:
+        return self.offset_ns / NS_PER_MS
+
+    @property
+    def uncertainty_ms(self) -> float:
+        return self.uncertainty_ns / NS_PER_MS
+
+    def contains(self, true_offset_ns: float, slack_ns: float = 0.0) -> bool:
+        """Is ``true_offset_ns`` inside ``offset ± uncertainty`` (plus ``slack_ns``)?"""
+        return abs(self.offset_ns - true_offset_ns) <= self.uncertainty_ns + slack_ns
+
+    def short(self) -> str:
+        """``+47.2 ms ±0.4 ms`` for tables."""
+        return f"{_signed_ms(self.offset_ns)} ±{_fmt_ms(self.uncertainty_ns)}"
+
+    def describe(self, node: str) -> str:
+        """``gpu-node-02 is ~47 ms ahead of this host (±1 ms)``."""
+        if self.offset_ns == 0:
+            return f"{node}'s clock matches this host's (±{_fmt_ms(self.uncertainty_ns)})"
+        direction = "ahead of" if self.offset_ns > 0 else "behind"
+        return f"{node} is ~{_fmt_ms(abs(self.offset_ns))} {direction} this host (±{_fmt_ms(self.uncertainty_ns)})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "offset_ms": round(self.offset_ms, 3),
+            "uncertainty_ms": round(self.uncertainty_ms, 3),
+            "rtt_ms": round(self.delay_ns / NS_PER_MS, 3),
+            "samples": self.samples,
+            "failed": self.failed,
+        }
+
+
+def estimate(samples: Sequence[TimeSample], failed: int = 0) -> SkewEstimate | None:
+    """Pick the lowest-delay sample. ``None`` when no sample succeeded.
+
+    Samples with a negative delay (the agent claims to have spent longer than the round trip — a
+    broken agent clock or a clock step inside the sample) are discarded.
+    """
+    if not samples:
+        return None
+    arr = np.array([(s.t1, s.t2, s.t3, s.t4) for s in samples], dtype=np.int64)
+    t1, t2, t3, t4 = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+    # Differences first, in int64 (exact), then float: Unix ns do not survive float64 by themselves.
+    out_leg = (t2 - t1).astype(np.float64)
+    back_leg = (t3 - t4).astype(np.float64)
+    delays = ((t4 - t1) - (t3 - t2)).astype(np.float64)
+    offsets = (out_leg + back_leg) / 2
+    valid = delays >= 0
+    if not valid.any():
+        return None
+    best = int(np.argmin(np.where(valid, delays, np.inf)))
+    return SkewEstimate(
+        offset_ns=float(offsets[best]),
+        delay_ns=float(delays[best]),
+        samples=int(valid.sum()),
+        failed=failed + int((~valid).sum()),
+    )
+
+
+def sample_from_body(clock: SampleClock, t4: int, body: dict[str, Any]) -> TimeSample:
+    """Build a sample from a ``/api/v1/time`` answer; ValueError when the answer is malformed."""
+    t2, t3 = body.get("receive_ns"), body.get("transmit_ns")
+    if not isinstance(t2, int) or not isinstance(t3, int) or isinstance(t2, bool) or isinstance(t3, bool):
+        raise ValueError("/time answer lacks integer receive_ns/transmit_ns")
+    return TimeSample(clock.t1, t2, t3, t4)
+
+
+def exceeds(est: SkewEstimate | None, threshold_ms: float) -> bool:
+    return est is not None and abs(est.offset_ms) > threshold_ms
+
+
+def warning(node: str, est: SkewEstimate | None, threshold_ms: float) -> str | None:
+    """The stderr warning for a node whose clock is off by more than the threshold, else None."""
+    if est is None or not exceeds(est, threshold_ms):
+        return None
+    return est.describe(node) + f"; timestamps from {node} are shifted by that much (threshold {threshold_ms:g} ms)"
+
+
+def _fmt_ms(ns: float) -> str:
+    ms = abs(ns) / NS_PER_MS
+    if ms >= 10 or math.isclose(ms, round(ms)):
+        return f"{ms:.0f} ms"
+    if ms >= 0.1:
+        return f"{ms:.1f} ms"
+    return f"{ms:.2f} ms"
+
+
+def _signed_ms(ns: float) -> str:
+    return ("+" if ns >= 0 else "-") + _fmt_ms(ns)

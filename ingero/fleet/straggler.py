@@ -1,0 +1,267 @@
+"""The straggler verdict: which node is unlike its peers, from every node's ``/api/v1/ops`` figures.
+
+Each node contributes a :class:`NodeFigures` (host-event count and mean latency, off-CPU and block-I/O
+time, GPU-API mean latency, p99 per GPU op). For every metric, a robust z-score is computed across
+the nodes with numpy — ``z = 0.6745 · (x − median) / MAD`` — which a single outlier cannot drag the
+way it drags a mean and a standard deviation. A node is flagged on a metric when its z-score reaches
+the threshold (3.5, Iglewicz & Hoaglin) *and* its value is at least ``min_ratio`` times the median of
+its peers, so that tiny absolute differences between near-identical nodes never make a verdict. Only
+high values count: more host events, slower calls. With two nodes there is no median to speak of: the
+verdict then needs a 3x ratio. The headline reads::
+
+    gpu-node-01 is the outlier: 847 host events at 18.4 ms avg vs peers ~2 ms
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Z_THRESHOLD = 3.5
+MIN_RATIO = 2.0
+TWO_NODE_RATIO = 3.0
+_GPU_SOURCES = frozenset({"CUDA", "DRIVER", "NCCL"})
+
+
+@dataclass(frozen=True)
+class NodeFigures:
+    """One node's numbers, as the agent's ``/ops`` endpoint reports them."""
+
+    node: str
+    host_events: int = 0
+    host_avg_ms: float = 0.0
+    offcpu_ms: float = 0.0
+    block_io_ms: float = 0.0
+    gpu_api_calls: int = 0
+    gpu_api_avg_ms: float = 0.0
+    op_p99_ms: dict[str, float] = field(default_factory=dict)  # GPU ops only: "cuLaunchKernel" -> p99 ms
+
+    @classmethod
+    def from_ops_body(cls, node: str, body: dict[str, Any]) -> NodeFigures:
+        host = body.get("host") if isinstance(body.get("host"), dict) else {}
+        assert isinstance(host, dict)
+        p99: dict[str, float] = {}
+        for op in body.get("ops") or []:
+            if isinstance(op, dict) and op.get("source") in _GPU_SOURCES and op.get("count"):
+                p99[str(op.get("op"))] = _num(op.get("p99_us")) / 1000
+        return cls(
+            node=node,
+            host_events=int(_num(host.get("host_events"))),
+            host_avg_ms=_num(host.get("host_avg_ms")),
+            offcpu_ms=_num(host.get("offcpu_ms")),
+            block_io_ms=_num(host.get("block_io_ms")),
+            gpu_api_calls=int(_num(host.get("gpu_api_calls"))),
+            gpu_api_avg_ms=_num(host.get("gpu_api_avg_ms")),
+            op_p99_ms=p99,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "host_events": self.host_events,
+            "host_avg_ms": round(self.host_avg_ms, 4),
+            "offcpu_ms": round(self.offcpu_ms, 3),
+            "block_io_ms": round(self.block_io_ms, 3),
+            "gpu_api_calls": self.gpu_api_calls,
+            "gpu_api_avg_ms": round(self.gpu_api_avg_ms, 4),
+            "op_p99_ms": {k: round(v, 4) for k, v in sorted(self.op_p99_ms.items())},
+        }
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return 0.0
+    return float(v)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One node standing out on one metric."""
+
+    node: str
+    metric: str  # "host_events", "host_avg_ms", ..., "p99:cuLaunchKernel"
+    value: float
+    peers: float  # median of the other nodes
+    z: float  # robust z-score (inf when all peers are identical)
+    ratio: float  # value / peers
+
+    def phrase(self) -> str:
+        name = _METRIC_WORDS.get(self.metric)
+        if self.metric.startswith("p99:"):
+            name = f"{self.metric[4:]} p99"
+        if self.metric in {"host_events", "gpu_api_calls"}:
+            return f"{_count(self.value)} {name} vs peers ~{_count(self.peers)}"
+        return f"{name} {_ms(self.value)} vs peers ~{_ms(self.peers)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "metric": self.metric,
+            "value": round(self.value, 4),
+            "peers_median": round(self.peers, 4),
+            "z": None if math.isinf(self.z) else round(self.z, 2),
+            "ratio": None if math.isinf(self.ratio) else round(self.ratio, 2),
+        }
+
+
+_METRIC_WORDS = {
+    "host_events": "host events",
+    "host_avg_ms": "host-event latency",
+    "offcpu_ms": "off-CPU time",
+    "block_io_ms": "block I/O time",
+    "gpu_api_calls": "GPU API calls",
+    "gpu_api_avg_ms": "GPU API latency",
+}
+
+
+@dataclass
+class StragglerVerdict:
+    outlier: str | None  # the node, or None when nobody stands out (or too few nodes)
+    line: str  # one line for humans
+    nodes: int  # nodes with figures
+    findings: list[Finding] = field(default_factory=list)  # every (node, metric) past the threshold
+    scores: dict[str, float] = field(default_factory=dict)  # node -> its strongest qualifying z
+    figures: list[NodeFigures] = field(default_factory=list)
+
+    @property
+    def others(self) -> list[str]:
+        """Further nodes that stand out too (after the headline outlier)."""
+        seen = {self.outlier}
+        out: list[str] = []
+        for f in sorted(self.findings, key=lambda f: -self.scores.get(f.node, 0)):
+            if f.node not in seen:
+                seen.add(f.node)
+                out.append(f.node)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "outlier": self.outlier,
+            "line": self.line,
+            "nodes": self.nodes,
+            "others": self.others,
+            "findings": [f.as_dict() for f in self.findings],
+            "scores": {k: (None if math.isinf(v) else round(v, 2)) for k, v in self.scores.items()},
+            "figures": [f.as_dict() for f in self.figures],
+        }
+
+
+def robust_z(values: np.ndarray) -> np.ndarray:
+    """Modified z-scores, median/MAD. All-equal peers with one differing value give ±inf."""
+    x = np.asarray(values, dtype=np.float64)
+    med = float(np.median(x))
+    mad = float(np.median(np.abs(x - med)))
+    floor = 1e-3 * abs(med)  # differences below 0.1% of the median are noise, not signal
+    dev = x - med
+    if mad <= floor:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(np.abs(dev) <= floor, 0.0, np.sign(dev) * np.inf)
+        return np.asarray(z, dtype=np.float64)
+    return np.asarray(0.6745 * dev / mad, dtype=np.float64)
+
+
+def _metrics(figs: Sequence[NodeFigures]) -> dict[str, dict[str, float]]:
+    """metric -> {node: value}, only where a node has the figure."""
+    out: dict[str, dict[str, float]] = {}
+    for name in ("host_events", "host_avg_ms", "offcpu_ms", "block_io_ms", "gpu_api_avg_ms"):
+        out[name] = {f.node: float(getattr(f, name)) for f in figs}
+    out["gpu_api_avg_ms"] = {f.node: f.gpu_api_avg_ms for f in figs if f.gpu_api_calls > 0}
+    ops = sorted({op for f in figs for op in f.op_p99_ms})
+    for op in ops:
+        out[f"p99:{op}"] = {f.node: f.op_p99_ms[op] for f in figs if op in f.op_p99_ms}
+    return out
+
+
+def verdict(
+    figs: Sequence[NodeFigures],
+    *,
+    z_threshold: float = Z_THRESHOLD,
+    min_ratio: float = MIN_RATIO,
+) -> StragglerVerdict:
+    """Compute the straggler verdict across nodes (see the module docstring)."""
+    figs = list(figs)
+    n = len(figs)
+    if n < 2:
+        return StragglerVerdict(
+            None, f"no straggler verdict: it needs at least 2 nodes ({n} answered)", n, figures=figs
+        )
+    findings: list[Finding] = []
+    for metric, by_node in _metrics(figs).items():
+        if len(by_node) < 2:
+            continue
+        names = list(by_node)
+        vals = np.array([by_node[k] for k in names], dtype=np.float64)
+        z = robust_z(vals) if len(names) >= 3 else np.zeros(len(names))
+        for i, node in enumerate(names):
+            peers = float(np.median(np.delete(vals, i)))
+            value = float(vals[i])
+            if value <= 0:
+                continue
+            ratio = value / peers if peers > 0 else math.inf
+            if len(names) >= 3:
+                if z[i] >= z_threshold and ratio >= min_ratio:
+                    findings.append(Finding(node, metric, value, peers, float(z[i]), ratio))
+            elif ratio >= max(min_ratio, TWO_NODE_RATIO):
+                findings.append(Finding(node, metric, value, peers, math.inf, ratio))
+    scores: dict[str, float] = {}
+    for f in findings:
+        # Rank nodes by how many metrics single them out, then by their strongest z-score.
+        scores[f.node] = max(scores.get(f.node, 0.0), f.z)
+    if not findings:
+        return StragglerVerdict(None, _alike_line(figs), n, [], {}, figs)
+    count = {node: sum(1 for f in findings if f.node == node) for node in scores}
+    outlier = max(scores, key=lambda k: (count[k], _finite(scores[k]), k))
+    fig = next(f for f in figs if f.node == outlier)
+    line = _outlier_line(fig, figs, [f for f in findings if f.node == outlier])
+    findings.sort(key=lambda f: (f.node != outlier, -count[f.node], f.node, -_finite(f.z)))
+    v = StragglerVerdict(outlier, line, n, findings, scores, figs)
+    if v.others:
+        v.line += "; also unusual: " + ", ".join(v.others)
+    return v
+
+
+def _finite(z: float) -> float:
+    return 1e300 if math.isinf(z) else z
+
+
+def _outlier_line(fig: NodeFigures, figs: Sequence[NodeFigures], mine: list[Finding]) -> str:
+    peers = [f for f in figs if f.node != fig.node]
+    peer_avg = float(np.median([f.host_avg_ms for f in peers]))
+    parts = [f"{_count(fig.host_events)} host events at {_ms(fig.host_avg_ms)} avg vs peers ~{_ms(peer_avg)}"]
+    host_metrics = {"host_events", "host_avg_ms"}
+    if not any(f.metric in host_metrics for f in mine):
+        # The host figures are context; the finding that made the verdict goes first.
+        strongest = max(mine, key=lambda f: (_finite(f.z), f.ratio))
+        parts.insert(0, strongest.phrase())
+    else:
+        rest = [f for f in mine if f.metric not in host_metrics and f.metric.startswith("p99:")]
+        if rest:
+            parts.append(max(rest, key=lambda f: (_finite(f.z), f.ratio)).phrase())
+    return f"{fig.node} is the outlier: " + "; ".join(parts)
+
+
+def _alike_line(figs: Sequence[NodeFigures]) -> str:
+    ev = [f.host_events for f in figs]
+    avg = [f.host_avg_ms for f in figs]
+    return (
+        f"no straggler: the {len(figs)} nodes look alike "
+        f"({_count(min(ev))}–{_count(max(ev))} host events at {_ms(min(avg))}–{_ms(max(avg))} avg)"
+    )
+
+
+def _count(v: float) -> str:
+    return f"{round(v):,}"
+
+
+def _ms(ms: float) -> str:
+    if ms >= 100:
+        return f"{ms:.0f} ms"
+    if ms >= 1:
+        return f"{ms:.1f}".removesuffix(".0") + " ms"
+    if ms >= 0.01:
+        return f"{ms * 1000:.0f} µs"
+    return f"{ms * 1000:.1f} µs" if ms > 0 else "0 ms"

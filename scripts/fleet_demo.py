@@ -1,0 +1,216 @@
+"""The README's main demo (``make demo``): a local 3-node fleet on loopback, asked from one command.
+
+1. ``ingero cert``: a fleet CA, one certificate per node (SANs 127.0.0.1, localhost), one client
+   certificate — in a temporary directory.
+2. ``ingero serve`` × 3 over ``investigations/sample-gpu-node-0{1,2,3}.db`` (made by ``ingero
+   investigations`` when missing), each on 127.0.0.1 port 0 with mutual TLS and ``--ready-file``.
+3. A fleet config (``fleet.nodes`` + client TLS) in the same directory, used through ``--config``.
+4. ``ingero fleet status``, the seed's query with ``ingero query``, and ``ingero explain``, all
+   ``--config``-driven; the explain output must name gpu-node-01 as the straggler.
+5. The agents are stopped — always, also on errors and Ctrl-C. No root, no GPU.
+
+Usage: .venv/bin/python scripts/fleet_demo.py [--keep]   (--keep leaves the temp dir for a look)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+INVESTIGATIONS = ROOT / "investigations"
+NODES = ["gpu-node-01", "gpu-node-02", "gpu-node-03"]
+SEED_QUERY = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
+READY_TIMEOUT_S = 60.0
+
+
+class DemoError(Exception):
+    pass
+
+
+def ingero_cmd() -> list[str]:
+    return [sys.executable, "-m", "ingero"]
+
+
+def show(argv: list[str]) -> None:
+    shown = ["ingero", *argv[len(ingero_cmd()) :]] if argv[: len(ingero_cmd())] == ingero_cmd() else argv
+    print(f"\n$ {shlex.join(shown)}", flush=True)
+
+
+def run(argv: list[str], *, quiet: bool = False) -> str:
+    """Run a command, echo it (and, unless quiet, its output); return its stdout."""
+    if not quiet:
+        show(argv)
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
+    if not quiet:
+        sys.stdout.write(proc.stdout)
+        sys.stdout.write(proc.stderr)
+        sys.stdout.flush()
+    if proc.returncode != 0:
+        raise DemoError(
+            f"{shlex.join(argv[len(ingero_cmd()) :])} failed (exit {proc.returncode}): {proc.stderr.strip()}"
+        )
+    return proc.stdout
+
+
+def ensure_investigations() -> list[Path]:
+    dbs = [INVESTIGATIONS / f"sample-{n}.db" for n in NODES]
+    if not all(p.is_file() for p in dbs):
+        print("investigations/ lacks the sample databases: generating them (ingero investigations)", flush=True)
+        run([*ingero_cmd(), "investigations", "--out", str(INVESTIGATIONS)], quiet=True)
+    missing = [str(p) for p in dbs if not p.is_file()]
+    if missing:
+        raise DemoError(f"missing {', '.join(missing)} (run: make investigations)")
+    return dbs
+
+
+def make_pki(pki: Path) -> None:
+    print(f"certificates: fleet CA, node and client certificates in {pki}", flush=True)
+    run([*ingero_cmd(), "cert", "ca", "--out", str(pki)], quiet=True)
+    for node in NODES:
+        run([*ingero_cmd(), "cert", "node", node, "--san", "127.0.0.1,localhost", "--ca-dir", str(pki)], quiet=True)
+    run([*ingero_cmd(), "cert", "client", "demo", "--ca-dir", str(pki)], quiet=True)
+
+
+def start_agent(node: str, db: Path, pki: Path, work: Path) -> tuple[subprocess.Popen[str], Path]:
+    ready = work / f"{node}.ready.json"
+    argv = [
+        *ingero_cmd(),
+        "serve",
+        "--db",
+        str(db),
+        "--node",
+        node,
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        str(pki / f"node-{node}.pem"),
+        "--tls-key",
+        str(pki / f"node-{node}-key.pem"),
+        "--client-ca",
+        str(pki / "ca.pem"),
+        "--ready-file",
+        str(ready),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # Ctrl-C goes to us; we stop the agents ourselves
+    )
+    return proc, ready
+
+
+def wait_ready(proc: subprocess.Popen[str], ready: Path, node: str) -> dict[str, object]:
+    """Block on the agent's output until it reports listening (it writes the ready file first)."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    seen: list[str] = []
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise DemoError(f"agent {node} did not report listening within {READY_TIMEOUT_S:g}s")
+            line = proc.stdout.readline()
+            if not line:
+                raise DemoError(f"agent {node} exited (rc={proc.wait()}): {' '.join(seen)[-400:]}")
+            seen.append(line.strip())
+            if "listening on" in line:
+                print(f"  {line.strip()}", flush=True)
+                doc: dict[str, object] = json.loads(ready.read_text())
+                return doc
+    finally:
+        sel.close()
+
+
+def stop_agents(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
+    if procs:
+        print(f"\nstopped {len(procs)} agent(s)", flush=True)
+
+
+def write_config(path: Path, addrs: dict[str, str], pki: Path) -> None:
+    nodes = "\n".join(f"    - {{name: {n}, addr: '{a}'}}" for n, a in addrs.items())
+    path.write_text(
+        "# written by scripts/fleet_demo.py: the three local agents and this client's mTLS material\n"
+        f"fleet:\n  nodes:\n{nodes}\n"
+        f"  ca_cert: {pki / 'ca.pem'}\n  client_cert: {pki / 'client-demo.pem'}\n"
+        f"  client_key: {pki / 'client-demo-key.pem'}\n  timeout: 5s\n",
+        encoding="utf-8",
+    )
+
+
+def demo(work: Path) -> None:
+    dbs = ensure_investigations()
+    pki = work / "pki"
+    make_pki(pki)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        print("agents: ingero serve × 3 on 127.0.0.1 (mutual TLS)", flush=True)
+        started = [start_agent(node, db, pki, work) for node, db in zip(NODES, dbs, strict=True)]
+        procs = [p for p, _ in started]
+        addrs: dict[str, str] = {}
+        for node, (proc, ready) in zip(NODES, started, strict=True):
+            info = wait_ready(proc, ready, node)
+            addrs[node] = f"{info['host']}:{info['port']}"
+        cfg = work / "ingero.yaml"
+        write_config(cfg, addrs, pki)
+        run([*ingero_cmd(), "fleet", "status", "--config", str(cfg)])
+        run([*ingero_cmd(), "query", "--config", str(cfg), SEED_QUERY])
+        explained = run([*ingero_cmd(), "explain", "--config", str(cfg)])
+        if "straggler: gpu-node-01 is the outlier" not in explained:
+            raise DemoError("explain --nodes did not name gpu-node-01 as the straggler")
+        print("\nthe fleet agrees: gpu-node-01 is the straggler (CPU contention + checkpoint I/O).", flush=True)
+    finally:
+        stop_agents(procs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory (certificates, config)")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ingero-demo-"))
+    os.chmod(work, 0o700)
+    try:
+        demo(work)
+        return 0
+    except DemoError as e:
+        print(f"fleet demo: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fleet demo: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if args.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""Fan-out against real agents on 127.0.0.1 (mTLS, ingero's own PKI): healthy, hung, failing,
+cut-off, off-schema, truncating, token-protected and absent nodes, each ending as its own outcome."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from ingero.config import NodeSpec
+from ingero.fleet.client import FleetClient
+from ingero.fleet.operations import fleet_explain, fleet_query, fleet_status
+from ingero.fleet.outcome import Kind, NodeOutcome
+from ingero.store.writer import EventRow
+from tests.conftest import SEED_QUERY, write_db
+from tests.fleet_agents import (
+    AgentSpec,
+    Pki,
+    cut_off,
+    fail,
+    hang,
+    make_pki,
+    node_specs,
+    rewrite_json,
+    start_agents,
+)
+
+BASE_NS = 1_775_218_715_000_000_000
+MS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def straggler_events(n_host: int, host_ms: float, seed: int, *, tail: bool = False) -> list[EventRow]:
+    """Kernel launches plus host events (sched_switch off-CPU, block writes) of a given mean duration,
+    interleaved in one time window; with ``tail`` every 12th launch is slow (a p99 >> p50 symptom)."""
+    rows: list[EventRow] = []
+    t = BASE_NS + seed
+    launches = 300
+    for i in range(max(launches, n_host)):
+        t += 1 * MS
+        if i < launches:
+            dur = 20_000 + (i % 7) * 1000
+            if tail and i % 12 == 0:
+                dur = 1_500_000 + (i % 5) * 100_000
+            rows.append((t, 4242, 4242, 4, 1, dur, 0, 0, 0, 0, 0, 0))  # cuLaunchKernel
+        if i < n_host:
+            source, op = (3, 1) if i % 2 else (5, 2)
+            dur = int(host_ms * MS * (0.8 + 0.4 * ((i * 7919 + seed) % 100) / 100))
+            rows.append((t + 1000, 4242, 4242, source, op, dur, 0, 4096, 0, 0, 0, 0))
+    return rows
+
+
+def by_label(outcomes: list[NodeOutcome]) -> dict[str, NodeOutcome]:
+    return {o.label: o for o in outcomes}
+
+
+def test_healthy_fleet_merges_rows_with_agent_identity(pki: Pki, samples: Path) -> None:
+    specs = [AgentSpec(samples / f"sample-gpu-node-0{i}.db", f"gpu-node-0{i}") for i in (1, 2, 3)]
+
+    async def main() -> Any:
+        async with trio.open_nursery() as nursery:
+            servers = await start_agents(nursery, pki, specs)
+            result = await fleet_query(node_specs(servers), pki.client_settings(), SEED_QUERY)
+            nursery.cancel_scope.cancel()
+        return result
+
+    result = trio.run(main)
+    assert [o.kind for o in result.outcomes] == [Kind.OK] * 3
+    assert result.columns == ["node", "source", "cnt", "avg_us"]
+    assert len(result.rows) == 8
+    assert {r[0] for r in result.rows} == {"gpu-node-01", "gpu-node-02", "gpu-node-03"}
+    assert sum(r[2] for r in result.rows) == 600
+    for o in result.outcomes:
+        assert o.skew is not None and o.skew.samples == 4
+        # Same host, same clock: the true offset is 0 and must lie inside the stated uncertainty.
+        assert o.skew.contains(0, slack_ns=50_000), o.skew
+
+
+def test_faulty_nodes_each_end_as_their_outcome(pki: Pki, samples: Path) -> None:
+    db = samples / "sample-gpu-node-02.db"
+
+    def other_columns(body: dict[str, Any]) -> dict[str, Any]:
+        body["columns"] = [c.upper() for c in body["columns"]]
+        return body
+
+    def no_ok(body: dict[str, Any]) -> dict[str, Any]:
+        body.pop("ok", None)
+        return body
+
+    specs = [
+        AgentSpec(samples / "sample-gpu-node-01.db", "healthy-01"),
+        AgentSpec(db, "healthy-02"),
+        AgentSpec(db, "hung", wrapper=hang("/api/v1/query")),
+        AgentSpec(db, "failing", wrapper=fail("/api/v1/query")),
+        AgentSpec(db, "cutoff", wrapper=cut_off("/api/v1/query")),
+        AgentSpec(db, "renamed", wrapper=rewrite_json("/api/v1/query", other_columns)),
+        AgentSpec(db, "no-ok", wrapper=rewrite_json("/api/v1/query", no_ok)),
+        AgentSpec(db, "locked", token="s3cret"),
+    ]
+    dead = NodeSpec("127.0.0.1", free_port(), "gone")
+
+    async def main() -> Any:
+        async with trio.open_nursery() as nursery:
+            servers = await start_agents(nursery, pki, specs)
+            nodes = node_specs(servers)
+            # a 401 answer names no node: the operator's label stands in (as a config {name, addr} would)
+            nodes[-1] = NodeSpec(nodes[-1].host, nodes[-1].port, "locked")
+            result = await fleet_query([*nodes, dead], pki.client_settings(timeout_s=1.0), SEED_QUERY)
+            nursery.cancel_scope.cancel()
+        return result
+
+    result = trio.run(main)
+    got = by_label(result.outcomes)
+    assert {k: str(o.kind) for k, o in got.items()} == {
+        "healthy-01": "ok",
+        "healthy-02": "ok",
+        "hung": "timeout",
+        "failing": "http",
+        "cutoff": "protocol",
+        "renamed": "schema",
+        "no-ok": "schema",
+        "locked": "auth",
+        "gone": "refused",
+    }
+    assert got["failing"].reason == "HTTP 500: disk I/O error reading the trace database"
+    assert got["failing"].status == 500
+    assert "differ from the other nodes'" in got["renamed"].reason
+    assert "within 1s" in got["hung"].reason and "/time answers did arrive" in got["hung"].reason
+    assert got["hung"].skew is not None  # its /time kept answering while /query hung
+    assert got["locked"].status == 401
+    assert "connection refused" in got["gone"].reason
+    # the healthy rows are all there, under the agents' own names
+    assert {r[0] for r in result.rows} == {"healthy-01", "healthy-02"}
+    assert len(result.rows) == 5
+
+
+def test_agent_side_truncation_keeps_rows_and_says_so(pki: Pki, samples: Path) -> None:
+    specs = [AgentSpec(samples / f"sample-gpu-node-0{i}.db", f"gpu-node-0{i}") for i in (1, 2, 3)]
+
+    async def main() -> Any:
+        async with trio.open_nursery() as nursery:
+            servers = await start_agents(nursery, pki, specs)
+            result = await fleet_query(
+                node_specs(servers), pki.client_settings(), "SELECT id, op FROM events ORDER BY id", limit=5
+            )
+            nursery.cancel_scope.cancel()
+        return result
+
+    result = trio.run(main)
+    assert [o.kind for o in result.outcomes] == [Kind.TRUNCATED] * 3
+    assert all(o.answered and o.reason for o in result.outcomes)
+    assert len(result.rows) == 15
+    assert result.meta()["truncated"] is True
+
+
+def test_tls_failures_are_classified(pki: Pki, samples: Path) -> None:
+    db = samples / "sample-gpu-node-01.db"
+    specs = [AgentSpec(db, "mtls"), AgentSpec(db, "plain", no_tls=True)]
+
+    async def main() -> dict[str, list[NodeOutcome]]:
+        out: dict[str, list[NodeOutcome]] = {}
+        async with trio.open_nursery() as nursery:
+            mtls, plain = await start_agents(nursery, pki, specs)
+            n_mtls, n_plain = NodeSpec(mtls.host, mtls.port), NodeSpec(plain.host, plain.port)
+            cases = {
+                "wrong_ca": ([n_mtls], pki.client_settings(ca_cert=str(pki.other_ca))),
+                "no_client_cert": ([n_mtls], pki.client_settings(client_cert=None, client_key=None)),
+                "tls_to_plain": ([n_plain], pki.client_settings()),
+                "plain_ok": ([n_plain], pki.client_settings(plaintext=True)),
+            }
+            for name, (nodes, settings) in cases.items():
+                async with FleetClient(nodes, settings) as fc:
+                    out[name] = await fc.request_all("GET", "/api/v1/health")
+            nursery.cancel_scope.cancel()
+        return out
+
+    out = trio.run(main)
+    wrong_ca = out["wrong_ca"][0]
+    assert wrong_ca.kind is Kind.TLS and "cannot verify the agent's certificate" in wrong_ca.reason
+    assert out["no_client_cert"][0].kind is Kind.TLS
+    assert "client certificate" in out["no_client_cert"][0].reason
+    assert out["tls_to_plain"][0].kind is Kind.TLS
+    assert "does not speak TLS" in out["tls_to_plain"][0].reason
+    assert out["plain_ok"][0].kind is Kind.OK and out["plain_ok"][0].node == "plain"
+
+
+def test_explain_merges_chains_and_names_the_straggler(pki: Pki, tmp_path: Path) -> None:
+    dbs = {
+        "gpu-node-01": write_db(tmp_path / "n1.db", straggler_events(850, 18.4, 1, tail=True), node="gpu-node-01"),
+        "gpu-node-02": write_db(tmp_path / "n2.db", straggler_events(200, 2.0, 2), node="gpu-node-02"),
+        "gpu-node-03": write_db(tmp_path / "n3.db", straggler_events(210, 2.1, 3), node="gpu-node-03"),
+    }
+    specs = [AgentSpec(db, node, rank=i, world_size=3) for i, (node, db) in enumerate(dbs.items())]
+
+    async def main() -> Any:
+        async with trio.open_nursery() as nursery:
+            servers = await start_agents(nursery, pki, specs)
+            nodes = node_specs(servers)
+            settings = pki.client_settings()
+            async with FleetClient(nodes, settings) as fc:
+                explained = await fleet_explain(nodes, settings, client=fc)
+                status = await fleet_status(nodes, settings, client=fc)
+            nursery.cancel_scope.cancel()
+        return explained, status
+
+    explained, status = trio.run(main)
+    assert len(explained.answered) == 3
+    v = explained.verdict
+    assert v.outlier == "gpu-node-01"
+    assert v.line.startswith("gpu-node-01 is the outlier: 850 host events at ")
+    assert "vs peers ~2" in v.line
+    ranks = [c.severity_rank for c in explained.chains]
+    assert ranks and ranks == sorted(ranks)
+    assert (explained.chains[0].severity, explained.chains[0].node) == ("HIGH", "gpu-node-01")
+    assert all(c.node in dbs for c in explained.chains)
+    rows = {r[1]: r for r in status.rows()}
+    assert set(rows) == set(dbs)
+    assert rows["gpu-node-01"][0] == "yes"
+    assert rows["gpu-node-02"][3] == "1/3"
+    assert rows["gpu-node-03"][7] == 510  # events
+    assert rows["gpu-node-01"][10].startswith("mtls")
+
+
+def test_connections_shared_per_node_and_released_on_wide_fleets(pki: Pki, samples: Path) -> None:
+    """Skew samples ride the query's keep-alive connection (one TLS handshake per node); a fleet
+    wider than the fan-out drops each node's connections once that node is done."""
+    db = samples / "sample-gpu-node-03.db"
+    specs = [AgentSpec(db, f"n{i}") for i in range(5)]
+
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nodes = node_specs(await start_agents(nursery, pki, specs))
+            narrow = pki.client_settings(timeout_s=20.0)  # patience 10 s: the query is long done by then
+            async with FleetClient(nodes[:3], narrow) as fc:
+                assert fc.transport is not None
+                first = await fc.request_all("GET", "/api/v1/info")
+                opened = fc.transport.connections_opened
+                again = await fc.request_all("GET", "/api/v1/info")  # kept-alive connections reused
+                seen.update(first=first + again, opened=opened, reopened=fc.transport.connections_opened - opened)
+            async with FleetClient(nodes, narrow.with_(fanout=2)) as fc:
+                assert fc.transport is not None
+                seen["wide"] = await fc.request_all("GET", "/api/v1/health")
+                seen["nodes_left"] = fc.transport.open_nodes
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    first, opened, reopened, outcomes, pools_left = (
+        seen[k] for k in ("first", "opened", "reopened", "wide", "nodes_left")
+    )
+    assert all(o.kind is Kind.OK and o.skew is not None and o.skew.samples == 4 for o in first)
+    assert opened == 3 and reopened == 0
+    assert [o.kind for o in outcomes] == [Kind.OK] * 5
+    assert pools_left == 0
+
+
+def test_window_filters_reach_every_agent(pki: Pki, samples: Path) -> None:
+    specs = [AgentSpec(samples / f"sample-gpu-node-0{i}.db", f"gpu-node-0{i}") for i in (2, 3)]
+    sql = "SELECT count(*) AS n FROM events"
+
+    async def main() -> tuple[Any, Any, Any]:
+        async with trio.open_nursery() as nursery:
+            nodes = node_specs(await start_agents(nursery, pki, specs))
+            settings = pki.client_settings()
+            whole = await fleet_query(nodes, settings, sql)
+            recent = await fleet_query(nodes, settings, sql, since="500ms")
+            writes = await fleet_query(nodes, settings, sql, op="block_write")
+            nursery.cancel_scope.cancel()
+        return whole, recent, writes
+
+    whole, recent, writes = trio.run(main)
+    full = {r[0]: r[1] for r in whole.rows}
+    assert full == {"gpu-node-02": 200, "gpu-node-03": 200}
+    # each agent counts --since back from the end of its own (finished) recording
+    assert all(0 < r[1] < full[r[0]] for r in recent.rows)
+    assert {r[0]: r[1] for r in writes.rows} == {"gpu-node-02": 98, "gpu-node-03": 106}
