@@ -137,6 +137,24 @@ class RequestError(IngeroError):
     http_status = 400
 
 
+class NotFoundError(RequestError):
+    """No such API route."""
+
+    http_status = 404
+
+
+class MethodNotAllowedError(RequestError):
+    """The route exists but not for this HTTP method."""
+
+    http_status = 405
+
+
+class BodyTooLargeError(RequestError):
+    """The request body exceeds the agent's cap."""
+
+    http_status = 413
+
+
 # --- fleet -------------------------------------------------------------------------------------
 
 

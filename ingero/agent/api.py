@@ -28,7 +28,14 @@ import trio
 from ingero import __version__
 from ingero.agent import endpoints
 from ingero.agent.endpoints import AgentContext, encode, ok
-from ingero.errors import AuthError, IngeroError, RequestError
+from ingero.errors import (
+    AuthError,
+    BodyTooLargeError,
+    IngeroError,
+    MethodNotAllowedError,
+    NotFoundError,
+    RequestError,
+)
 
 log = logging.getLogger("ingero.agent.api")
 
@@ -41,18 +48,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PREFIX = "/api/v1/"
 MAX_BODY_BYTES = 1024 * 1024  # a query body; SQL text itself is capped at 100 000 characters
 DRAIN_LIMIT = 64 * 1024 * 1024  # read (and drop) at most this much of an oversized body before answering
-
-
-class NotFoundError(RequestError):
-    http_status = 404
-
-
-class MethodNotAllowedError(RequestError):
-    http_status = 405
-
-
-class BodyTooLargeError(RequestError):
-    http_status = 413
 
 
 class _Disconnected(Exception):

@@ -1,0 +1,180 @@
+"""What ``ingero trace`` prints: a live per-op table (terminal), JSON lines (``--json``), a summary.
+
+* ``table`` on a terminal: redrawn every second — events, rate, stored/aggregated, drops, then one
+  line per op with count, rate, p50/p95/p99/max and flags (errors, heavy tail). Not on a terminal
+  (a pipe, a log file) it prints only the start banner and the final summary.
+* ``json``: one object per line — ``{"type": "start", ...}``, one ``{"type": "tick", ...}`` per
+  second, ``{"type": "summary", ...}`` at the end.
+* ``quiet``: the summary only.
+Notes (new libraries probed, the server address) go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any, TextIO
+
+import trio
+
+from ingero.agent.livestats import LiveStats, OpLine
+from ingero.timeutil import fmt_us
+
+if TYPE_CHECKING:
+    from ingero.agent.pipeline import Pipeline
+    from ingero.agent.probes import LibraryAttach
+    from ingero.agent.server import BoundServer
+    from ingero.agent.tracer import TraceControl, TraceOptions, TraceSummary
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def _fmt_count(n: float) -> str:
+    return f"{int(n):,}"
+
+
+def _fmt_elapsed(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def render_ops(lines: list[OpLine]) -> list[str]:
+    head = f"{'op':<22}{'count':>12}{'rate/s':>10}{'p50':>11}{'p95':>11}{'p99':>11}{'max':>11}  flags"
+    out = [head, "-" * len(head)]
+    for ln in lines:
+        timed = ln.p50_ns or ln.max_ns
+        cells = [fmt_us(v) if timed else "-" for v in (ln.p50_ns, ln.p95_ns, ln.p99_ns, ln.max_ns)]
+        out.append(
+            f"{ln.name:<22}{_fmt_count(ln.count):>12}{_fmt_count(ln.rate):>10}"
+            f"{cells[0]:>11}{cells[1]:>11}{cells[2]:>11}{cells[3]:>11}  {', '.join(ln.flags)}"
+        )
+    if not lines:
+        out.append("(no events yet: waiting for GPU API calls and host events of traced processes)")
+    return out
+
+
+class LiveView:
+    def __init__(self, live: LiveStats, pipeline: Pipeline, opts: TraceOptions, out: TextIO) -> None:
+        self.live = live
+        self.pipeline = pipeline
+        self.opts = opts
+        self.out = out
+        self.mode = opts.output
+        self.tty = opts.output == "table" and out.isatty()
+        self._t0 = time.monotonic()
+        self._notes: list[str] = []
+
+    def _emit_json(self, doc: dict[str, Any]) -> None:
+        self.out.write(json.dumps(doc, separators=(",", ":"), default=str) + "\n")
+        self.out.flush()
+
+    def note(self, message: str) -> None:
+        self._notes = [*self._notes[-4:], message]
+        if self.mode == "json":
+            self._emit_json({"type": "note", "message": message})
+        elif not self.tty:
+            print(f"ingero trace: {message}", file=sys.stderr, flush=True)
+
+    def started(self, attached: list[LibraryAttach], bound: BoundServer | None) -> None:
+        libs = [a for a in attached if a.probes]
+        if self.mode == "json":
+            self._emit_json(
+                {
+                    "type": "start",
+                    "node": self.opts.identity.node,
+                    "db": str(self.opts.db_path),
+                    "libraries": [{"kind": a.kind, "path": a.path, "functions": len(a.probes)} for a in libs],
+                    "listen": bound.url if bound else None,
+                }
+            )
+            return
+        where = f", serving {bound.url} (tls={bound.tls_mode})" if bound else ""
+        probed = "; ".join(f"{a.kind} {a.path} ({len(a.probes)})" for a in libs) or "no GPU libraries found yet"
+        print(
+            f"ingero trace: recording to {self.opts.db_path} as node {self.opts.identity.node}{where}",
+            file=sys.stderr,
+            flush=True,
+        )
+        print(f"ingero trace: probing {probed}", file=sys.stderr, flush=True)
+        if bound and bound.fingerprint_sha256:
+            print(f"ingero trace: TLS fingerprint SHA256:{bound.fingerprint_sha256}", file=sys.stderr, flush=True)
+
+    def _header(self, elapsed: float) -> str:
+        st = self.pipeline.stats()
+        k = self.pipeline.kernel_counters()
+        drops = k.get("events_dropped_ring", 0)
+        rate = self.pipeline.drained / elapsed if elapsed > 0 else 0.0
+        return (
+            f"ingero trace  node {self.opts.identity.node}  {_fmt_elapsed(elapsed)}  "
+            f"events {_fmt_count(st['events_seen'])} ({_fmt_count(rate)}/s)  stored {_fmt_count(st['events_stored'])}  "
+            f"dropped {_fmt_count(drops)}  db {self.opts.db_path}"
+        )
+
+    async def run(self, control: TraceControl) -> None:
+        if self.mode == "quiet" or (self.mode == "table" and not self.tty):
+            return
+        last = time.monotonic()
+        while not control.stopping:
+            await trio.sleep(1.0)
+            now = time.monotonic()
+            lines = self.live.snapshot(now - last)
+            last = now
+            elapsed = now - self._t0
+            if self.mode == "json":
+                self._emit_json(
+                    {
+                        "type": "tick",
+                        "elapsed_s": round(elapsed, 3),
+                        "stats": self.pipeline.stats(),
+                        "ops": [ln.as_dict() for ln in lines],
+                    }
+                )
+            else:
+                text = "\n".join([self._header(elapsed), "", *render_ops(lines), "", *self._notes[-3:]])
+                self.out.write(CLEAR + text + "\n")
+                self.out.flush()
+
+    def finish(self, summary: TraceSummary) -> None:
+        if self.mode == "json":
+            self._emit_json(
+                {
+                    "type": "summary",
+                    "reason": summary.reason,
+                    "session_id": summary.session_id,
+                    "db": str(summary.db_path),
+                    "elapsed_s": round(summary.elapsed_s, 3),
+                    "stats": summary.stats,
+                    "ops": summary.ops,
+                    "libraries": summary.libraries,
+                }
+            )
+            return
+        st = summary.stats
+        lines = [
+            f"ingero trace: {summary.reason} after {summary.elapsed_s:.1f}s; session {summary.session_id} in {summary.db_path}",
+            f"  events seen {_fmt_count(st.get('events_seen', 0))}, stored {_fmt_count(st.get('events_stored', 0))}, "
+            f"aggregated only {_fmt_count(st.get('events_aggregated_only', 0))}",
+            f"  dropped: kernel ring full {_fmt_count(st.get('events_dropped_ring', 0))}, "
+            f"stack errors {_fmt_count(st.get('stack_errors', 0))}, nested too deep {_fmt_count(st.get('nest_overflow', 0))}",
+        ]
+        per_s = 1 / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
+        ops = [
+            OpLine(
+                0,
+                0,
+                o["op"],
+                o["count"],
+                o["count"] * per_s,
+                o["p50_us"] * 1000,
+                o["p95_us"] * 1000,
+                o["p99_us"] * 1000,
+                o["max_us"] * 1000,
+                o["errors"],
+            )
+            for o in summary.ops
+        ]
+        body = render_ops(ops) if ops else []
+        self.out.write("\n".join([*lines, "", *body]) + "\n")
+        self.out.flush()

@@ -1,0 +1,255 @@
+"""The recording pipeline: drain on a timer -> bounded channel -> the store's single writer.
+
+* **drain** (trio task, every ``drain_interval_s``): reads every record the ring buffer holds
+  (:class:`~ingero.agent.ringbuf.RingReader`, a memory copy — ~0.1 µs per event), feeds the live
+  statistics and sends the array down a bounded trio memory channel. When the channel is full the
+  drain skips its turn and the records wait in the kernel ring buffer (16 MiB by default); if that
+  overflows too, the kernel counts the loss (``events_dropped_ring``). Nothing is dropped silently.
+* **housekeeping** (every second): a system snapshot, the kernel's page-allocation counters, the
+  kernel drop counters; session stats every few seconds; size-based pruning with ``--max-db``.
+* **writer** (trio task; the work runs in a worker thread via ``trio.to_thread``): turns everything
+  received since its last turn into one :class:`~ingero.agent.recorder.WriteBatch` (selective
+  storage, aggregates, stacks, process names) and commits it in one transaction.
+
+``request_stop()`` ends the drain after one last read; the writer then commits what is left and
+:meth:`Pipeline.run` returns. The caller closes the session with :meth:`Pipeline.stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import trio
+
+from ingero.agent.livestats import LiveStats
+from ingero.agent.recorder import Recorder, WriteBatch, monotonic_offset_ns
+from ingero.agent.sysinfo import SnapshotSampler
+from ingero.store import catalog
+from ingero.store.writer import StoreWriter
+
+
+class EventSource(Protocol):
+    """What the pipeline needs from the probes (:class:`~ingero.agent.probes.BpfProbes`)."""
+
+    def read_events(self) -> np.ndarray: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def page_allocs(self) -> dict[int, tuple[int, int]]: ...
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    drain_interval_s: float = 0.05
+    channel_items: int = 256
+    max_pending_events: int = 1 << 21  # ~128 MiB of records waiting for the writer, at most
+    max_items_per_write: int = 64
+    snapshot_interval_s: float = 1.0
+    stats_interval_s: float = 5.0
+    max_db_bytes: int = 0  # 0: no pruning
+    prune_interval_s: float = 2.0
+
+
+@dataclass
+class _Item:
+    kind: str  # events | pages | snapshot | stats | prune
+    events: np.ndarray | None = None
+    offset_ns: int = 0
+    pages: dict[int, tuple[int, int]] | None = None
+    ts: int = 0
+    rows: WriteBatch | None = None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        source: EventSource,
+        writer: StoreWriter,
+        recorder: Recorder,
+        session_id: int,
+        options: PipelineOptions | None = None,
+        *,
+        live: LiveStats | None = None,
+        on_events: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.writer = writer
+        self.recorder = recorder
+        self.session_id = session_id
+        self.options = options or PipelineOptions()
+        self.live = live
+        self._on_events = on_events
+        self._stop = trio.Event()
+        self._sampler = SnapshotSampler()
+        self.drained = 0
+        self.drain_calls = 0
+        self.drain_deferred = 0
+        self.drain_cpu_s = 0.0
+        self.writer_cpu_s = 0.0
+        self.writes = 0
+        self.pruned_rows = 0
+        self.max_drain = 0
+        self._kernel: dict[str, int] = {}
+        self._processed = 0  # events turned into rows (written by the writer thread only)
+        self.started_ns = time.monotonic_ns()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def run(self) -> None:
+        send, recv = trio.open_memory_channel[_Item](self.options.channel_items)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer_loop, recv)
+            nursery.start_soon(self._housekeeping_loop, send.clone())
+            await self._drain_loop(send)
+
+    # --- drain -----------------------------------------------------------------------------------
+
+    async def _drain_loop(self, send: trio.MemorySendChannel[_Item]) -> None:
+        async with send:
+            while not self._stop.is_set():
+                with trio.move_on_after(self.options.drain_interval_s):
+                    await self._stop.wait()
+                stats = send.statistics()
+                if (
+                    stats.current_buffer_used >= stats.max_buffer_size
+                    or self.drained - self._processed >= self.options.max_pending_events
+                ):
+                    self.drain_deferred += 1  # the writer is behind: the records wait in the kernel ring
+                    continue
+                item = self.drain_once()
+                if item is not None:
+                    send.send_nowait(item)  # room checked above; this task is the only sender of events
+            # Final reads: everything the kernel produced before the probes were detached.
+            while (item := self.drain_once()) is not None:
+                await send.send(item)
+
+    def drain_once(self) -> _Item | None:
+        """One read of the ring buffer; the channel item for it, or None when it was empty."""
+        t0 = time.thread_time()
+        ev = self.source.read_events()
+        self.drain_calls += 1
+        n = int(ev.size)
+        if n:
+            self.drained += n
+            self.max_drain = max(self.max_drain, n)
+            if self.live is not None:
+                self.live.add(ev)
+            if self._on_events is not None:
+                self._on_events(ev)
+        self.drain_cpu_s += time.thread_time() - t0
+        if not n:
+            return None
+        return _Item("events", events=ev, offset_ns=monotonic_offset_ns())
+
+    # --- housekeeping ----------------------------------------------------------------------------
+
+    async def _housekeeping_loop(self, send: trio.MemorySendChannel[_Item]) -> None:
+        opts = self.options
+        next_stats = opts.stats_interval_s
+        next_prune = opts.prune_interval_s
+        elapsed = 0.0
+        async with send:
+            while not self._stop.is_set():
+                with trio.move_on_after(opts.snapshot_interval_s):
+                    await self._stop.wait()
+                if self._stop.is_set():
+                    break
+                elapsed += opts.snapshot_interval_s
+                await self._tick(send)
+                if elapsed >= next_stats:
+                    next_stats += opts.stats_interval_s
+                    await send.send(_Item("stats"))
+                if opts.max_db_bytes and elapsed >= next_prune:
+                    next_prune += opts.prune_interval_s
+                    await send.send(_Item("prune"))
+            await self._tick(send)  # the last page-allocation delta and counters
+
+    async def _tick(self, send: trio.MemorySendChannel[_Item]) -> None:
+        snap = self._sampler.sample()
+        await send.send(_Item("snapshot", rows=WriteBatch(snapshots=[snap.as_row()])))
+        pages = await trio.to_thread.run_sync(self.source.page_allocs)
+        if pages:
+            await send.send(_Item("pages", pages=pages, ts=snap.timestamp))
+        self._kernel = await trio.to_thread.run_sync(self.source.counters)
+
+    # --- writer ----------------------------------------------------------------------------------
+
+    async def _writer_loop(self, recv: trio.MemoryReceiveChannel[_Item]) -> None:
+        async with recv:
+            async for item in recv:
+                items = [item]
+                while len(items) < self.options.max_items_per_write:
+                    try:
+                        items.append(recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await trio.to_thread.run_sync(self._write_items, items)
+
+    def _write_items(self, items: list[_Item]) -> None:
+        t0 = time.thread_time()
+        batch = WriteBatch()
+        stats = prune = False
+        for it in items:
+            if it.kind == "events" and it.events is not None:
+                batch.merge(self.recorder.process(it.events, it.offset_ns))
+                self._processed += it.events.size
+            elif it.kind == "pages" and it.pages is not None:
+                rows = self.recorder.page_alloc_rows(it.pages, it.ts)
+                if self.live is not None:
+                    for r in rows.aggregates:
+                        self.live.add_counts(catalog.HOST, 3, int(r[4]))
+                batch.merge(rows)
+            elif it.rows is not None:
+                batch.merge(it.rows)
+            stats |= it.kind == "stats"
+            prune |= it.kind == "prune"
+        self.writer.write_batch(
+            batch.events,  # type: ignore[arg-type]  # rows of 12 ints in EVENT_FIELDS order
+            stacks=batch.stacks,
+            aggregates=batch.aggregates,
+            snapshots=batch.snapshots,
+            process_names=batch.process_names,
+            nccl_comms=batch.nccl_comms,
+        )
+        self.writes += 1
+        if stats:
+            self.writer.save_stats(self.session_id, self.stats())
+        if prune and self.options.max_db_bytes:
+            self.pruned_rows += self.writer.prune_oldest(self.options.max_db_bytes)
+        self.writer_cpu_s += time.thread_time() - t0
+
+    # --- numbers ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        rec = self.recorder
+        out = {
+            "events_seen": rec.seen,
+            "events_stored": rec.stored,
+            "events_aggregated_only": rec.seen - rec.stored,
+            "events_drained": self.drained,
+            "drain_calls": self.drain_calls,
+            "drain_deferred": self.drain_deferred,
+            "max_events_per_drain": self.max_drain,
+            "write_transactions": self.writes,
+            "rows_pruned": self.pruned_rows,
+            "drain_cpu_us": int(self.drain_cpu_s * 1e6),
+            "writer_cpu_us": int(self.writer_cpu_s * 1e6),
+            "nccl_comm_records": rec.control_records,
+        }
+        out.update(self._kernel)
+        return out
+
+    async def refresh_kernel_counters(self) -> None:
+        self._kernel = await trio.to_thread.run_sync(self.source.counters)
+
+    def kernel_counters(self) -> dict[str, Any]:
+        return dict(self._kernel)

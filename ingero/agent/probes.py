@@ -1,0 +1,425 @@
+"""The BPF programs: compile, attach, read maps, detach. The only module that imports bcc.
+
+bcc is imported lazily inside functions, so every other module (and ``ingero --help``, ``ingero
+check``) works on machines without it. All bcc/OS failures leave this module as one-line
+:class:`~ingero.errors.TracingUnavailableError` messages with the fix.
+
+Programs live in ``ingero/agent/bpf/``: ``ingero_common.h`` (event record, shared maps, helpers) is
+prepended to ``gpu_probes.c`` (uprobes), ``host_probes.c`` and ``io_probes.c`` (tracepoints, attached
+by bcc as soon as the program loads). Uprobes are attached per library file (an inode: every process
+mapping it is covered, including ones started later) at offsets computed by
+:mod:`ingero.agent.elfsyms`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes as ct
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ingero.agent import elfsyms
+from ingero.agent.ringbuf import EMPTY, RingReader
+from ingero.errors import TracingUnavailableError
+
+BPF_DIR = Path(__file__).resolve().parent / "bpf"
+TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+# Library kind -> [(symbol alternatives, entry program, return program)]. The first alternative the
+# library exports is probed; aliases at one address (ncclAllReduce/pncclAllReduce) are probed once.
+R, C = "on_return", "on_return_comm"
+GPU_FUNCTIONS: dict[str, list[tuple[tuple[str, ...], str, str]]] = {
+    "cudart": [
+        (("cudaMalloc",), "enter_cudaMalloc", R),
+        (("cudaFree",), "enter_cudaFree", R),
+        (("cudaLaunchKernel",), "enter_cudaLaunchKernel", R),
+        (("cudaLaunchKernel_ptsz",), "enter_cudaLaunchKernel", R),
+        (("cudaMemcpy",), "enter_cudaMemcpy", R),
+        (("cudaMemcpy_ptds",), "enter_cudaMemcpy", R),
+        (("cudaStreamSynchronize",), "enter_cudaStreamSynchronize", R),
+        (("cudaStreamSynchronize_ptsz",), "enter_cudaStreamSynchronize", R),
+        (("cudaDeviceSynchronize",), "enter_cudaDeviceSynchronize", R),
+        (("cudaMemcpyAsync",), "enter_cudaMemcpyAsync", R),
+        (("cudaMemcpyAsync_ptsz",), "enter_cudaMemcpyAsync", R),
+        (("cudaMallocManaged",), "enter_cudaMallocManaged", R),
+    ],
+    "cuda": [
+        (("cuLaunchKernel",), "enter_cuLaunchKernel", R),
+        (("cuLaunchKernel_ptsz",), "enter_cuLaunchKernel", R),
+        (("cuMemcpy",), "enter_cuMemcpy", R),
+        (("cuMemcpy_ptds",), "enter_cuMemcpy", R),
+        (("cuMemcpyHtoD_v2", "cuMemcpyHtoD"), "enter_cuMemcpyHtoD", R),
+        (("cuMemcpyDtoH_v2", "cuMemcpyDtoH"), "enter_cuMemcpyDtoH", R),
+        (("cuMemcpyDtoD_v2", "cuMemcpyDtoD"), "enter_cuMemcpyDtoD", R),
+        (("cuMemcpyAsync",), "enter_cuMemcpyAsync", R),
+        (("cuMemcpyAsync_ptsz",), "enter_cuMemcpyAsync", R),
+        (("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"), "enter_cuMemcpyHtoDAsync", R),
+        (("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync"), "enter_cuMemcpyDtoHAsync", R),
+        (("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), "enter_cuMemcpyDtoDAsync", R),
+        (("cuCtxSynchronize",), "enter_cuCtxSynchronize", R),
+        (("cuMemAlloc_v2", "cuMemAlloc"), "enter_cuMemAlloc", R),
+        (("cuMemAllocManaged",), "enter_cuMemAllocManaged", R),
+    ],
+    "nccl": [
+        (("ncclAllReduce",), "enter_ncclAllReduce", R),
+        (("ncclBroadcast",), "enter_ncclBroadcast", R),
+        (("ncclReduce",), "enter_ncclReduce", R),
+        (("ncclAllGather",), "enter_ncclAllGather", R),
+        (("ncclReduceScatter",), "enter_ncclReduceScatter", R),
+        (("ncclSend",), "enter_ncclSend", R),
+        (("ncclRecv",), "enter_ncclRecv", R),
+        (("ncclCommInitRank",), "enter_ncclCommInitRank", C),
+        (("ncclCommInitRankConfig",), "enter_ncclCommInitRank", C),
+        (("ncclCommInitAll",), "enter_ncclCommInitAll", C),
+    ],
+}
+
+COUNTER_NAMES = ("events_dropped_ring", "nest_overflow", "orphan_returns", "stack_errors")
+STACK_MODES = {"off": 0, "site": 1, "full": 2}
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    pid_filter: bool = False  # only --pid targets (and their children)
+    stack_mode: str = "site"  # off | site | full
+    ring_mb: int = 16
+    host: bool = True  # scheduler / process / memory tracepoints
+    io: bool = True  # block I/O and TCP tracepoints
+
+
+@dataclass
+class AttachedProbe:
+    kind: str
+    path: str
+    symbol: str
+    offset: int
+    first_insn: str
+
+
+@dataclass
+class LibraryAttach:
+    kind: str
+    path: str
+    probes: list[AttachedProbe] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+def bcc_status() -> tuple[bool, str]:
+    """(importable, detail) for ``from bcc import BPF``."""
+    try:
+        import bcc
+
+        return True, f"bcc from {Path(bcc.__file__).parent}"
+    except ImportError as e:
+        return False, str(e)
+    except Exception as e:  # libbcc.so missing or broken: bcc raises plain Exception/OSError
+        return False, f"{type(e).__name__}: {e}"
+
+
+def tracefs_root() -> str | None:
+    for d in TRACEFS_DIRS:
+        if os.path.isdir(os.path.join(d, "events")):
+            return d
+    return None
+
+
+def tracepoint_exists(category: str, name: str) -> bool:
+    root = tracefs_root()
+    return bool(root) and os.path.isdir(os.path.join(root or "", "events", category, name))
+
+
+def preflight() -> None:
+    """Raise TracingUnavailableError (one line + the fix) unless tracing can start here."""
+    _require_privileges()
+    ok, detail = bcc_status()
+    if not ok:
+        raise TracingUnavailableError(
+            f"bcc is not importable ({detail})",
+            hint="install Debian's python3-bpfcc (scripts/setup.sh --system) and run ingero from the project venv",
+        )
+    if tracefs_root() is None:
+        raise TracingUnavailableError(
+            "tracefs is not mounted", hint="mount -t tracefs nodev /sys/kernel/tracing (scripts/setup.sh --system)"
+        )
+
+
+def _first_clang_error(text: str) -> str:
+    for line in text.splitlines():
+        if "error:" in line:
+            return line.split("error:", 1)[1].strip()
+    return text.strip().splitlines()[-1] if text.strip() else "unknown error"
+
+
+def program_text(options: ProbeOptions) -> str:
+    parts = [(BPF_DIR / "ingero_common.h").read_text(), (BPF_DIR / "gpu_probes.c").read_text()]
+    if options.host:
+        parts.append((BPF_DIR / "host_probes.c").read_text())
+    if options.io:
+        parts.append((BPF_DIR / "io_probes.c").read_text())
+    return "\n".join(parts)
+
+
+def ring_pages(options: ProbeOptions) -> int:
+    pages = max(1, options.ring_mb * 1024 * 1024 // os.sysconf("SC_PAGE_SIZE"))
+    return 1 << (pages.bit_length() - 1)  # a power of two
+
+
+def _cflags(options: ProbeOptions) -> list[str]:
+    if options.stack_mode not in STACK_MODES:
+        raise ValueError(f"stack mode {options.stack_mode!r}")
+    return [
+        f"-DINGERO_PID_FILTER={int(options.pid_filter)}",
+        f"-DINGERO_STACK_MODE={STACK_MODES[options.stack_mode]}",
+        f"-DINGERO_RING_PAGES={ring_pages(options)}",
+        f"-DINGERO_HAVE_OOM={int(tracepoint_exists('oom', 'mark_victim'))}",
+        "-Wno-unused-function",
+        "-Wno-macro-redefined",
+    ]
+
+
+class BpfProbes:
+    """One compiled BPF program set: uprobes on GPU libraries + host tracepoints + the ring reader.
+
+    Thread-safety: attach/detach and map reads take an internal lock (the discovery task attaches
+    new libraries while the drainer reads).
+    """
+
+    def __init__(self, options: ProbeOptions) -> None:
+        preflight()
+        from bcc import BPF
+
+        self.options = options
+        self._lock = threading.Lock()
+        self._closed = False
+        self._attached: dict[tuple[int, int, int], AttachedProbe] = {}  # (dev, ino, offset)
+        self.libraries: list[LibraryAttach] = []
+        self.bpf: Any = _compile(BPF, program_text(options), _cflags(options))
+        if not _loads(self.bpf, BPF):
+            self.bpf.cleanup()
+            raise TracingUnavailableError(
+                "the kernel's verifier rejected ingero's uprobe programs", hint="run 'sudo ingero check --compile'"
+            )
+        try:
+            self.ring = RingReader(self.bpf[b"events"].map_fd, ring_pages(options) * os.sysconf("SC_PAGE_SIZE"))
+        except BaseException:
+            self.bpf.cleanup()
+            raise
+
+    # --- attaching -------------------------------------------------------------------------------
+
+    def attach_library(self, kind: str, path: str) -> LibraryAttach:
+        """Attach every known function ``path`` exports. Idempotent per (inode, offset)."""
+        result = LibraryAttach(kind, path)
+        try:
+            image = elfsyms.load(path)
+            st = os.stat(path)
+        except (elfsyms.ElfError, OSError) as e:
+            result.missing.append(f"unreadable: {e}")
+            return result
+        with self._lock:
+            if self._closed:
+                return result
+            for names, enter, ret in GPU_FUNCTIONS[kind]:
+                name = next((n for n in names if n in image.symbols), None)
+                if name is None:
+                    result.missing.append(names[0])
+                    continue
+                where = elfsyms.probe_offset(image, name)
+                if where is None:
+                    result.missing.append(name)
+                    continue
+                offset, insn = where
+                key = (st.st_dev, st.st_ino, offset)
+                if key in self._attached:
+                    continue
+                vaddr = image.offset_to_vaddr(offset)
+                if vaddr is None:
+                    result.missing.append(name)
+                    continue
+                try:
+                    self.bpf.attach_uprobe(name=path.encode(), addr=vaddr, fn_name=enter.encode())
+                    self.bpf.attach_uretprobe(name=path.encode(), addr=vaddr, fn_name=ret.encode())
+                except Exception as e:
+                    raise TracingUnavailableError(
+                        f"cannot attach a uprobe to {name} in {path}: {e}",
+                        hint="the kernel needs CONFIG_UPROBES; run 'ingero check'",
+                    ) from None
+                probe = AttachedProbe(kind, path, name, offset, insn)
+                self._attached[key] = probe
+                result.probes.append(probe)
+        self.libraries.append(result)
+        return result
+
+    def attached_probes(self) -> list[AttachedProbe]:
+        with self._lock:
+            return list(self._attached.values())
+
+    def add_targets(self, pids: Iterable[int]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            table = self.bpf[b"targets"]
+            for pid in pids:
+                table[ct.c_uint(pid)] = ct.c_ubyte(1)
+
+    # --- reading maps ----------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            if self._closed:
+                return {}
+            table = self.bpf[b"counters"]
+            return {name: int(table.sum(ct.c_int(i)).value) for i, name in enumerate(COUNTER_NAMES)}
+
+    def page_allocs(self) -> dict[int, tuple[int, int]]:
+        """Cumulative (allocations, bytes) per traced tgid since start; key 0 = every other process."""
+        if not self.options.host:
+            return {}
+        out: dict[int, tuple[int, int]] = {}
+        with self._lock:
+            if self._closed:
+                return out
+            for key, per_cpu in self.bpf[b"page_allocs"].items():
+                out[int(key.value)] = (sum(int(v.count) for v in per_cpu), sum(int(v.bytes) for v in per_cpu))
+        return out
+
+    def forget_page_allocs(self, tgids: Iterable[int]) -> None:
+        with self._lock:
+            if self._closed or not self.options.host:
+                return
+            table = self.bpf[b"page_allocs"]
+            for t in tgids:
+                with contextlib.suppress(KeyError):
+                    del table[ct.c_uint(t)]
+
+    def stack_ips(self, stack_id: int) -> list[int]:
+        """The user-stack IPs behind a stack id ([] when unknown)."""
+        if self.options.stack_mode == "off" or stack_id < 0:
+            return []
+        with self._lock:
+            if self._closed:
+                return []
+            table = self.bpf[b"stacks"]
+            try:
+                leaf = table[table.Key(stack_id)]
+            except KeyError:
+                return []
+            ips: list[int] = []
+            for ip in leaf.ip:
+                if not ip:
+                    break
+                ips.append(int(ip))
+            return ips
+
+    def read_events(self) -> np.ndarray:
+        """Every record the ring buffer holds now (see :class:`~ingero.agent.ringbuf.RingReader`)."""
+        if self._closed:
+            return EMPTY
+        return self.ring.read(max_records=1 << 18)
+
+    # --- shutdown --------------------------------------------------------------------------------
+
+    def stop_events(self) -> None:
+        """Make every program return at once (no new events); the maps stay readable for a last drain.
+
+        Instant, unlike detaching: closing a uprobe's perf event costs the kernel ~0.1 s (an RCU grace
+        period each), so :meth:`close` runs after the database is closed.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self.bpf[b"control"][ct.c_int(0)] = ct.c_uint(1)
+
+    def close(self) -> None:
+        """Detach every probe and free the maps. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self.ring.close()
+            finally:
+                self.bpf.cleanup()
+
+    def __enter__(self) -> BpfProbes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[Callable[[], str]]:
+    """Capture fd 2 (clang and the verifier write there directly); yields a reader of what came."""
+    import tempfile
+
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as err:
+        os.dup2(err.fileno(), 2)
+
+        def text() -> str:
+            err.seek(0)
+            return err.read().decode("utf-8", "replace")
+
+        try:
+            yield text
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _loads(bpf: Any, bpf_cls: Any) -> bool:
+    """Whether the kernel's verifier accepts the uprobe programs (bcc loads them lazily on attach)."""
+    with _captured_stderr():
+        try:
+            bpf.load_func(b"enter_cudaMalloc", bpf_cls.KPROBE)
+            bpf.load_func(b"on_return", bpf_cls.KPROBE)
+        except Exception:
+            return False
+    return True
+
+
+def _compile(bpf_cls: Any, text: str, cflags: list[str]) -> Any:
+    """Compile with clang's diagnostics captured, so a failure is one line, not a screenful."""
+    with _captured_stderr() as diagnostics:
+        try:
+            return bpf_cls(text=text.encode(), cflags=cflags)
+        except Exception as e:
+            diag, failure = diagnostics(), str(e)
+    first = _first_clang_error(diag) if "error:" in diag else failure
+    if "linux/" in diag and "file not found" in diag:
+        raise TracingUnavailableError(
+            f"bcc cannot find the kernel headers for {os.uname().release}",
+            hint="install linux-headers-amd64 and link /lib/modules/$(uname -r)/build to them "
+            "(scripts/setup.sh --system does both)",
+        ) from None
+    raise TracingUnavailableError(f"BPF program failed to load: {first}", hint="run 'ingero check'") from None
+
+
+def _require_privileges() -> None:
+    if os.geteuid() == 0:
+        return
+    if has_bpf_capabilities():
+        return
+    raise TracingUnavailableError(
+        "eBPF tracing needs root (or CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN)",
+        hint="run it with sudo: sudo ingero trace ...",
+    )
+
+
+def has_bpf_capabilities() -> bool:
+    """Effective CAP_SYS_ADMIN (21), or CAP_BPF (39) + CAP_PERFMON (38), per /proc/self/status."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                caps = int(line.split()[1], 16)
+                return bool(caps >> 21 & 1) or bool(caps >> 39 & 1 and caps >> 38 & 1)
+    except (OSError, ValueError):
+        pass
+    return False

@@ -1,0 +1,350 @@
+"""One ``ingero trace`` run: discovery, probes, pipeline, live view, optional API server, shutdown.
+
+:func:`run_trace` is async (trio). It reports readiness with ``task_status.started(TraceReady)``
+once every probe is attached, so tests (and ``--ready-file``) start workloads only then. It stops on
+``--duration``, SIGINT/SIGTERM (a second one stops without waiting for the writer) or
+:meth:`TraceControl.stop`, and always — error or not — silences the BPF programs (a flag they check:
+instant), drains what the kernel already produced, closes the ``sessions`` row with its counters
+(``session_stats``), closes the database, prints the summary and only then detaches the probes (the
+kernel takes ~0.1 s per uprobe to unregister one).
+
+Within a run, ``--listen`` serves the agent API (:func:`ingero.agent.server.serve_api`) from the same
+trio nursery; a maintenance task probes libraries that new processes map (follow mode, every 2 s) and
+forgets the page-allocation counters of processes that exited.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+import trio
+
+from ingero.agent import discovery
+from ingero.agent.livestats import LiveStats
+from ingero.agent.pipeline import Pipeline, PipelineOptions
+from ingero.agent.recorder import Recorder, StoragePolicy
+from ingero.agent.sysinfo import session_info
+from ingero.errors import IngeroError, UsageError
+from ingero.identity import Identity
+from ingero.store import catalog
+
+if TYPE_CHECKING:
+    from ingero.agent.probes import BpfProbes, LibraryAttach
+    from ingero.agent.server import BoundServer, ServerSettings
+    from ingero.store.writer import StoreWriter
+
+RESCAN_INTERVAL_S = 2.0
+
+
+@dataclass
+class TraceOptions:
+    db_path: Path
+    identity: Identity
+    pids: list[int] = field(default_factory=list)
+    overrides: dict[str, list[str]] = field(default_factory=dict)
+    duration_s: float | None = None
+    stack_mode: str = "site"
+    store_mode: str = "selective"
+    budget_per_s: int = 1000
+    max_db_bytes: int = 0
+    ring_mb: int = 16
+    host: bool = True
+    io: bool = True
+    follow: bool = True
+    system_search: bool = True  # ldconfig, CUDA installs, pip bundles (off: overrides + processes only)
+    drain_interval_s: float = 0.05
+    output: str = "table"  # table | json | quiet
+    listen: ServerSettings | None = None
+    flags: str = ""
+
+
+@dataclass
+class TraceReady:
+    session_id: int
+    libraries: list[LibraryAttach]
+    probes: int
+    server: BoundServer | None
+    control: TraceControl
+
+
+@dataclass
+class TraceSummary:
+    session_id: int
+    db_path: Path
+    elapsed_s: float
+    stats: dict[str, int]
+    ops: list[dict[str, Any]]
+    libraries: list[dict[str, Any]]
+    reason: str
+
+
+class TraceControl:
+    """Handle for a running trace: stop it, or ask for a library rescan now, from another task."""
+
+    def __init__(self) -> None:
+        self._stop = trio.Event()
+        self.reason = ""
+        self._rescan_request = trio.Event()
+        self._rescan_done = trio.Event()
+
+    async def rescan(self) -> None:
+        """Look for new GPU libraries in running processes now (follow mode does so every 2 s)."""
+        done = self._rescan_done
+        self._rescan_request.set()
+        await done.wait()
+
+    async def _next_rescan(self, interval: float) -> None:
+        with trio.move_on_after(interval):
+            await self._rescan_request.wait()
+
+    def _rescanned(self) -> None:
+        self._rescan_request = trio.Event()
+        done, self._rescan_done = self._rescan_done, trio.Event()
+        done.set()
+
+    def stop(self, reason: str = "stopped") -> None:
+        if not self._stop.is_set():
+            self.reason = reason
+            self._stop.set()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+
+def _session_flags(opts: TraceOptions) -> str:
+    parts = [f"stack={opts.stack_mode}", f"store={opts.store_mode}", "record"]
+    if opts.max_db_bytes:
+        parts.append(f"max-db={opts.max_db_bytes}")
+    if opts.listen is not None:
+        parts.append("listen")
+    if opts.flags:
+        parts.append(opts.flags)
+    return ",".join(parts)
+
+
+def _cuda_version(libs: list[discovery.LibraryFile]) -> str:
+    for lib in libs:
+        if lib.kind == "cudart" and lib.version:
+            return lib.version
+    return ""
+
+
+class _Follower:
+    """Keeps the probes on every GPU library: new processes, new library files (follow mode)."""
+
+    def __init__(self, probes: BpfProbes, opts: TraceOptions) -> None:
+        self.probes = probes
+        self.opts = opts
+        self.targets: set[int] = set(opts.pids)
+        self.exited: list[int] = []
+
+    def on_events(self, ev: np.ndarray) -> None:
+        host = ev[ev["source"] == catalog.HOST]
+        if host.size == 0:
+            return
+        forks = host[host["op"] == 7]
+        if forks.size:
+            self.targets.update(int(x) for x in forks["arg1"])
+        exits = host[host["op"] == 6]
+        if exits.size:
+            self.exited.extend(int(x) for x in exits["pid"])
+
+    def attach(self, libs: list[discovery.LibraryFile]) -> list[LibraryAttach]:
+        return [self.probes.attach_library(lib.kind, lib.path) for lib in libs]
+
+    def rescan(self) -> list[LibraryAttach]:
+        pids = sorted(self.targets) if self.opts.pids else None
+        found = discovery.discover(self.opts.overrides, pids=pids, system=False)
+        fresh = [lib for lib in found.libraries if lib.origin != "override"]
+        return [r for r in self.attach(fresh) if r.probes]
+
+
+async def run_trace(
+    opts: TraceOptions,
+    *,
+    out: TextIO | None = None,
+    task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED,
+    handle_signals: bool = True,
+    on_ready: Callable[[TraceReady], None] | None = None,
+) -> TraceSummary:
+    from ingero.agent.livemode import LiveView
+    from ingero.agent.probes import BpfProbes, ProbeOptions, preflight
+    from ingero.store.writer import StoreWriter
+
+    out = out or sys.stdout
+    preflight()
+    problems = discovery.validate_overrides(opts.overrides)
+    if problems:
+        raise UsageError(problems[0], hint="give the path of the library file")
+    for pid in opts.pids:
+        if not discovery.pid_alive(pid):
+            raise UsageError(f"--pid {pid}: no such process")
+    found = await trio.to_thread.run_sync(
+        lambda: discovery.discover(opts.overrides, pids=opts.pids or None, system=opts.system_search)
+    )
+    probe_opts = ProbeOptions(
+        pid_filter=bool(opts.pids), stack_mode=opts.stack_mode, ring_mb=opts.ring_mb, host=opts.host, io=opts.io
+    )
+    probes: BpfProbes = await trio.to_thread.run_sync(BpfProbes, probe_opts)
+    writer: StoreWriter | None = None
+    session_id = 0
+    pipeline: Pipeline | None = None
+    attached: list[LibraryAttach] = []
+    live = LiveStats()
+    control = TraceControl()
+    t0 = time.monotonic()
+    try:
+        writer = StoreWriter(opts.db_path, opts.identity)
+        info = session_info(
+            cuda_version=_cuda_version(found.libraries),
+            pid_filter=",".join(str(p) for p in opts.pids),
+            flags=_session_flags(opts),
+        )
+        session_id = writer.start_session(info)
+        if opts.pids:
+            probes.add_targets(opts.pids)
+        follower = _Follower(probes, opts)
+        attached = await trio.to_thread.run_sync(follower.attach, found.libraries)
+        recorder = Recorder(StoragePolicy(opts.store_mode, opts.budget_per_s), probes.stack_ips)
+        pipeline = Pipeline(
+            probes,
+            writer,
+            recorder,
+            session_id,
+            PipelineOptions(drain_interval_s=opts.drain_interval_s, max_db_bytes=opts.max_db_bytes),
+            live=live,
+            on_events=follower.on_events,
+        )
+        view = LiveView(live, pipeline, opts, out)
+        async with trio.open_nursery() as nursery:
+            bound = None
+            if opts.listen is not None:
+                from ingero.agent.server import serve_api
+
+                bound = await nursery.start(serve_api, opts.listen)
+            pipeline_done = trio.Event()
+            nursery.start_soon(_run_pipeline, pipeline, pipeline_done)
+            if handle_signals:
+                nursery.start_soon(_watch_signals, control)
+            if opts.duration_s is not None:
+                nursery.start_soon(_stop_after, control, opts.duration_s)
+            nursery.start_soon(_maintenance_loop, follower, probes, view, control)
+            nursery.start_soon(view.run, control)
+            ready = TraceReady(session_id, attached, len(probes.attached_probes()), bound, control)
+            if on_ready is not None:
+                on_ready(ready)  # e.g. the --ready-file, written before the banner announces readiness
+            view.started(attached, bound)
+            task_status.started(ready)
+            await control.wait()
+            # Shutdown: the programs stop emitting (a flag, instant), a last drain, the writer commits,
+            # then the server goes. Detaching the probes is slow (~0.1 s each): it comes last.
+            probes.stop_events()
+            pipeline.request_stop()
+            with trio.CancelScope(shield=True):
+                await pipeline_done.wait()
+            nursery.cancel_scope.cancel()
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await _close(writer, session_id, pipeline, probes, t0)
+            await trio.to_thread.run_sync(probes.close)
+        raise
+    elapsed, stats = await _close(writer, session_id, pipeline, probes, t0)
+    summary = TraceSummary(
+        session_id=session_id,
+        db_path=opts.db_path,
+        elapsed_s=elapsed,
+        stats=stats,
+        ops=[line.as_dict() for line in live.snapshot(max(elapsed, 1e-9))],
+        libraries=[{"kind": a.kind, "path": a.path, "functions": [p.symbol for p in a.probes]} for a in attached],
+        reason=control.reason or "stopped",
+    )
+    view.finish(summary)
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(probes.close)
+    return summary
+
+
+async def _close(
+    writer: StoreWriter | None, session_id: int, pipeline: Pipeline | None, probes: BpfProbes, t0: float
+) -> tuple[float, dict[str, int]]:
+    """Close the session (with its counters) and the database. Never raises for a second time."""
+    elapsed = time.monotonic() - t0
+    probes.stop_events()
+    stats: dict[str, int] = {}
+    if pipeline is not None:
+        with trio.CancelScope(shield=True):
+            await pipeline.refresh_kernel_counters()
+        stats = pipeline.stats()
+        stats["probes_attached"] = len(probes.attached_probes())
+        stats["elapsed_ms"] = int(elapsed * 1000)
+    if writer is not None:
+        try:
+            if session_id:
+                writer.end_session(session_id, stats)
+        finally:
+            writer.close()
+    return elapsed, stats
+
+
+async def _run_pipeline(pipeline: Pipeline, done: trio.Event) -> None:
+    try:
+        await pipeline.run()
+    finally:
+        done.set()
+
+
+async def _watch_signals(control: TraceControl) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if control.stopping:
+                raise IngeroError(f"{name} again: stopping without waiting for the writer")
+            control.stop(name)
+
+
+async def _stop_after(control: TraceControl, seconds: float) -> None:
+    await trio.sleep(seconds)
+    control.stop("duration reached")
+
+
+async def _maintenance_loop(follower: _Follower, probes: BpfProbes, view: Any, control: TraceControl) -> None:
+    """Every RESCAN_INTERVAL_S (or on request): probe new GPU libraries (follow mode), and drop the
+    kernel's page-allocation counters of processes that exited."""
+    while True:
+        await control._next_rescan(RESCAN_INTERVAL_S)
+        if follower.opts.follow:
+            new = await trio.to_thread.run_sync(follower.rescan)
+            for lib in new:
+                view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
+        if follower.exited:
+            gone, follower.exited = follower.exited, []
+            await trio.to_thread.run_sync(probes.forget_page_allocs, gone)
+        control._rescanned()
+
+
+def parse_size(text: str) -> int:
+    """``10g``, ``500MB``, ``1t``, ``4096`` -> bytes (powers of 1024). Raises UsageError."""
+    t = text.strip().lower().removesuffix("b")
+    mult = 1
+    if t and t[-1] in "kmgt":
+        mult = 1024 ** ("kmgt".index(t[-1]) + 1)
+        t = t[:-1]
+    try:
+        value = float(t)
+    except ValueError:
+        raise UsageError(f"cannot parse size {text!r}", hint="use e.g. 500m, 10g") from None
+    if value <= 0 or math.isinf(value) or math.isnan(value):
+        raise UsageError(f"size must be positive: {text!r}")
+    return int(value * mult)

@@ -1,0 +1,233 @@
+"""``ingero trace``: record CUDA / driver / NCCL calls and host events into the node's database."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ingero.cli import common
+
+if TYPE_CHECKING:
+    from ingero.agent.tracer import TraceOptions, TraceReady
+
+EXAMPLES = """\
+examples:
+  sudo ingero trace --db trace.db                          record until Ctrl-C, live per-op table
+  sudo ingero trace --db trace.db --duration 60s --json    JSON lines: start, one tick per second, summary
+  sudo ingero trace --db trace.db --pid 4242 --pid 4243    only these processes (and their children)
+  sudo ingero trace --db trace.db --listen 0.0.0.0:8443 --client-ca ~/.ingero/pki/ca.pem \\
+      --tls-cert ~/.ingero/pki/node-gpu-node-01.pem --tls-key ~/.ingero/pki/node-gpu-node-01-key.pem
+                                                           record and serve the agent API (mTLS)
+  sudo ingero trace --db trace.db --cuda-lib /opt/app/lib/libcudart.so.12 --nccl-lib /opt/nccl/lib/libnccl.so.2
+  sudo ingero trace --db trace.db --store all --stack full --max-db 2g
+
+What is traced: uprobes on libcudart (cudaMalloc, cudaFree, cudaLaunchKernel, cudaMemcpy[Async],
+cudaStreamSynchronize, cudaDeviceSynchronize, cudaMallocManaged), libcuda (cuLaunchKernel, cuMemcpy*,
+cuCtxSynchronize, cuMemAlloc_v2, cuMemAllocManaged) and libnccl (collectives, send/recv, communicator
+ranks), plus sched_switch/sched_wakeup, process exec/exit/fork and page allocations of the traced
+processes, block I/O and TCP retransmissions of the host, and OOM kills. Libraries are found in running
+processes, ldconfig, CUDA installs and pip wheels (nvidia/*/lib); new processes are followed.
+Selective storage keeps every event explain needs and samples high-rate ones (--store all keeps all);
+event_aggregates counts everything. Needs root (or CAP_BPF+CAP_PERFMON+CAP_SYS_ADMIN) and bcc:
+'ingero check' tells what is missing. SIGINT/SIGTERM stop cleanly: probes detached, buffers flushed,
+the session closed with its counters (table session_stats).
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "trace",
+        parents=parents,
+        help="record CUDA/NCCL calls and host events with eBPF (root)",
+        description="Record CUDA runtime/driver and NCCL calls (eBPF uprobes) and host events "
+        "(scheduler, process lifecycle, memory, block I/O, TCP) into this node's SQLite database, "
+        "with a live per-op view; optionally serve the agent API at the same time.",
+        epilog=EXAMPLES,
+        formatter_class=common.help_formatter(),
+    )
+    common.add_db_arg(p, help_extra=f" (default: agent.db in the config, else {common.DEFAULT_DB})")
+    common.add_node_arg(p)
+    p.add_argument("--duration", metavar="DUR", help="stop after DUR (30s, 5m, 1h); default: until Ctrl-C")
+    p.add_argument(
+        "--pid", type=int, action="append", default=[], metavar="PID", help="trace only this process (repeatable)"
+    )
+    p.add_argument(
+        "--no-follow",
+        dest="follow",
+        action="store_false",
+        help="do not rescan /proc every 2s for new GPU libraries (new processes of known libraries are always seen)",
+    )
+    out = p.add_argument_group("output")
+    fmt = out.add_mutually_exclusive_group()
+    fmt.add_argument("--json", dest="output", action="store_const", const="json", help="JSON lines on stdout")
+    fmt.add_argument("--quiet", dest="output", action="store_const", const="quiet", help="only the final summary")
+    p.set_defaults(output="table")
+    libs = p.add_argument_group("libraries (each replaces discovery for its kind; repeatable)")
+    libs.add_argument("--cuda-lib", action="append", default=[], metavar="PATH", help="a libcudart.so to probe")
+    libs.add_argument("--driver-lib", action="append", default=[], metavar="PATH", help="a libcuda.so to probe")
+    libs.add_argument("--nccl-lib", action="append", default=[], metavar="PATH", help="a libnccl.so to probe")
+    libs.add_argument(
+        "--no-system-search",
+        dest="system_search",
+        action="store_false",
+        help="skip ldconfig, CUDA install trees and pip wheels (overrides and running processes only)",
+    )
+    rec = p.add_argument_group("recording")
+    rec.add_argument(
+        "--stack",
+        choices=("site", "full", "off"),
+        default="site",
+        help="user stacks: site = walked once per call site and reused (default), full = every call, off",
+    )
+    rec.add_argument("--no-stack", dest="stack", action="store_const", const="off", help="same as --stack off")
+    rec.add_argument(
+        "--store",
+        choices=("selective", "all"),
+        default="selective",
+        help="selective (default): every explain-relevant event, a sample of high-rate ones; all: everything",
+    )
+    rec.add_argument(
+        "--sample-budget",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="high-rate ops stored per second per process (1000)",
+    )
+    rec.add_argument(
+        "--max-db", metavar="SIZE", default="10g", help="prune the oldest events beyond SIZE (10g; 0 = off)"
+    )
+    rec.add_argument("--ring-mb", type=int, default=16, metavar="MB", help="kernel ring buffer size (16)")
+    rec.add_argument("--no-host", dest="host", action="store_false", help="skip scheduler/process/memory tracepoints")
+    rec.add_argument("--no-io", dest="io", action="store_false", help="skip block I/O and TCP tracepoints")
+    srv = p.add_argument_group("serving the agent API while tracing (same flags as 'ingero serve')")
+    srv.add_argument("--listen", metavar="HOST:PORT", help="serve the agent API here while tracing")
+    srv.add_argument("--tls-cert", metavar="PEM", help="server certificate (default: agent.tls_cert, else self-signed)")
+    srv.add_argument("--tls-key", metavar="PEM", help="its private key")
+    srv.add_argument("--client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
+    srv.add_argument(
+        "--token", metavar="TOKEN", help="require this bearer token (default: $INGERO_TOKEN or agent.token)"
+    )
+    srv.add_argument("--tls-dir", metavar="DIR", help="where the self-signed certificate lives (default ~/.ingero/tls)")
+    srv.add_argument("--no-tls", action="store_true", help="plain HTTP (loopback only unless --allow-plaintext-remote)")
+    srv.add_argument(
+        "--allow-plaintext-remote", action="store_true", help="with --no-tls, allow a non-loopback address"
+    )
+    srv.add_argument("--max-rows", type=int, default=10_000, metavar="N", help=argparse.SUPPRESS)
+    srv.add_argument("--max-timeout-ms", type=int, default=2000, metavar="MS", help=argparse.SUPPRESS)
+    srv.add_argument("--workers", type=int, default=4, metavar="N", help=argparse.SUPPRESS)
+    p.add_argument("--ready-file", metavar="PATH", help="write {pid, session, probes, url} as JSON here once recording")
+    p.set_defaults(func=run)
+
+
+def options_from(args: argparse.Namespace) -> TraceOptions:
+    from ingero.agent.tracer import TraceOptions, parse_size
+    from ingero.errors import UsageError
+    from ingero.timeutil import parse_duration
+
+    duration = parse_duration(args.duration) / 1e9 if args.duration else None
+    if duration is not None and duration <= 0:
+        raise UsageError("--duration must be positive")
+    max_db = 0 if str(args.max_db).strip() in ("0", "off") else parse_size(args.max_db)
+    if args.sample_budget < 1:
+        raise UsageError("--sample-budget must be at least 1")
+    if not 1 <= args.ring_mb <= 1024:
+        raise UsageError("--ring-mb must be between 1 and 1024")
+    listen = None
+    if args.listen:
+        from ingero.cli.serve import settings_from
+
+        listen = settings_from(args)
+    elif args.no_tls or args.tls_cert or args.client_ca or args.token:
+        raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
+    raw_db = args.db or common.config_from(args).agent.db or common.DEFAULT_DB
+    return TraceOptions(
+        db_path=Path(raw_db).expanduser(),
+        identity=common.identity_from(args),
+        pids=sorted(set(args.pid)),
+        overrides={"cudart": args.cuda_lib, "cuda": args.driver_lib, "nccl": args.nccl_lib},
+        duration_s=duration,
+        stack_mode=args.stack,
+        store_mode=args.store,
+        budget_per_s=args.sample_budget,
+        max_db_bytes=max_db,
+        ring_mb=args.ring_mb,
+        host=args.host,
+        io=args.io,
+        follow=args.follow,
+        system_search=args.system_search,
+        output=args.output,
+        listen=listen,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from ingero.agent.probes import preflight
+
+    preflight()  # not root / no bcc / no tracefs: one line and the fix, before anything else
+    if not args.db:
+        args.db = common.config_from(args).agent.db or common.DEFAULT_DB
+    opts = options_from(args)
+    if opts.listen is not None:
+        _warn_about_listen(opts)
+    ready = Path(args.ready_file).expanduser() if args.ready_file else None
+    try:
+        trio.run(_trace, opts, ready)
+    finally:
+        if ready is not None:
+            _remove_ready(ready)
+    return 0
+
+
+def _warn_about_listen(opts: TraceOptions) -> None:
+    """The same warnings as 'ingero serve'."""
+    from ingero.agent.server import is_loopback
+    from ingero.cli.output import warn
+
+    s = opts.listen
+    assert s is not None
+    if s.no_tls:
+        warn("serving plain HTTP: queries, answers and the token cross the wire unencrypted")
+    elif not is_loopback(s.host) and not s.token and not s.client_ca:
+        warn(
+            f"anyone who can reach {s.host}:{s.port} can read this node's traces; add --client-ca (mutual TLS) or --token"
+        )
+
+
+async def _trace(opts: TraceOptions, ready: Path | None) -> None:
+    from ingero.agent.tracer import run_trace
+
+    on_ready = (lambda info: _write_ready(ready, info)) if ready is not None else None
+    await run_trace(opts, on_ready=on_ready)
+
+
+def _write_ready(path: Path, info: TraceReady) -> None:
+    import json
+
+    doc = {
+        "pid": os.getpid(),
+        "session": info.session_id,
+        "probes": info.probes,
+        "libraries": [{"kind": a.kind, "path": a.path, "functions": len(a.probes)} for a in info.libraries],
+        "url": info.server.url if info.server else None,
+        "port": info.server.port if info.server else None,
+        "fingerprint_sha256": info.server.fingerprint_sha256 if info.server else None,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, path)
+
+
+def _remove_ready(path: Path) -> None:
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(doc, dict) and doc.get("pid") == os.getpid():
+        path.unlink(missing_ok=True)

@@ -1,0 +1,106 @@
+"""Helpers of the bpf tests: build the CUDA-shaped fixtures with gcc, run a trace in-process.
+
+The fixture libraries are compiled so every function starts with ``push %rbp`` (``-O0
+-fno-omit-frame-pointer -fcf-protection=none``): the shape of the real libcudart prologue, which the
+kernel emulates instead of single-stepping. Binaries go to a temporary directory, never the tree.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ingero.agent.tracer import TraceOptions, TraceReady, TraceSummary, run_trace
+
+FIXTURES = Path(__file__).resolve().parent / "bpf_fixtures"
+ROOT = Path(__file__).resolve().parents[1]
+LIB_CFLAGS = ["-O0", "-fno-omit-frame-pointer", "-fcf-protection=none", "-shared", "-fPIC"]
+
+
+def _real_cudart() -> Path | None:
+    """libcudart.so.12 of the nvidia-cuda-runtime-cu12 wheel (a dev dependency), wherever pip put it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        lib = Path(loc) / "lib" / "libcudart.so.12"
+        if lib.exists():
+            return lib
+    return None
+
+
+REAL_CUDART = _real_cudart()
+CUDART_CTYPES = FIXTURES / "cudart_ctypes.py"
+
+
+@dataclass(frozen=True)
+class Built:
+    dir: Path
+    cudart: Path
+    cuda: Path
+    nccl: Path
+    workload: Path
+    hog: Path
+
+    def overrides(self) -> dict[str, list[str]]:
+        return {"cudart": [str(self.cudart)], "cuda": [str(self.cuda)], "nccl": [str(self.nccl)]}
+
+
+_built: dict[str, Built] = {}
+
+
+def _gcc(args: list[str]) -> None:
+    subprocess.run(["gcc", *args], check=True, capture_output=True, text=True)
+
+
+def build(out: Path) -> Built:
+    """Compile the fixtures once per test session (cached by the first output directory)."""
+    if "b" in _built:
+        return _built["b"]
+    out.mkdir(parents=True, exist_ok=True)
+    libs = {
+        "libcudart.so.12": "fake_cudart.c",
+        "libcuda.so.1": "fake_cuda.c",
+        "libnccl.so.2": "fake_nccl.c",
+    }
+    for soname, src in libs.items():
+        _gcc([*LIB_CFLAGS, f"-Wl,-soname,{soname}", "-o", str(out / soname), str(FIXTURES / src)])
+    _gcc(["-O0", "-fno-omit-frame-pointer", "-o", str(out / "workload"), str(FIXTURES / "workload.c"), "-ldl"])
+    _gcc(["-O1", "-o", str(out / "cpu_hog"), str(FIXTURES / "cpu_hog.c")])
+    b = Built(
+        out,
+        out / "libcudart.so.12",
+        out / "libcuda.so.1",
+        out / "libnccl.so.2",
+        out / "workload",
+        out / "cpu_hog",
+    )
+    _built["b"] = b
+    return b
+
+
+def record(opts: TraceOptions, action: Callable[[TraceReady], Any]) -> tuple[TraceSummary, Any]:
+    """Run a trace in this process, call ``action(ready)`` in a worker thread once the probes are
+    attached, stop the trace when it returns; (summary, action's result)."""
+    result: dict[str, Any] = {}
+
+    async def tracer(task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED) -> None:
+        result["summary"] = await run_trace(opts, out=io.StringIO(), task_status=task_status, handle_signals=False)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ready: TraceReady = await nursery.start(tracer)
+            try:
+                result["action"] = await trio.to_thread.run_sync(partial(action, ready))
+            finally:
+                ready.control.stop("test done")
+
+    trio.run(main)
+    return result["summary"], result.get("action")

@@ -1,0 +1,105 @@
+"""Finding the GPU libraries and where to put the uprobes (ELF reading), without the kernel."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ingero.agent import discovery, elfsyms
+from tests.bpf_support import FIXTURES, REAL_CUDART
+
+
+def _gcc_lib(tmp: Path, name: str, *flags: str) -> Path:
+    out = tmp / name
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", *flags, "-o", str(out), str(FIXTURES / "fake_cudart.c")],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+def test_push_prologue_is_probed_at_the_symbol(tmp_path: Path) -> None:
+    lib = _gcc_lib(tmp_path, "libcudart.so.12", "-O0", "-fno-omit-frame-pointer", "-fcf-protection=none")
+    image = elfsyms.load(str(lib))
+    assert {"cudaMalloc", "cudaFree", "cudaLaunchKernel", "cudaStreamSynchronize"} <= set(image.symbols)
+    off, kind = elfsyms.probe_offset(image, "cudaMalloc") or (0, "")
+    assert kind == "push"
+    assert lib.read_bytes()[off] == elfsyms.PUSH_RBP
+    assert elfsyms.probe_offset(image, "notThere") is None
+    # file offset -> vaddr -> symbol round trip, as the stack symbolizer uses it
+    vaddr = image.offset_to_vaddr(off)
+    assert vaddr is not None and image.symbolize(vaddr + 2) == ("cudaMalloc", 2)
+
+
+def test_endbr64_functions_are_probed_past_it(tmp_path: Path) -> None:
+    lib = _gcc_lib(tmp_path, "libcudart.so.12", "-O0", "-fno-omit-frame-pointer", "-fcf-protection=full")
+    image = elfsyms.load(str(lib))
+    sym = image.function_offset("cudaMalloc")
+    assert sym is not None and lib.read_bytes()[sym : sym + 4] == elfsyms.ENDBR64
+    assert elfsyms.probe_offset(image, "cudaMalloc") == (sym + 4, "endbr64+push")
+
+
+@pytest.mark.skipif(REAL_CUDART is None, reason="nvidia-cuda-runtime-cu12 (a dev dependency) is not installed")
+def test_real_libcudart_exports_the_probed_functions() -> None:
+    assert REAL_CUDART is not None
+    image = elfsyms.load(str(REAL_CUDART))
+    for name in ("cudaMalloc", "cudaFree", "cudaLaunchKernel", "cudaMemcpy", "cudaMemcpyAsync"):
+        assert name in image.symbols
+        where = elfsyms.probe_offset(image, name)
+        assert where is not None and where[1] in ("push", "endbr64+push")
+
+
+def test_not_an_elf_file(tmp_path: Path) -> None:
+    bad = tmp_path / "libcuda.so.1"
+    bad.write_text("not an ELF")
+    with pytest.raises(elfsyms.ElfError, match="not an ELF"):
+        elfsyms.load(str(bad))
+    with pytest.raises(elfsyms.ElfError):
+        elfsyms.load(str(tmp_path / "missing.so"))
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("libcudart.so.12", "cudart"),
+        ("libcudart.so.12.4.127", "cudart"),
+        ("libcudart-d0da41ae.so.11.0", "cudart"),
+        ("libcudart.so", "cudart"),
+        ("libcuda.so.1", "cuda"),
+        ("libcuda.so.580.126.09", "cuda"),
+        ("libnccl.so.2", "nccl"),
+        ("libcudnn.so.9", None),
+        ("libcudart_static.a", None),
+        ("libcuda.so.1.bak", None),
+    ],
+)
+def test_library_kinds(name: str, kind: str | None) -> None:
+    assert discovery.library_kind(f"/x/{name}") == kind
+
+
+def test_overrides_replace_discovery_and_dedupe_by_inode(tmp_path: Path) -> None:
+    lib = _gcc_lib(tmp_path, "libcudart.so.12.9.1", "-O0")
+    link = tmp_path / "libcudart.so.12"
+    link.symlink_to(lib.name)
+    found = discovery.discover({"cudart": [str(link), str(lib)]}, pids=[], system=True)
+    cudart = found.of_kind("cudart")
+    assert [(x.path, x.origin, x.version) for x in cudart] == [(str(lib), "override", "12.9.1")]
+    assert discovery.validate_overrides({"nccl": [str(tmp_path / "nope.so")]}) == [
+        f"--nccl-lib {tmp_path / 'nope.so'}: no such file"
+    ]
+
+
+@pytest.mark.skipif(REAL_CUDART is None, reason="nvidia-cuda-runtime-cu12 (a dev dependency) is not installed")
+def test_finds_the_pip_bundled_runtime_and_the_libraries_a_process_maps() -> None:
+    assert REAL_CUDART is not None
+    real = os.path.realpath(REAL_CUDART)
+    found = discovery.discover(pids=[])
+    assert real in {x.path for x in found.of_kind("cudart")}
+    ctypes.CDLL(str(REAL_CUDART))  # now this process maps it
+    mapped = discovery.discover(pids=[os.getpid()], system=False)
+    assert [(x.path, x.origin) for x in mapped.of_kind("cudart")] == [(real, f"process {os.getpid()}")]
