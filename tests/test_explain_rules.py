@@ -110,6 +110,29 @@ def test_tail_with_sched_switch_storm_is_cpu_contention(tmp_path: Path) -> None:
     assert BASE + 17 * 10**9 <= ev["window_end_ns"] <= BASE + 20 * 10**9
 
 
+def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path) -> None:
+    """ingero's tracer records in sched_switch arg1 which task ran in the thread's place: the hog is
+    named from that even when it started long before (and an unrelated process started just before)."""
+
+    def hook(rec: Recorder, t: float, i: int) -> float:
+        if in_window(t) and rec.rng.random() < 0.3:
+            off = float(rec.rng.uniform(20, 40)) * NS_PER_MS
+            preemptor = 777 if i % 5 else 4242  # the hog most of the time, a kworker sometimes
+            rec.ev(t + 1e-4, 100, HOST, 1, off, arg1=preemptor)
+            return off
+        return 0.0
+
+    def extra(rec: Recorder) -> None:
+        rec.process(777, "cpu_hog --spin", 0.0, exec_event=False)  # started long before the trouble
+        rec.process(4242, "kworker/0:1", 0.0, exec_event=False)
+        rec.process(555, "unrelated-cron-job", 9.0)  # started just before: not the best evidence
+
+    c = only(report_of(build(tmp_path / "t.db", hook, extra=extra)), "tail/cpu", "cudaStreamSync")
+    assert "pid 777 (cpu_hog --spin) ran in its place" in c.root_cause
+    assert "unrelated-cron-job" not in c.root_cause
+    assert [t.op for t in c.timeline if t.layer == "HOST"][0] == "preemption"
+
+
 def _io(write: bool, n: int = 400) -> Callable[[Recorder], None]:
     def add(rec: Recorder) -> None:
         for t in sorted(rec.rng.uniform(*WINDOW, n)):

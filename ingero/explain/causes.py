@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ingero.explain.context import Culprit
 from ingero.explain.evidence import Evidence
 from ingero.explain.model import TimelineEntry
 from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration
@@ -150,11 +151,14 @@ def round_ms(ns: float) -> float:
     return round(ns / NS_PER_MS) * NS_PER_MS if ns >= NS_PER_S else round(ns / 1000) * 1000
 
 
-def root_cause(c: Cause, ep: Evidence, subject: str, culprits: list[str]) -> str:
+def root_cause(c: Cause, ep: Evidence, subject: str, culprits: list[Culprit]) -> str:
     """One sentence naming the cause, with its numbers. ``subject`` names the affected process(es)."""
     pct = f"{100 * ep.offcpu_frac:.0f}%"
     if c.family == "cpu":
-        who = f"; {', '.join(culprits)} started just before" if culprits else ""
+        started = [c.name for c in culprits if not c.preemptions]
+        who = "; " + "; ".join(c.clause() for c in culprits if c.preemptions) if len(started) < len(culprits) else ""
+        if started:
+            who += f"; {', '.join(started)} started just before"
         if ep.sched_n >= MIN_SCHED:
             storm = "sched_switch storm" if c.strong else "CPU preemption"
             return (
@@ -218,7 +222,7 @@ def recommendations(causes: list[Cause], ep: Evidence) -> list[str]:
     return [r for r in recs if not (r in seen or seen.add(r))]  # type: ignore[func-returns-value]
 
 
-def timeline(causes: list[Cause], ep: Evidence, culprits: list[str]) -> list[TimelineEntry]:
+def timeline(causes: list[Cause], ep: Evidence, culprits: list[Culprit]) -> list[TimelineEntry]:
     """SYSTEM / HOST / IO / NET entries for the evidence (the GPU op's own entry is added by the rule)."""
     out: list[TimelineEntry] = []
     if ep.cpu_max is not None and ep.cpu_max > 90:
@@ -230,8 +234,11 @@ def timeline(causes: list[Cause], ep: Evidence, culprits: list[str]) -> list[Tim
     if (ep.swap_max or 0) > 0:
         out.append(TimelineEntry("SYSTEM", "swap", f"swap {ep.swap_max:.0f} MB in use"))
     families = {c.family for c in causes}
-    for name in culprits:
-        out.append(TimelineEntry("HOST", "process_exec", f"{name} started"))
+    for c in culprits:
+        if c.preemptions:
+            out.append(TimelineEntry("HOST", "preemption", f"{c.name} ran in its place {c.preemptions} times"))
+        else:
+            out.append(TimelineEntry("HOST", "process_exec", f"{c.name} started"))
     if "cpu" in families and ep.sched_n:
         out.append(
             TimelineEntry(

@@ -15,6 +15,21 @@ from ingero.store.catalog import DRIVER, HOST
 from ingero.timeutil import NS_PER_S
 
 CULPRIT_LEAD_NS = 5 * NS_PER_S  # a process started this long before an episode may have caused it
+MIN_PREEMPTIONS = 3  # a preemptor is named when it ran in the GPU process's place this often
+PREEMPTOR_SHARE = 0.1  # ... and accounts for at least this share of the window's preemptions
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A process blamed for CPU contention: it preempted the GPU process, or started just before."""
+
+    name: str  # "pid 5150 (stress-ng --cpu 16)"
+    preemptions: int = 0  # 0: named because it started just before the trouble
+
+    def clause(self) -> str:
+        if self.preemptions:
+            return f"{self.name} ran in its place {self.preemptions} times"
+        return f"{self.name} started just before"
 
 
 @dataclass
@@ -64,9 +79,30 @@ class Context:
             desc += f"-pid{self.pid}"
         return f"{self.node}:{desc}"
 
-    def culprits(self, start_ns: int, end_ns: int, limit: int = 3) -> list[str]:
-        """Processes (not the traced ones) that started shortly before or during [start, end]."""
+    def culprits(self, start_ns: int, end_ns: int, limit: int = 3) -> list[Culprit]:
+        """Who took the CPU from the GPU process in [start, end].
+
+        Best evidence first: the tasks that ran in the traced threads' place (sched_switch ``arg1``,
+        recorded by ingero's tracer), when some account for a real share of the preemptions; else
+        processes (not the traced ones) that started shortly before or during the window.
+        """
         a = self.frame.args
+        m = (a.source == HOST) & (a.op == 1) & (a.ts_ns >= start_ns) & (a.ts_ns <= end_ns) & np.isin(a.pid, self.traced)
+        out: list[Culprit] = []
+        if m.any():
+            tids, counts = np.unique(a.arg1[m], return_counts=True)
+            floor = max(MIN_PREEMPTIONS, PREEMPTOR_SHARE * int(counts.sum()))
+            for i in np.argsort(-counts, kind="stable"):
+                tid, n = int(tids[i]), int(counts[i])
+                if n < floor:
+                    break
+                if tid in self.traced:
+                    continue
+                out.append(Culprit(self.proc(tid), n))
+                if len(out) == limit:
+                    return out
+        if out:
+            return out
         m = (
             (a.source == HOST)
             & np.isin(a.op, (5, 7))
@@ -74,9 +110,8 @@ class Context:
             & (a.ts_ns <= end_ns)
             & ~np.isin(a.pid, self.traced)
         )
-        out: list[str] = []
         for p in dict.fromkeys(int(x) for x in a.pid[m]):
-            out.append(self.proc(p))
+            out.append(Culprit(self.proc(p)))
             if len(out) == limit:
                 break
         return out

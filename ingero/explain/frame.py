@@ -40,9 +40,12 @@ NODES_PER_QUERY = 127  # node index 127 = "not in the list" (found and loaded in
 CHUNK_ROWS = 2_000_000  # rows per group_concat string (keeps each string well under SQLite's 1 GB limit)
 
 # Rows whose arguments some rule reads: block I/O (sectors), socket I/O (bytes), page allocations
-# (bytes), OOM kills and process starts (who), synchronous memcpy (bytes, direction).
+# (bytes), OOM kills and process starts (who), synchronous memcpy (bytes, direction), and sched_switch
+# rows that name the task which ran in the thread's place (ingero's tracer: arg1 = preemptor tid;
+# Ingero's own rows carry the pid itself there and are left out).
 ARG_ROWS_SQL = (
     f"(source = {IO} OR source = {NET} OR (source = {HOST} AND op IN (3, 4, 5, 7, 12))"
+    f" OR (source = {HOST} AND op = 1 AND arg1 != 0 AND arg1 != pid)"
     f" OR (source = {CUDA} AND op IN (4, 7)) OR (source = {DRIVER} AND op IN (2, 3)))"
 )
 
