@@ -55,7 +55,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         "--listen", metavar="HOST:PORT", help=f"address to listen on (default: agent.listen or {DEFAULT_LISTEN})"
     )
     common.add_node_arg(p)
-    g = p.add_argument_group("security")
+    add_server_args(p, p.add_argument_group("security"))
+    lim = p.add_argument_group("limits")
+    add_limit_args(lim)
+    p.add_argument("--ready-file", metavar="PATH", help="write the bound address as JSON here once listening")
+    p.set_defaults(func=run)
+
+
+def add_server_args(p: argparse.ArgumentParser, g: argparse._ArgumentGroup) -> None:
+    """TLS / mTLS / token flags, shared with ``ingero trace --listen``."""
     g.add_argument("--tls-cert", metavar="PEM", help="server certificate (default: agent.tls_cert, else self-signed)")
     g.add_argument("--tls-key", metavar="PEM", help="its private key")
     g.add_argument("--client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
@@ -67,16 +75,41 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         action="store_true",
         help="with --no-tls, accept serving unencrypted, unauthenticated-by-TLS traffic on a non-loopback address",
     )
-    lim = p.add_argument_group("limits")
-    lim.add_argument(
-        "--max-rows", type=int, metavar="N", default=10_000, help="row cap a query may ask for (default 10000)"
+
+
+def add_limit_args(g: argparse._ArgumentGroup, *, hidden: bool = False) -> None:
+    def helptext(text: str) -> str:
+        return argparse.SUPPRESS if hidden else text
+
+    g.add_argument(
+        "--max-rows",
+        type=int,
+        metavar="N",
+        default=10_000,
+        help=helptext("row cap a query may ask for (default 10000)"),
     )
-    lim.add_argument(
-        "--max-timeout-ms", type=int, metavar="MS", default=2000, help="longest a query may run (default 2000)"
+    g.add_argument(
+        "--max-timeout-ms",
+        type=int,
+        metavar="MS",
+        default=2000,
+        help=helptext("longest a query may run (default 2000)"),
     )
-    lim.add_argument("--workers", type=int, metavar="N", default=4, help="queries run at once (default 4)")
-    p.add_argument("--ready-file", metavar="PATH", help="write the bound address as JSON here once listening")
-    p.set_defaults(func=run)
+    g.add_argument("--workers", type=int, metavar="N", default=4, help=helptext("queries run at once (default 4)"))
+
+
+def warn_about_exposure(settings: ServerSettings) -> None:
+    """The warnings every command that serves the API prints before listening."""
+    from ingero.agent.server import is_loopback
+    from ingero.cli.output import warn
+
+    if settings.no_tls:
+        warn("serving plain HTTP: queries, answers and the token cross the wire unencrypted")
+    elif not is_loopback(settings.host) and not settings.token and not settings.client_ca:
+        warn(
+            f"anyone who can reach {settings.host}:{settings.port} can read this node's traces; "
+            "add --client-ca (mutual TLS) or --token"
+        )
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -136,21 +169,15 @@ def run(args: argparse.Namespace) -> int:
 
     import trio
 
-    from ingero.agent.server import check_database, is_loopback, prepare_tls
-    from ingero.cli.output import note, warn
+    from ingero.agent.server import check_database, prepare_tls
+    from ingero.cli.output import note
 
     settings = settings_from(args)
     check_database(settings.db_path)
     setup = prepare_tls(settings)  # makes the self-signed certificate now, so that we can say so
     if setup.created and setup.cert is not None:
         note(f"created a self-signed certificate {setup.cert} (key beside it, mode 0600)")
-    if settings.no_tls:
-        warn("serving plain HTTP: queries, answers and the token cross the wire unencrypted")
-    elif not is_loopback(settings.host) and not settings.token and not settings.client_ca:
-        warn(
-            f"anyone who can reach {settings.host}:{settings.port} can read this node's traces; "
-            "add --client-ca (mutual TLS) or --token"
-        )
+    warn_about_exposure(settings)
     logging.basicConfig(level=logging.WARNING, format="ingero serve: %(levelname)s: %(name)s: %(message)s")
     ready = Path(args.ready_file).expanduser() if args.ready_file else None
     try:
@@ -187,17 +214,24 @@ async def _serve(settings: ServerSettings, ready: Path | None) -> None:
 
 
 def write_ready_file(path: Path, bound: BoundServer, node: str) -> None:
+    write_ready_json(
+        path,
+        {
+            "host": bound.host,
+            "port": bound.port,
+            "url": bound.url,
+            "pid": os.getpid(),
+            "tls": bound.tls_mode,
+            "fingerprint_sha256": bound.fingerprint_sha256,
+            "node": node,
+        },
+    )
+
+
+def write_ready_json(path: Path, doc: dict[str, Any]) -> None:
+    """Atomically write a ready file (scripts and tests poll for it instead of sleeping)."""
     import json
 
-    doc: dict[str, Any] = {
-        "host": bound.host,
-        "port": bound.port,
-        "url": bound.url,
-        "pid": os.getpid(),
-        "tls": bound.tls_mode,
-        "fingerprint_sha256": bound.fingerprint_sha256,
-        "node": node,
-    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc) + "\n")

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ingero.cli import common
+from ingero.cli import common, serve
 
 if TYPE_CHECKING:
     from ingero.agent.tracer import TraceOptions, TraceReady
@@ -103,20 +103,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     rec.add_argument("--no-io", dest="io", action="store_false", help="skip block I/O and TCP tracepoints")
     srv = p.add_argument_group("serving the agent API while tracing (same flags as 'ingero serve')")
     srv.add_argument("--listen", metavar="HOST:PORT", help="serve the agent API here while tracing")
-    srv.add_argument("--tls-cert", metavar="PEM", help="server certificate (default: agent.tls_cert, else self-signed)")
-    srv.add_argument("--tls-key", metavar="PEM", help="its private key")
-    srv.add_argument("--client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
-    srv.add_argument(
-        "--token", metavar="TOKEN", help="require this bearer token (default: $INGERO_TOKEN or agent.token)"
-    )
-    srv.add_argument("--tls-dir", metavar="DIR", help="where the self-signed certificate lives (default ~/.ingero/tls)")
-    srv.add_argument("--no-tls", action="store_true", help="plain HTTP (loopback only unless --allow-plaintext-remote)")
-    srv.add_argument(
-        "--allow-plaintext-remote", action="store_true", help="with --no-tls, allow a non-loopback address"
-    )
-    srv.add_argument("--max-rows", type=int, default=10_000, metavar="N", help=argparse.SUPPRESS)
-    srv.add_argument("--max-timeout-ms", type=int, default=2000, metavar="MS", help=argparse.SUPPRESS)
-    srv.add_argument("--workers", type=int, default=4, metavar="N", help=argparse.SUPPRESS)
+    serve.add_server_args(p, srv)
+    serve.add_limit_args(srv, hidden=True)
     p.add_argument("--ready-file", metavar="PATH", help="write {pid, session, probes, url} as JSON here once recording")
     p.set_defaults(func=run)
 
@@ -136,9 +124,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         raise UsageError("--ring-mb must be between 1 and 1024")
     listen = None
     if args.listen:
-        from ingero.cli.serve import settings_from
-
-        listen = settings_from(args)
+        listen = serve.settings_from(args)
     elif args.no_tls or args.tls_cert or args.client_ca or args.token:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
     raw_db = args.db or common.config_from(args).agent.db or common.DEFAULT_DB
@@ -172,29 +158,14 @@ def run(args: argparse.Namespace) -> int:
         args.db = common.config_from(args).agent.db or common.DEFAULT_DB
     opts = options_from(args)
     if opts.listen is not None:
-        _warn_about_listen(opts)
+        serve.warn_about_exposure(opts.listen)
     ready = Path(args.ready_file).expanduser() if args.ready_file else None
     try:
         trio.run(_trace, opts, ready)
     finally:
         if ready is not None:
-            _remove_ready(ready)
+            serve.remove_ready_file(ready)
     return 0
-
-
-def _warn_about_listen(opts: TraceOptions) -> None:
-    """The same warnings as 'ingero serve'."""
-    from ingero.agent.server import is_loopback
-    from ingero.cli.output import warn
-
-    s = opts.listen
-    assert s is not None
-    if s.no_tls:
-        warn("serving plain HTTP: queries, answers and the token cross the wire unencrypted")
-    elif not is_loopback(s.host) and not s.token and not s.client_ca:
-        warn(
-            f"anyone who can reach {s.host}:{s.port} can read this node's traces; add --client-ca (mutual TLS) or --token"
-        )
 
 
 async def _trace(opts: TraceOptions, ready: Path | None) -> None:
@@ -205,29 +176,15 @@ async def _trace(opts: TraceOptions, ready: Path | None) -> None:
 
 
 def _write_ready(path: Path, info: TraceReady) -> None:
-    import json
-
-    doc = {
-        "pid": os.getpid(),
-        "session": info.session_id,
-        "probes": info.probes,
-        "libraries": [{"kind": a.kind, "path": a.path, "functions": len(a.probes)} for a in info.libraries],
-        "url": info.server.url if info.server else None,
-        "port": info.server.port if info.server else None,
-        "fingerprint_sha256": info.server.fingerprint_sha256 if info.server else None,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, path)
-
-
-def _remove_ready(path: Path) -> None:
-    import json
-
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(doc, dict) and doc.get("pid") == os.getpid():
-        path.unlink(missing_ok=True)
+    serve.write_ready_json(
+        path,
+        {
+            "pid": os.getpid(),
+            "session": info.session_id,
+            "probes": info.probes,
+            "libraries": [{"kind": a.kind, "path": a.path, "functions": len(a.probes)} for a in info.libraries],
+            "url": info.server.url if info.server else None,
+            "port": info.server.port if info.server else None,
+            "fingerprint_sha256": info.server.fingerprint_sha256 if info.server else None,
+        },
+    )
