@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ingero.config import Config, NodeSpec, load_config, parse_node_list
 from ingero.errors import UsageError
 from ingero.identity import Identity, resolve_identity
+
+if TYPE_CHECKING:
+    from ingero.store.window import Window
 
 DEFAULT_DB = "~/.ingero/ingero.db"
 
@@ -97,6 +101,27 @@ def db_path_from(args: argparse.Namespace, *, must_exist: bool = True) -> Path:
     if not raw:
         raise UsageError("no database given", hint="pass --db PATH (or set agent.db in the config)")
     return Path(raw).expanduser()
+
+
+def window_from(args: argparse.Namespace, path: Path) -> Window | None:
+    """The --since/--from/--to window against the database at ``path`` (None when no flag is given).
+
+    On a finished recording ``--since`` counts back from its last event; that is said on stderr.
+    """
+    if not (args.since or args.from_ or args.to):
+        return None
+    from ingero.cli.output import note
+    from ingero.store.db import open_readonly
+    from ingero.store.window import resolve_window
+
+    conn = open_readonly(path)
+    try:
+        window = resolve_window(conn, args.since, args.from_, args.to)
+    finally:
+        conn.close()
+    if window.note:
+        note(window.note)
+    return window
 
 
 def wants_fleet(args: argparse.Namespace) -> bool:

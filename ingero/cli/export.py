@@ -74,19 +74,9 @@ def run(args: argparse.Namespace) -> int:
         nodes, meta, closer = export_fleet(args)
     else:
         from ingero.export.sources import traces_from_db
-        from ingero.store.db import open_readonly
-        from ingero.store.window import resolve_window
 
         path = common.db_path_from(args)
-        window = None
-        if args.since or args.from_ or args.to:
-            conn = open_readonly(path)
-            try:
-                window = resolve_window(conn, args.since, args.from_, args.to)
-            finally:
-                conn.close()
-            if window.note:
-                note(window.note)
+        window = common.window_from(args, path)
         local = traces_from_db(path, window)
         nodes, closer = local.nodes, local.close
         meta = {"source": "database", "database": str(path), "window": window.as_dict() if window else None}

@@ -60,23 +60,14 @@ def run(args: argparse.Namespace) -> int:
 def run_local(args: argparse.Namespace) -> int:
     from ingero.store import guard
     from ingero.store.catalog import lookup_op
-    from ingero.store.db import event_filter_sql, open_readonly
-    from ingero.store.window import resolve_window
+    from ingero.store.db import event_filter_sql
 
     path = common.db_path_from(args)
     source_op = None
     if args.op:
         ref = lookup_op(args.op)
         source_op = (ref.source, ref.op)
-    window = None
-    if args.since or args.from_ or args.to:
-        conn = open_readonly(path)
-        try:
-            window = resolve_window(conn, args.since, args.from_, args.to)
-        finally:
-            conn.close()
-        if window.note:
-            note(window.note)
+    window = common.window_from(args, path)
     flt = event_filter_sql(window.start_ns if window else None, window.end_ns if window else None, args.pid, source_op)
     sql = args.sql if args.sql and args.sql.strip() else DEFAULT_SQL
     result = guard.run_query(

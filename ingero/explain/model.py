@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ingero.store.window import Window
+from ingero.store.writer import CHAIN_FIELDS
 
 SEVERITIES = ("HIGH", "MEDIUM", "LOW")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -78,24 +79,7 @@ class Chain:
     def as_row(self) -> dict[str, Any]:
         """The ``causal_chains`` columns (for StoreWriter.save_chains)."""
         d = self.as_dict()
-        return {
-            k: d[k]
-            for k in (
-                "id",
-                "detected_at",
-                "severity",
-                "summary",
-                "root_cause",
-                "explanation",
-                "recommendations",
-                "cuda_op",
-                "cuda_p99_us",
-                "cuda_p50_us",
-                "tail_ratio",
-                "timeline",
-                "node",
-            )
-        }
+        return {k: d[k] for k in CHAIN_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Chain:
