@@ -130,7 +130,7 @@ def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path
     c = only(report_of(build(tmp_path / "t.db", hook, extra=extra)), "tail/cpu", "cudaStreamSync")
     assert "pid 777 (cpu_hog --spin) ran in its place" in c.root_cause
     assert "unrelated-cron-job" not in c.root_cause
-    assert [t.op for t in c.timeline if t.layer == "HOST"][0] == "preemption"
+    assert next(t.op for t in c.timeline if t.layer == "HOST") == "preemption"
 
 
 def _io(write: bool, n: int = 400) -> Callable[[Recorder], None]:
