@@ -356,7 +356,9 @@ def test_explain_names_the_cpu_hog(recording: Recording) -> None:
     chain = cpu[0]
     assert chain.cuda_op == "cudaLaunchKernel"
     assert "cpu_hog" in chain.root_cause or any("cpu_hog" in t.detail for t in chain.timeline), chain.as_dict()
-    assert any(t.op == "preemption" and "cpu_hog" in t.detail for t in chain.timeline), chain.as_dict()  # via sched_switch arg1
+    assert any(t.op == "preemption" and "cpu_hog" in t.detail for t in chain.timeline), (
+        chain.as_dict()
+    )  # via sched_switch arg1
 
 
 def test_fsync_writes_produce_block_io(recording: Recording) -> None:
