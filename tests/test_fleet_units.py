@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -191,7 +190,7 @@ def test_merge_rows_folds_a_selected_node_column(samples: Path) -> None:
 
     outcomes = []
     for i in (1, 2, 3):
-        db = sqlite3.connect(f"file:{samples / f'sample-gpu-node-0{i}.db'}?mode=ro", uri=True)
+        db = open_readonly(samples / f"sample-gpu-node-0{i}.db")
         cur = db.execute(SEED_QUERY)
         cols = [d[0] for d in cur.description]
         rows = [list(r) for r in cur]
