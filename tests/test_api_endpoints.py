@@ -40,6 +40,22 @@ def test_health_info_time(samples: Path, tmp_path: Path) -> None:
     trio.run(main)
 
 
+def test_replayed_recording_reports_its_recorded_ranks(tmp_path: Path) -> None:
+    """An agent started without RANK/WORLD_SIZE over a recording reports the ranks its sessions carry."""
+    from tests.conftest import INVESTIGATIONS
+
+    s = settings(INVESTIGATIONS / "sample-gpu-node-02.db", tmp_path / "tls", identity=Identity("gpu-node-02"))
+
+    async def main() -> None:
+        async with running(s) as srv:
+            info = (await srv.get("/api/v1/info")).json()
+            assert (info["node"], info["rank"], info["local_rank"], info["world_size"]) == ("gpu-node-02", 1, 0, 3)
+            overview = (await srv.get("/api/v1/overview")).json()
+            assert (overview["rank"], overview["world_size"]) == (1, 3)
+
+    trio.run(main)
+
+
 def test_query_seed_limits_and_filters(samples: Path, tmp_path: Path) -> None:
     s = settings(samples / "sample-cluster.db", tmp_path / "tls", max_rows=50, max_timeout_ms=400)
 

@@ -123,12 +123,30 @@ def window_from(conn: sqlite3.Connection, params: Mapping[str, str]) -> Window:
 # --- endpoints ---------------------------------------------------------------------------------
 
 
-def info_fields(ctx: AgentContext, s: DbSummary) -> dict[str, Any]:
+def recorded_ranks(conn: sqlite3.Connection, node: str) -> tuple[int | None, int | None, int | None]:
+    """rank, local_rank, world_size of this node's latest session that has them (a replayed recording)."""
+    try:
+        row = conn.execute(
+            "SELECT rank, local_rank, world_size FROM sessions WHERE node = ? AND rank IS NOT NULL "
+            "ORDER BY started_at DESC LIMIT 1",
+            (node,),
+        ).fetchone()
+    except sqlite3.OperationalError:  # layouts without ranks
+        return None, None, None
+    return (row[0], row[1], row[2]) if row else (None, None, None)
+
+
+def info_fields(ctx: AgentContext, s: DbSummary, conn: sqlite3.Connection) -> dict[str, Any]:
+    """Identity and database facts. Ranks come from the agent's environment (RANK, LOCAL_RANK, WORLD_SIZE);
+    an agent serving a recording without them reports the ranks the recording's sessions carry."""
     ident = ctx.identity
+    rank, local_rank, world_size = ident.rank, ident.local_rank, ident.world_size
+    if rank is None and local_rank is None and world_size is None:
+        rank, local_rank, world_size = recorded_ranks(conn, ident.node)
     return {
-        "rank": ident.rank,
-        "local_rank": ident.local_rank,
-        "world_size": ident.world_size,
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world_size,
         "version": __version__,
         "api_version": API_VERSION,
         "schema_version": s.schema_version,
@@ -147,7 +165,8 @@ def info_fields(ctx: AgentContext, s: DbSummary) -> dict[str, Any]:
 def info(ctx: AgentContext, cancel: threading.Event) -> bytes:
     with reader(ctx, cancel) as conn:
         s = summarize(conn, ctx.db_path)
-    return encode(ok(ctx, **info_fields(ctx, s)))
+        fields = info_fields(ctx, s, conn)
+    return encode(ok(ctx, **fields))
 
 
 def query(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -> bytes:
@@ -213,6 +232,7 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
 def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
     with reader(ctx, cancel) as conn:
         s = summarize(conn, ctx.db_path)
+        fields = info_fields(ctx, s, conn)
         window = window_from(conn, params)
         report = _explain(conn, window)
     counts = {sev: 0 for sev in ("HIGH", "MEDIUM", "LOW")}
@@ -221,7 +241,7 @@ def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Eve
     return encode(
         ok(
             ctx,
-            **info_fields(ctx, s),
+            **fields,
             window=window.as_dict(),
             top_ops=[o.as_dict() for o in report.ops[:TOP_OPS]],
             chain_counts=counts,
