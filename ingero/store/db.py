@@ -33,7 +33,7 @@ def _uri(path: Path, **params: str) -> str:
 def _check_path(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
-        raise DatabaseNotFoundError(f"{p}: no such database file", hint="check the --db path")
+        raise DatabaseNotFoundError(f"{p}: no such database file", hint="check the path")
     if p.is_dir():
         raise NotADatabaseError(f"{p} is a directory, not a database file")
     return p
@@ -43,7 +43,7 @@ def translate(e: sqlite3.Error, path: str | Path) -> StoreError:
     """sqlite3 error → one-line StoreError naming the file."""
     msg = str(e)
     if isinstance(e, sqlite3.DatabaseError) and "file is not a database" in msg:
-        return NotADatabaseError(f"{path} is not a SQLite database", hint="check the --db path")
+        return NotADatabaseError(f"{path} is not a SQLite database", hint="check the path")
     if "unable to open" in msg:
         return StoreError(f"cannot open {path}: {msg}", hint="check the file's permissions")
     if "locked" in msg or "busy" in msg:
