@@ -9,23 +9,10 @@ from __future__ import annotations
 import sqlite3
 
 from ingero.store import merge_inputs as mi
+from ingero.store.writer import SESSION_FIELDS
 
-SESSION_COLUMNS = (
-    "started_at",
-    "stopped_at",
-    "gpu_model",
-    "gpu_driver",
-    "cpu_model",
-    "cpu_cores",
-    "mem_total",
-    "kernel",
-    "os_release",
-    "cuda_ver",
-    "python_ver",
-    "ingero_ver",
-    "pid_filter",
-    "flags",
-)
+# every sessions column but the id and the node identity (what the writer fills, plus its own stamps)
+SESSION_COLUMNS = ("started_at", "stopped_at", "ingero_ver", *SESSION_FIELDS)
 SIDE_TABLES = """
 CREATE TABLE IF NOT EXISTS node_process_names (
 	node    TEXT NOT NULL,            -- node the pid lives on ('' when unknown)
