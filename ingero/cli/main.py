@@ -76,13 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parents = [common_parent()]
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # a command not built into this installation
-                continue
-            raise
-        module.register(sub, parents)
+        importlib.import_module(name).register(sub, parents)
     return parser
 
 

@@ -281,23 +281,24 @@ class StoreWriter:
         try:
             self._begin()
             self.conn.execute("UPDATE sessions SET stopped_at = ? WHERE id = ?", (stopped_at or now_ns(), session_id))
-            self.conn.executemany(
-                "INSERT OR REPLACE INTO session_stats(session_id, key, value) VALUES (?, ?, ?)",
-                ((session_id, k, int(v)) for k, v in (stats or {}).items()),
-            )
+            self._put_stats(session_id, stats or {})
             self._commit()
         except sqlite3.Error as e:
             self._rollback()
             raise translate(e, self.path) from None
 
     def save_stats(self, session_id: int, stats: dict[str, int]) -> None:
+        """Store a running session's counters (seen, stored, dropped, ...) so readers see them live."""
         try:
-            self.conn.executemany(
-                "INSERT OR REPLACE INTO session_stats(session_id, key, value) VALUES (?, ?, ?)",
-                ((session_id, k, int(v)) for k, v in stats.items()),
-            )
+            self._put_stats(session_id, stats)
         except sqlite3.Error as e:
             raise translate(e, self.path) from None
+
+    def _put_stats(self, session_id: int, stats: dict[str, int]) -> None:
+        self.conn.executemany(
+            "INSERT OR REPLACE INTO session_stats(session_id, key, value) VALUES (?, ?, ?)",
+            ((session_id, k, int(v)) for k, v in stats.items()),
+        )
 
     def save_chains(self, chains: Iterable[dict[str, Any]]) -> int:
         """Upsert causal chains (dicts with CHAIN_FIELDS; lists/dicts are stored as JSON)."""
@@ -354,14 +355,6 @@ class StoreWriter:
         except sqlite3.Error as e:
             raise translate(e, self.path) from None
         return deleted
-
-    def checkpoint(self, mode: str = "PASSIVE") -> None:
-        if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
-            raise ValueError(mode)
-        try:
-            self.conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
-        except sqlite3.Error as e:
-            raise translate(e, self.path) from None
 
     def close(self) -> None:
         if self._closed:
