@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Iterator
+import sqlite3
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,51 @@ def sample_copy(tmp_path: Path) -> Iterator[Path]:
     for f in dst.iterdir():
         f.chmod(0o644)
     yield dst
+
+
+INGERO_08_DDL = """
+CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, timestamp INTEGER NOT NULL,
+    pid INTEGER NOT NULL, tid INTEGER NOT NULL, source INTEGER NOT NULL, op INTEGER NOT NULL,
+    duration INTEGER NOT NULL, gpu_id INTEGER NOT NULL DEFAULT 0, arg0 INTEGER NOT NULL DEFAULT 0,
+    arg1 INTEGER NOT NULL DEFAULT 0, ret_code INTEGER NOT NULL DEFAULT 0,
+    stack_hash INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE sessions (id INTEGER PRIMARY KEY AUTOINCREMENT, started_at INTEGER NOT NULL,
+    stopped_at INTEGER NOT NULL DEFAULT 0, gpu_model TEXT NOT NULL DEFAULT '');
+CREATE TABLE causal_chains (id TEXT PRIMARY KEY, detected_at INTEGER NOT NULL, severity TEXT NOT NULL,
+    summary TEXT NOT NULL, root_cause TEXT NOT NULL, explanation TEXT NOT NULL);
+CREATE TABLE stack_traces (hash INTEGER PRIMARY KEY, ips TEXT NOT NULL, frames TEXT NOT NULL DEFAULT '');
+CREATE TABLE schema_info (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO schema_info VALUES ('version', '0.8');
+"""
+
+
+def make_ingero_08(
+    path: Path,
+    events: Sequence[tuple[int, ...]],
+    *,
+    sessions: Sequence[tuple[int, int, str]] = (),
+    chains: Sequence[tuple[int | str, ...]] = (),
+    stacks: Sequence[tuple[int, str, str]] = (),
+) -> Path:
+    """An Ingero 0.8-layout database (integer ids, no node/rank columns).
+
+    ``events``: (timestamp, pid, tid, source, op, duration, ret_code, stack_hash); ``sessions``:
+    (started_at, stopped_at, gpu_model); ``chains``: (id, detected_at, severity, summary, root_cause,
+    explanation); ``stacks``: (hash, ips, frames).
+    """
+    conn = sqlite3.connect(path)
+    conn.executescript(INGERO_08_DDL)
+    conn.executemany(
+        "INSERT INTO events(timestamp, pid, tid, source, op, duration, ret_code, stack_hash) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        events,
+    )
+    conn.executemany("INSERT INTO sessions(started_at, stopped_at, gpu_model) VALUES (?, ?, ?)", sessions)
+    conn.executemany("INSERT INTO causal_chains VALUES (?, ?, ?, ?, ?, ?)", chains)
+    conn.executemany("INSERT INTO stack_traces VALUES (?, ?, ?)", stacks)
+    conn.commit()
+    conn.close()
+    return path
 
 
 def write_db(path: Path, events: list[EventRow], node: str = "test-node", **ident: int) -> Path:

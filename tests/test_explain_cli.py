@@ -16,7 +16,7 @@ from ingero.explain.engine import explain
 from ingero.explain.frame import load_frames
 from ingero.explain.stats import op_stats
 from ingero.store.db import open_readonly
-from tests.conftest import ROOT
+from tests.conftest import ROOT, make_ingero_08
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -90,25 +90,9 @@ def test_ingero_samples_computed_and_stored(capsys: pytest.CaptureFixture[str], 
 
 
 def test_legacy_ingero_08_database(tmp_path: Path) -> None:
-    db = tmp_path / "old-node.db"
-    conn = sqlite3.connect(db)
-    conn.executescript(
-        """
-        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, timestamp INTEGER NOT NULL,
-            pid INTEGER NOT NULL, tid INTEGER NOT NULL, source INTEGER NOT NULL, op INTEGER NOT NULL,
-            duration INTEGER NOT NULL, gpu_id INTEGER NOT NULL DEFAULT 0, arg0 INTEGER NOT NULL DEFAULT 0,
-            arg1 INTEGER NOT NULL DEFAULT 0, ret_code INTEGER NOT NULL DEFAULT 0,
-            stack_hash INTEGER NOT NULL DEFAULT 0);
-        CREATE TABLE sessions (id INTEGER PRIMARY KEY AUTOINCREMENT, started_at INTEGER NOT NULL,
-            stopped_at INTEGER NOT NULL DEFAULT 0);
-        """
+    db = make_ingero_08(
+        tmp_path / "old-node.db", [(10**18 + i * 10**7, 7, 7, 1, 5, 1000 + i, int(i == 3), 0) for i in range(50)]
     )
-    conn.executemany(
-        "INSERT INTO events(timestamp, pid, tid, source, op, duration, ret_code) VALUES (?, 7, 7, 1, 5, ?, ?)",
-        [(10**18 + i * 10**7, 1000 + i, int(i == 3)) for i in range(50)],
-    )
-    conn.commit()
-    conn.close()
     report = explain(open_readonly(db))
     assert report.nodes == ["old-node"] and report.ops[0].count == 50 and report.ops[0].errors == 1
 

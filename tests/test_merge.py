@@ -16,7 +16,7 @@ from ingero.store.db import open_readonly, open_writable
 from ingero.store.merge import merge_databases
 from ingero.store.merge_inputs import inspect_input
 from ingero.store.writer import StoreWriter
-from tests.conftest import INVESTIGATIONS, SEED_QUERY, write_db
+from tests.conftest import INVESTIGATIONS, SEED_QUERY, make_ingero_08, write_db
 
 NODES = ("sample-gpu-node-01.db", "sample-gpu-node-02.db", "sample-gpu-node-03.db")
 EVENT_COLS = (
@@ -127,32 +127,14 @@ def test_failed_merge_leaves_no_output(tmp_path: Path, samples: Path) -> None:
 
 
 def _make_ingero_08(path: Path, n: int = 4, t0: int = 1_775_218_723_000_000_000) -> None:
-    conn = sqlite3.connect(path)
-    conn.executescript(
-        """
-        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, timestamp INTEGER NOT NULL,
-            pid INTEGER NOT NULL, tid INTEGER NOT NULL, source INTEGER NOT NULL, op INTEGER NOT NULL,
-            duration INTEGER NOT NULL, gpu_id INTEGER NOT NULL DEFAULT 0, arg0 INTEGER NOT NULL DEFAULT 0,
-            arg1 INTEGER NOT NULL DEFAULT 0, ret_code INTEGER NOT NULL DEFAULT 0,
-            stack_hash INTEGER NOT NULL DEFAULT 0);
-        CREATE TABLE sessions (id INTEGER PRIMARY KEY AUTOINCREMENT, started_at INTEGER NOT NULL,
-            stopped_at INTEGER NOT NULL DEFAULT 0, gpu_model TEXT NOT NULL DEFAULT '');
-        CREATE TABLE causal_chains (id TEXT PRIMARY KEY, detected_at INTEGER NOT NULL, severity TEXT NOT NULL,
-            summary TEXT NOT NULL, root_cause TEXT NOT NULL, explanation TEXT NOT NULL);
-        CREATE TABLE stack_traces (hash INTEGER PRIMARY KEY, ips TEXT NOT NULL, frames TEXT NOT NULL DEFAULT '');
-        CREATE TABLE schema_info (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        INSERT INTO schema_info VALUES ('version', '0.8');
-        INSERT INTO stack_traces VALUES (3130596151848727151, '["0x1"]', '');
-        """
+    stack = 3130596151848727151
+    make_ingero_08(
+        path,
+        [(t0 + i * 1000, 7, 7, 4, 5, 2000 + i, 0, stack if i == 0 else 0) for i in range(n)],
+        sessions=[(t0, t0 + n * 1000, "T4")],
+        chains=[("tail-medium-cuMemAlloc", t0 + 500, "MEDIUM", "s", "r", "e")],
+        stacks=[(stack, '["0x1"]', "")],
     )
-    conn.executemany(
-        "INSERT INTO events(timestamp, pid, tid, source, op, duration, stack_hash) VALUES (?, 7, 7, 4, 5, ?, ?)",
-        [(t0 + i * 1000, 2000 + i, 3130596151848727151 if i == 0 else 0) for i in range(n)],
-    )
-    conn.execute("INSERT INTO sessions(started_at, stopped_at, gpu_model) VALUES (?, ?, 'T4')", (t0, t0 + n * 1000))
-    conn.execute("INSERT INTO causal_chains VALUES ('tail-medium-cuMemAlloc', ?, 'MEDIUM', 's', 'r', 'e')", (t0 + 500,))
-    conn.commit()
-    conn.close()
 
 
 def test_ingero_08_needs_force_node_and_gets_namespaced_ids(tmp_path: Path, samples: Path) -> None:

@@ -20,7 +20,7 @@ from ingero.store import catalog
 from ingero.store.db import open_readonly, open_writable, summarize
 from ingero.store.schema import SCHEMA_VERSION, inspect_layout
 from ingero.store.writer import StoreWriter
-from tests.conftest import SEED_QUERY, write_db
+from tests.conftest import SEED_QUERY, make_ingero_08, write_db
 
 
 def _ev(i: int, source: int = 1, op: int = 1, dur: int = 1000, pid: int = 100) -> tuple[int, ...]:
@@ -172,31 +172,10 @@ def test_readonly_sees_live_writer(tmp_path: Path) -> None:
         conn.close()
 
 
-def _make_ingero_08(path: Path) -> None:
-    """Ingero's older layout: integer ids, no node/rank columns."""
-    conn = sqlite3.connect(path)
-    conn.executescript(
-        """
-        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, timestamp INTEGER NOT NULL,
-            pid INTEGER NOT NULL, tid INTEGER NOT NULL, source INTEGER NOT NULL, op INTEGER NOT NULL,
-            duration INTEGER NOT NULL, gpu_id INTEGER NOT NULL DEFAULT 0, arg0 INTEGER NOT NULL DEFAULT 0,
-            arg1 INTEGER NOT NULL DEFAULT 0, ret_code INTEGER NOT NULL DEFAULT 0,
-            stack_hash INTEGER NOT NULL DEFAULT 0);
-        CREATE TABLE sessions (id INTEGER PRIMARY KEY AUTOINCREMENT, started_at INTEGER NOT NULL,
-            stopped_at INTEGER NOT NULL DEFAULT 0);
-        CREATE TABLE schema_info (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        INSERT INTO schema_info VALUES ('version', '0.8');
-        INSERT INTO events(timestamp, pid, tid, source, op, duration) VALUES (1, 7, 7, 1, 1, 2000), (2, 7, 7, 3, 1, 4000);
-        INSERT INTO sessions(started_at, stopped_at) VALUES (1, 2);
-        """
-    )
-    conn.commit()
-    conn.close()
-
-
 def test_ingero_08_layout_opens_readonly_with_node_column(tmp_path: Path) -> None:
-    db = tmp_path / "old-node-5.db"
-    _make_ingero_08(db)
+    db = make_ingero_08(
+        tmp_path / "old-node-5.db", [(1, 7, 7, 1, 1, 2000, 0, 0), (2, 7, 7, 3, 1, 4000, 0, 0)], sessions=[(1, 2, "")]
+    )
     conn = open_readonly(db)
     assert inspect_layout(conn).kind == "ingero-0.8"
     assert conn.execute(SEED_QUERY).fetchall() == [("old-node-5", 1, 1, 2.0), ("old-node-5", 3, 1, 4.0)]
