@@ -216,16 +216,16 @@ def _nodes(v: Any, key: str) -> list[NodeSpec]:
     return out
 
 
-_AGENT_KEYS: dict[str, Checker] = {
-    "node": _str,
-    "db": _str,
-    "listen": _str,
-    "tls_cert": _str,
-    "tls_key": _str,
-    "client_ca": _str,
-    "token": _str,
-    "max_db": _str,
-    "stack": _bool,
+_AGENT_KEYS: dict[str, tuple[str, Checker]] = {
+    "node": ("node", _str),
+    "db": ("db", _str),
+    "listen": ("listen", _str),
+    "tls_cert": ("tls_cert", _str),
+    "tls_key": ("tls_key", _str),
+    "client_ca": ("client_ca", _str),
+    "token": ("token", _str),
+    "max_db": ("max_db", _str),
+    "stack": ("stack", _bool),
 }
 _FLEET_KEYS: dict[str, tuple[str, Checker]] = {
     "nodes": ("nodes", _nodes),
@@ -290,43 +290,44 @@ def parse_config_file(path: Path) -> Config:
     for section in data:
         if section not in ("agent", "fleet"):
             raise ConfigError(where, str(section), "unknown key", hint="known top-level keys: agent, fleet")
-    base = path.parent
 
-    agent = data.get("agent") or {}
-    if not isinstance(agent, Mapping):
-        raise ConfigError(where, "agent", "expected a mapping")
-    for key, value in agent.items():
-        if key not in _AGENT_KEYS:
-            raise ConfigError(where, f"agent.{key}", "unknown key", hint="known: " + ", ".join(_AGENT_KEYS))
-        if value is None:
-            continue
-        try:
-            checked = _AGENT_KEYS[key](value, f"agent.{key}")
-        except ValueError as e:
-            raise ConfigError(where, f"agent.{key}", str(e)) from None
-        if key in _PATH_KEYS:
-            checked = _resolve_path(checked, base)
-        setattr(cfg.agent, key, checked)
-
-    fleet = data.get("fleet") or {}
-    if not isinstance(fleet, Mapping):
-        raise ConfigError(where, "fleet", "expected a mapping")
-    for key, value in fleet.items():
-        if key not in _FLEET_KEYS:
-            raise ConfigError(where, f"fleet.{key}", "unknown key", hint="known: " + ", ".join(_FLEET_KEYS))
-        if value is None:
-            continue
-        attr, check = _FLEET_KEYS[key]
-        try:
-            checked = check(value, f"fleet.{key}")
-        except ValueError as e:
-            raise ConfigError(where, f"fleet.{key}", str(e)) from None
-        if key in _PATH_KEYS:
-            checked = _resolve_path(checked, base)
-            if not os.access(checked, os.R_OK):
-                raise ConfigError(where, f"fleet.{key}", f"cannot read {checked}")
-        setattr(cfg.fleet, attr, checked)
+    # agent paths may not exist yet (the database) or are checked when the server loads them;
+    # the fleet client's certificates must be readable now
+    _apply_section(cfg.agent, "agent", data.get("agent"), _AGENT_KEYS, where, path.parent, must_read=False)
+    _apply_section(cfg.fleet, "fleet", data.get("fleet"), _FLEET_KEYS, where, path.parent, must_read=True)
     return cfg
+
+
+def _apply_section(
+    target: AgentConfig | FleetConfig,
+    name: str,
+    section: Any,
+    keys: Mapping[str, tuple[str, Checker]],
+    where: str,
+    base: Path,
+    *,
+    must_read: bool,
+) -> None:
+    """Validate one section's keys and set them on ``target``; paths resolve against the file's folder."""
+    if section is None:
+        return
+    if not isinstance(section, Mapping):
+        raise ConfigError(where, name, "expected a mapping")
+    for key, value in section.items():
+        if key not in keys:
+            raise ConfigError(where, f"{name}.{key}", "unknown key", hint="known: " + ", ".join(keys))
+        if value is None:
+            continue
+        attr, check = keys[key]
+        try:
+            checked = check(value, f"{name}.{key}")
+        except ValueError as e:
+            raise ConfigError(where, f"{name}.{key}", str(e)) from None
+        if key in _PATH_KEYS:
+            checked = _resolve_path(checked, base)
+            if must_read and not os.access(checked, os.R_OK):
+                raise ConfigError(where, f"{name}.{key}", f"cannot read {checked}")
+        setattr(target, attr, checked)
 
 
 def _resolve_path(value: str, base: Path) -> str:

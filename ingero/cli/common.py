@@ -20,13 +20,8 @@ def help_formatter() -> type[argparse.HelpFormatter]:
     return argparse.RawDescriptionHelpFormatter
 
 
-def add_db_arg(parser: argparse.ArgumentParser, *, required: bool = False, help_extra: str = "") -> None:
-    parser.add_argument(
-        "--db",
-        metavar="PATH",
-        required=required,
-        help="trace database (SQLite, ingero or Ingero layout)" + help_extra,
-    )
+def add_db_arg(parser: argparse.ArgumentParser, *, help_extra: str = "") -> None:
+    parser.add_argument("--db", metavar="PATH", help="trace database (SQLite, ingero or Ingero layout)" + help_extra)
 
 
 def add_window_args(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +91,7 @@ def fleet_nodes_from(args: argparse.Namespace) -> list[NodeSpec]:
     return list(config_from(args).fleet.nodes)
 
 
-def db_path_from(args: argparse.Namespace, *, must_exist: bool = True) -> Path:
+def db_path_from(args: argparse.Namespace) -> Path:
     raw = getattr(args, "db", None) or config_from(args).agent.db
     if not raw:
         raise UsageError("no database given", hint="pass --db PATH (or set agent.db in the config)")
