@@ -6,6 +6,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from ingero.agent.pki import create_ca, issue_cert, split_sans
 from ingero.agent.server import BoundServer, ServerSettings, serve_api
 from ingero.agent.tls import client_ssl_context
 from ingero.identity import Identity
+
+RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"  # never ends
 
 
 @dataclass(frozen=True)
@@ -86,21 +89,13 @@ async def running(
         return wrapper(app) if wrapper else app
 
     async with trio.open_nursery() as nursery:
-        bound: BoundServer = await nursery.start(_serve, s, capture)
+        bound: BoundServer = await nursery.start(partial(serve_api, s, app_wrapper=capture))
         kw: dict[str, Any] = {"headers": headers or {}}
         if verify is not None:
             kw["verify"] = verify
         async with client_for(bound, s, **kw) as client:
             yield Running(bound, seen[0], client)
         nursery.cancel_scope.cancel()
-
-
-async def _serve(
-    s: ServerSettings,
-    wrapper: Callable[[ASGIApp], ASGIApp],
-    task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    await serve_api(s, app_wrapper=wrapper, task_status=task_status)
 
 
 def assert_error_shape(r: httpx.Response, status: int) -> dict[str, Any]:

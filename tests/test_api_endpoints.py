@@ -12,10 +12,8 @@ from ingero.agent.api import ASGIApp, Receive, Scope, Send
 from ingero.agent.server import BoundServer, serve_api
 from ingero.agent.tls import client_ssl_context
 from ingero.identity import Identity
-from tests.agent_servers import running, settings
+from tests.agent_servers import RUNAWAY, running, settings
 from tests.conftest import SEED_QUERY, write_db
-
-RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"
 
 
 def test_health_info_time(samples: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from ingero.agent.tls import client_ssl_context
 from ingero.cli.main import main
-from tests.conftest import ROOT, SEED_QUERY
+from tests.conftest import ROOT, SAMPLES, SEED_QUERY
 
 
 @contextmanager
@@ -52,7 +52,7 @@ def serve(
 
 
 def test_serve_answers_the_seed_query_and_stops_cleanly(tmp_path: Path) -> None:
-    db = ROOT / "tests" / "data" / "ingero-samples" / "sample-gpu-node-01.db"
+    db = SAMPLES / "sample-gpu-node-01.db"
     with serve(tmp_path, "--db", str(db), "--node", "gpu-node-01") as (proc, err, ready):
         assert ready["pid"] == proc.pid and ready["node"] == "gpu-node-01" and ready["tls"] == "tls"
         assert ready["url"] == f"https://127.0.0.1:{ready['port']}" and ready["port"] > 0
@@ -71,7 +71,7 @@ def test_serve_answers_the_seed_query_and_stops_cleanly(tmp_path: Path) -> None:
 
 
 def test_serve_with_token_from_the_environment_and_sigint(tmp_path: Path) -> None:
-    db = ROOT / "tests" / "data" / "ingero-samples" / "sample-cluster.db"
+    db = SAMPLES / "sample-cluster.db"
     with serve(tmp_path, "--db", str(db), "--no-tls", env={"INGERO_TOKEN": "from-env"}) as (proc, err, ready):
         assert ready["tls"] == "plaintext" and ready["fingerprint_sha256"] is None and "warning" in err
         with httpx.Client(base_url=ready["url"]) as c:
@@ -103,7 +103,7 @@ def test_serve_refuses_bad_settings_in_one_line(
     words: str,
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    db = str(ROOT / "tests" / "data" / "ingero-samples" / "sample-gpu-node-01.db")
+    db = str(SAMPLES / "sample-gpu-node-01.db")
     argv = [a.replace("{db}", db) for a in args]
     listen = [] if "--listen" in argv else ["--listen", "127.0.0.1:0"]
     assert main(["serve", *listen, *argv]) == code

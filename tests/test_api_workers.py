@@ -4,7 +4,6 @@ freeing its slot early, and cancellation reaching the SQL guard."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import trio
@@ -12,6 +11,8 @@ import trio
 from ingero.agent.workers import Workers
 from ingero.errors import QueryTimeoutError
 from ingero.store import guard
+from tests.agent_servers import RUNAWAY
+from tests.conftest import SAMPLES
 
 
 def test_stuck_job_is_abandoned_but_keeps_its_slot_until_it_ends() -> None:
@@ -40,19 +41,14 @@ def test_stuck_job_is_abandoned_but_keeps_its_slot_until_it_ends() -> None:
 def test_cancelling_the_request_stops_the_query() -> None:
     """A cancelled request sets the job's event; the guard's progress handler stops the statement."""
     pool = Workers(2, "test")
-    db = Path(__file__).parent / "data" / "ingero-samples" / "sample-gpu-node-01.db"
+    db = SAMPLES / "sample-gpu-node-01.db"
     outcome: list[BaseException] = []
     started = threading.Event()
 
     def runaway(cancel: threading.Event) -> object:
         started.set()
         try:
-            return guard.run_query(
-                db,
-                "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c",
-                timeout_ms=60_000,
-                cancel=cancel,
-            )
+            return guard.run_query(db, RUNAWAY, timeout_ms=60_000, cancel=cancel)
         except BaseException as e:
             outcome.append(e)
             raise

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import trio
 
-from ingero.errors import QueryRejectedError, QueryTimeoutError
 from ingero.identity import Identity
 from ingero.store import guard
 from ingero.store.writer import StoreWriter
@@ -22,6 +21,11 @@ RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c)"
 
 
 def corpus(canary: Path) -> list[tuple[str, set[int]]]:
+    return attempts(canary) + RESOURCE_BOMBS
+
+
+def attempts(canary: Path) -> list[tuple[str, set[int]]]:
+    """Writes, attachments, pragmas, extensions and statement tricks: refused before any real work."""
     c = str(canary)
     return [
         # writes, schema changes, transactions
@@ -82,25 +86,29 @@ def corpus(canary: Path) -> list[tuple[str, set[int]]]:
         ("\ufeffDELETE FROM events", REJECT),
         ("SELECT 1\x00; DELETE FROM events", REJECT),
         ("SELECT * FROM sqlite_master; PRAGMA writable_schema = 1", REJECT),
-        # runaway work
-        (f"{RUNAWAY} SELECT count(*) FROM c", STOPPED),
-        ("WITH RECURSIVE c(x) AS (SELECT 1 UNION SELECT x+1 FROM c) SELECT max(x) FROM c", STOPPED),
-        ("SELECT count(*) FROM events a, events b, events c, events d", STOPPED),
-        ("SELECT * FROM events a, events b, events c ORDER BY random()", STOPPED),
-        (f"{RUNAWAY} SELECT x FROM c", TRUNCATED),
-        ("SELECT randomblob(900000) FROM events", TRUNCATED),
-        # memory bombs
-        ("SELECT randomblob(1000000000)", REJECT),
-        ("SELECT zeroblob(1000000000)", REJECT),
-        ("SELECT length(zeroblob(2000000000))", REJECT),
-        ("SELECT printf('%.*c', 1000000000, 'x')", REJECT),
-        ("SELECT replace(hex(zeroblob(400000)), '0', hex(zeroblob(400000)))", REJECT),
-        ("WITH RECURSIVE c(x) AS (SELECT 'a' UNION ALL SELECT x || x FROM c) SELECT length(x) FROM c", REJECT),
-        (f"SELECT group_concat(hex(randomblob(1000))) FROM ({RUNAWAY} SELECT x FROM c)", REJECT | STOPPED),
-        ("SELECT glob('*[' || hex(zeroblob(5000)) || ']', hex(zeroblob(500000)))", REJECT),
-        ("SELECT " + "(" * 5000 + "1" + ")" * 5000, REJECT),
-        ("SELECT 1" + " " * 200_000, REJECT),
     ]
+
+
+RESOURCE_BOMBS: list[tuple[str, set[int]]] = [
+    # runaway work
+    (f"{RUNAWAY} SELECT count(*) FROM c", STOPPED),
+    ("WITH RECURSIVE c(x) AS (SELECT 1 UNION SELECT x+1 FROM c) SELECT max(x) FROM c", STOPPED),
+    ("SELECT count(*) FROM events a, events b, events c, events d", STOPPED),
+    ("SELECT * FROM events a, events b, events c ORDER BY random()", STOPPED),
+    (f"{RUNAWAY} SELECT x FROM c", TRUNCATED),
+    ("SELECT randomblob(900000) FROM events", TRUNCATED),
+    # memory bombs
+    ("SELECT randomblob(1000000000)", REJECT),
+    ("SELECT zeroblob(1000000000)", REJECT),
+    ("SELECT length(zeroblob(2000000000))", REJECT),
+    ("SELECT printf('%.*c', 1000000000, 'x')", REJECT),
+    ("SELECT replace(hex(zeroblob(400000)), '0', hex(zeroblob(400000)))", REJECT),
+    ("WITH RECURSIVE c(x) AS (SELECT 'a' UNION ALL SELECT x || x FROM c) SELECT length(x) FROM c", REJECT),
+    (f"SELECT group_concat(hex(randomblob(1000))) FROM ({RUNAWAY} SELECT x FROM c)", REJECT | STOPPED),
+    ("SELECT glob('*[' || hex(zeroblob(5000)) || ']', hex(zeroblob(500000)))", REJECT),
+    ("SELECT " + "(" * 5000 + "1" + ")" * 5000, REJECT),
+    ("SELECT 1" + " " * 200_000, REJECT),
+]
 
 
 def fingerprint(d: Path) -> dict[str, str]:
@@ -168,10 +176,10 @@ def test_guard_on_a_live_database_changes_nothing(tmp_path: Path) -> None:
         w.write_events([(1_775_218_723_000_000_000 + i, 7, 7, 1, 1, 1000 + i, 0, 0, 0, 0, 0, 0) for i in range(500)])
         assert Path(str(db) + "-wal").exists()
         state = _logical_state(db)
-        for sql, _ in corpus(tmp_path / "stolen.db")[:53]:
+        for sql, _ in attempts(tmp_path / "stolen.db"):
             try:
                 guard.run_query(db, sql, timeout_ms=300)
-            except (QueryRejectedError, QueryTimeoutError, Exception) as e:  # every refusal is fine here
+            except Exception as e:  # every refusal is fine here
                 assert type(e).__module__ == "ingero.errors", (sql, e)
         assert _logical_state(db) == state
         assert guard.run_query(db, "SELECT count(*) FROM events").rows == [[500]]

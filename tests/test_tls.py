@@ -176,8 +176,11 @@ def test_certificates_pass_strict_x509_verification(samples: Path, tmp_path: Pat
     s_self = settings(samples / "sample-gpu-node-01.db", tmp_path / "b")
 
     async def main() -> None:
-        for s, ca in ((s_ca, certs.ca), (s_self, tmp_path / "b" / tls.AUTO_CERT)):
-            async with running(s) if s is s_self else running(s, verify=_client(certs, with_cert=False)) as srv:
+        for s, ca, verify in (
+            (s_ca, certs.ca, _client(certs, with_cert=False)),
+            (s_self, tmp_path / "b" / tls.AUTO_CERT, None),
+        ):
+            async with running(s, verify=verify) as srv:
                 strict = tls.client_ssl_context(ca_cert=ca)
                 strict.verify_flags |= ssl.VERIFY_X509_STRICT
                 assert await _handshake_version(srv.bound.port, strict) == "TLSv1.3"

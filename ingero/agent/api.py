@@ -56,10 +56,7 @@ class _Disconnected(Exception):
 
 @dataclass
 class Request:
-    method: str
-    path: str
     params: dict[str, str]
-    headers: dict[bytes, bytes]
     received_ns: int
     body: bytes = b""
 
@@ -136,7 +133,7 @@ class AgentAPI:
         if method not in methods:
             raise MethodNotAllowedError(f"{method} is not allowed on {path}; use {' or '.join(sorted(methods))}")
         handler, known, heavy = methods[method]
-        req = Request(method, path, _params(scope, known), headers, received_ns)
+        req = Request(_params(scope, known), received_ns)
         if method == "POST":
             req.body = await _read_body(receive, headers)
         if not heavy:
@@ -181,29 +178,28 @@ class AgentAPI:
         return encode(doc)
 
     async def _info(self, req: Request) -> bytes:
-        return await self._analysis(lambda cancel: endpoints.info(self.ctx, cancel), meta=True)
+        return await self._in_worker(lambda cancel: endpoints.info(self.ctx, cancel), meta=True)
 
     async def _query(self, req: Request) -> bytes:
         doc = endpoints.check_query_body(_json_body(req.body))
-        ctx = self.ctx
-        budget_ms = min(doc.get("timeout_ms") or ctx.max_timeout_ms, ctx.max_timeout_ms)
-        return await ctx.workers.run(
-            lambda cancel: endpoints.query(ctx, doc, cancel),
-            wait_s=budget_ms / 1000,
-            hard_s=budget_ms / 1000 * 1.25 + 1.0,
+        return await self._in_worker(
+            lambda cancel: endpoints.query(self.ctx, doc, cancel), endpoints.query_timeout_ms(self.ctx, doc)
         )
 
     async def _chains(self, req: Request) -> bytes:
-        return await self._analysis(lambda cancel: endpoints.chains(self.ctx, req.params, cancel))
+        return await self._in_worker(lambda cancel: endpoints.chains(self.ctx, req.params, cancel))
 
     async def _ops(self, req: Request) -> bytes:
-        return await self._analysis(lambda cancel: endpoints.ops(self.ctx, req.params, cancel))
+        return await self._in_worker(lambda cancel: endpoints.ops(self.ctx, req.params, cancel))
 
     async def _overview(self, req: Request) -> bytes:
-        return await self._analysis(lambda cancel: endpoints.overview(self.ctx, req.params, cancel))
+        return await self._in_worker(lambda cancel: endpoints.overview(self.ctx, req.params, cancel))
 
-    async def _analysis(self, fn: Callable[[threading.Event], bytes], *, meta: bool = False) -> bytes:
-        budget_s = self.ctx.analysis_timeout_ms / 1000
+    async def _in_worker(
+        self, fn: Callable[[threading.Event], bytes], budget_ms: int | None = None, *, meta: bool = False
+    ) -> bytes:
+        """Run ``fn`` in a worker thread within ``budget_ms`` (default: the analysis budget)."""
+        budget_s = (budget_ms or self.ctx.analysis_timeout_ms) / 1000
         pool = self.ctx.meta_workers if meta else self.ctx.workers
         return await pool.run(fn, wait_s=budget_s, hard_s=budget_s * 1.25 + 1.0)
 

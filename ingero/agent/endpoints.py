@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,14 +43,14 @@ class AgentContext:
     db_path: Path
     identity: Identity
     tls_mode: str  # "mtls" | "tls" | "plaintext"
-    token: str | None = None
-    max_rows: int = guard.MAX_LIMIT
-    default_rows: int = guard.DEFAULT_LIMIT
-    max_timeout_ms: int = guard.DEFAULT_TIMEOUT_MS
-    max_response_bytes: int = guard.MAX_RESPONSE_BYTES
-    analysis_timeout_ms: int = 30_000  # explain / ops / overview / info
-    workers: Workers = field(default_factory=lambda: Workers(4, "query"))
-    meta_workers: Workers = field(default_factory=lambda: Workers(2, "info"))
+    token: str | None
+    max_rows: int
+    default_rows: int
+    max_timeout_ms: int
+    max_response_bytes: int
+    analysis_timeout_ms: int  # explain / ops / overview / info
+    workers: Workers
+    meta_workers: Workers  # /info's own
 
     @property
     def node(self) -> str:
@@ -90,9 +90,9 @@ def ok(ctx: AgentContext, **fields: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def reader(ctx: AgentContext, cancel: threading.Event, budget_ms: int | None = None) -> Iterator[sqlite3.Connection]:
-    """A read-only connection whose statements stop at the deadline or when ``cancel`` is set."""
-    budget = budget_ms or ctx.analysis_timeout_ms
+def reader(ctx: AgentContext, cancel: threading.Event) -> Iterator[sqlite3.Connection]:
+    """A read-only connection whose statements stop at the analysis deadline or when ``cancel`` is set."""
+    budget = ctx.analysis_timeout_ms
     conn = open_readonly(ctx.db_path, legacy_node=ctx.node, check_same_thread=False)
     deadline = time.monotonic() + budget / 1000
 
@@ -169,9 +169,13 @@ def info(ctx: AgentContext, cancel: threading.Event) -> bytes:
     return encode(ok(ctx, **fields))
 
 
+def query_timeout_ms(ctx: AgentContext, body: Mapping[str, Any]) -> int:
+    """The query's budget: what it asked for, at most (and by default) the server's maximum."""
+    return min(int(body.get("timeout_ms") or ctx.max_timeout_ms), ctx.max_timeout_ms)
+
+
 def query(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -> bytes:
     limit = min(int(body.get("limit") or ctx.default_rows), ctx.max_rows)
-    timeout_ms = min(int(body.get("timeout_ms") or ctx.max_timeout_ms), ctx.max_timeout_ms)
     flt, window = None, None
     if any(body.get(k) is not None for k in (*WINDOW_PARAMS, "pid", "op")):
         flt, window = _event_filter(ctx, body, cancel)
@@ -179,7 +183,7 @@ def query(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -
         ctx.db_path,
         body["sql"],
         limit=limit,
-        timeout_ms=timeout_ms,
+        timeout_ms=query_timeout_ms(ctx, body),
         max_bytes=ctx.max_response_bytes,
         max_limit=ctx.max_rows,
         legacy_node=ctx.node,

@@ -32,7 +32,6 @@ BACKDATE = dt.timedelta(hours=1)  # tolerate clocks that run behind across the f
 CA_CERT = "ca.pem"
 CA_KEY = "ca-key.pem"
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Kind = Literal["node", "client"]
 
 
@@ -73,13 +72,6 @@ def fingerprint_sha256(cert: x509.Certificate | bytes) -> str:
     return ":".join(f"{b:02X}" for b in digest.finalize())
 
 
-def normalize_fingerprint(text: str) -> str:
-    """``sha256:ab:cd...`` / ``ABCD...`` → ``abcd...`` (for comparing pins)."""
-    t = text.strip().lower()
-    t = t.removeprefix("sha256:").removeprefix("sha256/")
-    return t.replace(":", "").replace(" ", "")
-
-
 def parse_san(text: str) -> x509.GeneralName:
     """``DNS:name``, ``IP:addr`` or a bare name/address (an address when it parses as one)."""
     t = text.strip()
@@ -113,13 +105,17 @@ def split_sans(values: Iterable[str]) -> list[x509.GeneralName]:
     return out
 
 
-def san_strings(cert: x509.Certificate) -> list[str]:
+def sans_of(cert: x509.Certificate) -> list[x509.GeneralName]:
     try:
-        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
     except x509.ExtensionNotFound:
         return []
-    return [f"DNS:{n}" for n in ext.get_values_for_type(x509.DNSName)] + [
-        f"IP:{a}" for a in ext.get_values_for_type(x509.IPAddress)
+
+
+def san_strings(cert: x509.Certificate) -> list[str]:
+    sans = sans_of(cert)
+    return [f"DNS:{n.value}" for n in sans if isinstance(n, x509.DNSName)] + [
+        f"IP:{n.value}" for n in sans if isinstance(n, x509.IPAddress)
     ]
 
 
@@ -141,7 +137,6 @@ def cert_pem(cert: x509.Certificate) -> bytes:
 
 def write_file(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write atomically with ``mode`` from the start (never world-readable, not even briefly)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
@@ -209,30 +204,28 @@ def _builder(
     )
 
 
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Signing only; a CA also signs certificates and CRLs."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def _leaf_extensions(
     b: x509.CertificateBuilder, kind: Kind | Literal["self"], sans: Sequence[x509.GeneralName]
 ) -> x509.CertificateBuilder:
-    usages = {
-        "node": [ExtendedKeyUsageOID.SERVER_AUTH],
-        "client": [ExtendedKeyUsageOID.CLIENT_AUTH],
-        "self": [ExtendedKeyUsageOID.SERVER_AUTH],
-    }[kind]
+    usage = ExtendedKeyUsageOID.CLIENT_AUTH if kind == "client" else ExtendedKeyUsageOID.SERVER_AUTH
     b = b.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-    b = b.add_extension(
-        x509.KeyUsage(
-            digital_signature=True,
-            content_commitment=False,
-            key_encipherment=False,
-            data_encipherment=False,
-            key_agreement=False,
-            key_cert_sign=False,
-            crl_sign=False,
-            encipher_only=False,
-            decipher_only=False,
-        ),
-        critical=True,
-    )
-    b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    b = b.add_extension(_key_usage(ca=False), critical=True)
+    b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if sans:
         b = b.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
     return b
@@ -258,26 +251,10 @@ def create_ca(out_dir: Path, name: str = "ingero fleet CA", *, days: int = CA_DA
     cert = (
         _builder(subject, subject, key.public_key(), days)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True), critical=True)
         .sign(key, hashes.SHA256())
     )
-    _make_dir(out_dir)
-    write_file(key_path, key_pem(key))
-    write_file(cert_path, cert_pem(cert), 0o644)
-    return _issued(cert, cert_path, key_path)
+    return _save(cert, key, cert_path, key_path)
 
 
 def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
@@ -315,11 +292,7 @@ def issue_cert(
     b = _builder(_name(name), ca_cert.subject, key.public_key(), days)
     b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
     b = _leaf_extensions(b, kind, sans)
-    cert = b.sign(ca_key, hashes.SHA256())
-    _make_dir(out)
-    write_file(key_path, key_pem(key))
-    write_file(cert_path, cert_pem(cert), 0o644)
-    return _issued(cert, cert_path, key_path)
+    return _save(b.sign(ca_key, hashes.SHA256()), key, cert_path, key_path)
 
 
 def describe(cert: x509.Certificate) -> dict[str, Any]:
@@ -339,7 +312,11 @@ def describe(cert: x509.Certificate) -> dict[str, Any]:
     }
 
 
-def _issued(cert: x509.Certificate, cert_path: Path, key_path: Path) -> IssuedFiles:
+def _save(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, cert_path: Path, key_path: Path) -> IssuedFiles:
+    """Write the key (0600) and the certificate (0644) into their directory (made 0700 when new)."""
+    _make_dir(cert_path.parent)
+    write_file(key_path, key_pem(key))
+    write_file(cert_path, cert_pem(cert), 0o644)
     return IssuedFiles(
         cert=cert_path,
         key=key_path,
@@ -358,7 +335,3 @@ def _make_dir(path: Path) -> None:
             path.chmod(0o700)
     except OSError as e:
         raise UsageError(f"cannot create {path}: {e.strerror or e}") from None
-
-
-def ip_sans(addresses: Iterable[IPAddress]) -> list[x509.GeneralName]:
-    return [x509.IPAddress(a) for a in addresses]

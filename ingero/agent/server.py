@@ -70,7 +70,10 @@ class BoundServer:
 
 
 @dataclass(frozen=True)
-class _TLSSetup:
+class TLSSetup:
+    """What :func:`preflight` settled: the SSL context (None: plaintext) and, for ``ingero serve``'s
+    note, the certificate and whether it was just made."""
+
     context: ssl.SSLContext | None
     mode: str
     fingerprint: str | None
@@ -115,7 +118,7 @@ def _is_wildcard(host: str) -> bool:
     return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
-def prepare_tls(settings: ServerSettings) -> _TLSSetup:
+def prepare_tls(settings: ServerSettings) -> TLSSetup:
     s = settings
     if s.no_tls:
         if s.tls_cert or s.tls_key or s.client_ca:
@@ -125,23 +128,19 @@ def prepare_tls(settings: ServerSettings) -> _TLSSetup:
                 f"refusing plain HTTP on {s.host}: traces and tokens would cross the network unencrypted",
                 hint="listen on 127.0.0.1, drop --no-tls, or add --allow-plaintext-remote to accept the risk",
             )
-        return _TLSSetup(None, "plaintext", None, None)
+        return TLSSetup(None, "plaintext", None, None)
     if (s.tls_cert is None) != (s.tls_key is None):
         raise UsageError(
             "--tls-cert and --tls-key go together", hint="give both, or neither for a self-signed certificate"
         )
-    created = False
     if s.tls_cert is not None and s.tls_key is not None:
-        cert, key = s.tls_cert.expanduser(), s.tls_key.expanduser()
-        ctx = tls.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
-        fingerprint = tls.cert_fingerprint(cert)
+        cert, key, fingerprint, created = s.tls_cert.expanduser(), s.tls_key.expanduser(), None, False
     else:
         extra = [] if _is_wildcard(s.host) else [s.host.strip("[]")]
         auto = tls.ensure_auto_cert(s.tls_dir, common_name=s.identity.node, extra_names=extra)
-        cert, created = auto.cert, auto.created
-        ctx = tls.server_ssl_context(auto.cert, auto.key, s.client_ca.expanduser() if s.client_ca else None)
-        fingerprint = auto.fingerprint_sha256
-    return _TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint, cert, created)
+        cert, key, fingerprint, created = auto.cert, auto.key, auto.fingerprint_sha256, auto.created
+    ctx = tls.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
+    return TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint or tls.cert_fingerprint(cert), cert, created)
 
 
 def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
@@ -179,6 +178,13 @@ def check_database(path: Path) -> None:
     conn.close()
 
 
+def preflight(settings: ServerSettings) -> TLSSetup:
+    """Every check that can fail before listening: the database, then the TLS settings (this makes the
+    self-signed certificate when one is needed). Raises IngeroError."""
+    check_database(settings.db_path.expanduser())
+    return prepare_tls(settings)
+
+
 def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
     ctx = AgentContext(
         db_path=settings.db_path.expanduser(),
@@ -199,12 +205,13 @@ def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
 async def serve_api(
     settings: ServerSettings,
     *,
+    tls_setup: TLSSetup | None = None,
     app_wrapper: Callable[[ASGIApp], ASGIApp] | None = None,
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled. Raises IngeroError (before ``started``) on bad settings."""
-    check_database(settings.db_path.expanduser())
-    setup = prepare_tls(settings)
+    """Serve until cancelled. Raises IngeroError (before ``started``) on bad settings. ``tls_setup``:
+    what the caller's own :func:`preflight` returned (then it is not run again)."""
+    setup = tls_setup if tls_setup is not None else preflight(settings)
     app: ASGIApp = build_app(settings, setup.mode)
     if app_wrapper is not None:
         app = app_wrapper(app)

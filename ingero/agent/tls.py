@@ -167,10 +167,7 @@ def _reusable(cert_path: Path, key_path: Path, wanted: list[x509.GeneralName]) -
         return None
     if cert.not_valid_after_utc - dt.datetime.now(dt.UTC) < RENEW_BEFORE:
         return None
-    try:
-        have = list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
-    except x509.ExtensionNotFound:
-        have = []
+    have = pki.sans_of(cert)
     if any(n not in have for n in wanted):
         return None
     return cert

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ingero.cli import common
 
 if TYPE_CHECKING:
-    from ingero.agent.server import BoundServer, ServerSettings
+    from ingero.agent.server import BoundServer, ServerSettings, TLSSetup
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
@@ -139,13 +139,13 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         raise UsageError("--no-tls conflicts with --tls-cert/--tls-key/--client-ca", hint="drop one of them")
     if args.allow_plaintext_remote and not args.no_tls:
         raise UsageError("--allow-plaintext-remote only makes sense with --no-tls")
-    for flag, value, low in (
-        ("--max-rows", args.max_rows, 1),
-        ("--max-timeout-ms", args.max_timeout_ms, 1),
-        ("--workers", args.workers, 1),
+    for flag, value in (
+        ("--max-rows", args.max_rows),
+        ("--max-timeout-ms", args.max_timeout_ms),
+        ("--workers", args.workers),
     ):
-        if value < low:
-            raise UsageError(f"{flag} must be at least {low}, got {value}")
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
     return ServerSettings(
         db_path=common.db_path_from(args),
         identity=common.identity_from(args),
@@ -169,27 +169,27 @@ def run(args: argparse.Namespace) -> int:
 
     import trio
 
-    from ingero.agent.server import check_database, prepare_tls
+    from ingero.agent.server import preflight
     from ingero.cli.output import note
 
     settings = settings_from(args)
-    check_database(settings.db_path)
-    setup = prepare_tls(settings)  # makes the self-signed certificate now, so that we can say so
+    setup = preflight(settings)  # makes the self-signed certificate now, so that we can say so
     if setup.created and setup.cert is not None:
         note(f"created a self-signed certificate {setup.cert} (key beside it, mode 0600)")
     warn_about_exposure(settings)
     logging.basicConfig(level=logging.WARNING, format="ingero serve: %(levelname)s: %(name)s: %(message)s")
     ready = Path(args.ready_file).expanduser() if args.ready_file else None
     try:
-        trio.run(_serve, settings, ready)
+        trio.run(_serve, settings, setup, ready)
     finally:
         if ready is not None:
             remove_ready_file(ready)
     return 0
 
 
-async def _serve(settings: ServerSettings, ready: Path | None) -> None:
+async def _serve(settings: ServerSettings, setup: TLSSetup, ready: Path | None) -> None:
     import signal
+    from functools import partial
 
     import trio
 
@@ -197,7 +197,7 @@ async def _serve(settings: ServerSettings, ready: Path | None) -> None:
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            bound: BoundServer = await nursery.start(serve_api, settings)
+            bound: BoundServer = await nursery.start(partial(serve_api, settings, tls_setup=setup))
             if ready is not None:  # before the line on stderr: a reader of either finds both
                 write_ready_file(ready, bound, settings.identity.node)
             fp = f" fingerprint=SHA256:{bound.fingerprint_sha256}" if bound.fingerprint_sha256 else ""

@@ -234,9 +234,12 @@ def run_query(
 
     started = time.perf_counter()
     conn = open_readonly(db_path, legacy_node=legacy_node, event_filter=event_filter, check_same_thread=False)
+    funcs = SafeFunctions(MAX_VALUE_BYTES)
     try:
-        return _run(conn, sql, params, row_cap, budget_ms, max_bytes, started, db_path, cancel)
+        _lock_down(conn, funcs)
+        return _execute(conn, sql, params, row_cap, budget_ms, max_bytes, started, db_path, cancel, funcs)
     finally:
+        funcs.close()
         conn.close()
 
 
@@ -245,11 +248,12 @@ def _precheck(sql: str) -> None:
         raise UsageError("sql must be a string")
     if len(sql) > MAX_SQL_CHARS:
         raise QueryTooLargeError(f"SQL text is {len(sql)} characters; the limit is {MAX_SQL_CHARS}")
-    if not _strip_comments(sql).strip():
+    head = _strip_comments(sql)
+    if not head.strip():
         raise QueryRejectedError("empty query", hint="try: SELECT * FROM events LIMIT 10")
     if "\x00" in sql:
         raise QueryRejectedError("NUL character in SQL")
-    m = _WRITE_WORDS.match(_strip_comments(sql))
+    m = _WRITE_WORDS.match(head)
     if m:
         raise QueryRejectedError(
             f"{m.group(1).upper()} statements are not allowed: queries are read-only",
@@ -271,29 +275,14 @@ def _strip_comments(sql: str) -> str:
             return s
 
 
-def _run(
-    conn: sqlite3.Connection,
-    sql: str,
-    params: Sequence[Any],
-    row_cap: int,
-    budget_ms: int,
-    max_bytes: int,
-    started: float,
-    db_path: str | Path,
-    cancel: threading.Event | None,
-) -> QueryResult:
+def _lock_down(conn: sqlite3.Connection, funcs: SafeFunctions) -> None:
     conn.execute("PRAGMA query_only = 1")
     conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
     conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_PATTERN_CHARS)
     conn.setlimit(sqlite3.SQLITE_LIMIT_WORKER_THREADS, 0)
-    funcs = SafeFunctions(MAX_VALUE_BYTES)
     funcs.install(conn)
-    try:
-        return _execute(conn, sql, params, row_cap, budget_ms, max_bytes, started, db_path, cancel, funcs)
-    finally:
-        funcs.close()
 
 
 def _execute(

@@ -53,8 +53,9 @@ class SafeFunctions:
         conn.create_function("printf", -1, self.printf, deterministic=True)
         conn.create_function("format", -1, self.printf, deterministic=True)
         for name, side in (("trim", 3), ("ltrim", 1), ("rtrim", 2)):
-            conn.create_function(name, 1, self._trimmer(side, True), deterministic=True)
-            conn.create_function(name, 2, self._trimmer(side, False), deterministic=True)
+            trim = _trimmer(side)
+            conn.create_function(name, 1, trim, deterministic=True)
+            conn.create_function(name, 2, trim, deterministic=True)
 
     def instr(self, x: SQLValue, y: SQLValue) -> int | None:
         if x is None or y is None:
@@ -102,24 +103,27 @@ class SafeFunctions:
         if self._aux is not None:
             self._aux.close()
 
-    def _trimmer(self, side: int, default: bool) -> Callable[..., str | None]:
-        def trim(x: SQLValue, y: SQLValue = " ") -> str | None:
-            if x is None or y is None:
-                return None
-            tx, ty = _text(x), (" " if default else _text(y))
-            if len(ty) <= 16:  # str.strip is fine for short sets
-                return tx.strip(ty) if side == 3 else tx.lstrip(ty) if side == 1 else tx.rstrip(ty)
-            chars = set(ty)
-            start, end = 0, len(tx)
-            if side & 1:
-                while start < end and tx[start] in chars:
-                    start += 1
-            if side & 2:
-                while end > start and tx[end - 1] in chars:
-                    end -= 1
-            return tx[start:end]
 
-        return trim
+def _trimmer(side: int) -> Callable[..., str | None]:
+    """trim (side 3), ltrim (1) or rtrim (2); called with one argument, Y is a space as in SQLite."""
+
+    def trim(x: SQLValue, y: SQLValue = " ") -> str | None:
+        if x is None or y is None:
+            return None
+        tx, ty = _text(x), _text(y)
+        if len(ty) <= 16:  # str.strip is fine for short sets
+            return tx.strip(ty) if side == 3 else tx.lstrip(ty) if side == 1 else tx.rstrip(ty)
+        chars = set(ty)
+        start, end = 0, len(tx)
+        if side & 1:
+            while start < end and tx[start] in chars:
+                start += 1
+        if side & 2:
+            while end > start and tx[end - 1] in chars:
+                end -= 1
+        return tx[start:end]
+
+    return trim
 
 
 _FMT_NUMBERS = re.compile(r"%[-+ 0#,!]*(\d*)(?:\.(\d*))?")
