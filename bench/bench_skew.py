@@ -13,21 +13,18 @@ Usage: .venv/bin/python bench/bench_skew.py [--rounds N] [--samples N] [--quick]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import selectors
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ingero.config import NodeSpec
+from ingero.fleet import local_agents
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
@@ -53,23 +50,11 @@ def start_agent(name: str, offset_ms: float, pki: Path, work: Path) -> tuple[sub
         "--client-ca", str(pki / "ca.pem"), "--ready-file", str(ready),
     ]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 60
     try:
-        while True:  # the agent's own readiness report: it writes the ready file, then says so
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise RuntimeError(f"{name} did not start")
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{name} exited: rc={proc.wait()}")
-            if "listening on" in line:
-                break
-    finally:
-        sel.close()
-    info = json.loads(ready.read_text())
+        _, info = local_agents.wait_ready(proc, ready, name)
+    except BaseException:
+        local_agents.stop([proc])
+        raise
     return proc, NodeSpec(info["host"], int(info["port"]), name)
 
 
@@ -138,14 +123,7 @@ def main() -> int:
             )
         print(f"within the reported uncertainty every time: {'yes' if all_ok else 'NO'}")
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        local_agents.stop(procs)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -15,23 +15,21 @@ Usage: .venv/bin/python scripts/fleet_demo.py [--keep]   (--keep leaves the temp
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import selectors
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from ingero.errors import IngeroError
+from ingero.fleet import local_agents
 
 ROOT = Path(__file__).resolve().parents[1]
 INVESTIGATIONS = ROOT / "investigations"
 NODES = ["gpu-node-01", "gpu-node-02", "gpu-node-03"]
 SEED_QUERY = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
-READY_TIMEOUT_S = 60.0
 
 
 class DemoError(Exception):
@@ -114,46 +112,6 @@ def start_agent(node: str, db: Path, pki: Path, work: Path) -> tuple[subprocess.
     return proc, ready
 
 
-def wait_ready(proc: subprocess.Popen[str], ready: Path, node: str) -> dict[str, object]:
-    """Block on the agent's output until it reports listening (it writes the ready file first)."""
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    seen: list[str] = []
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise DemoError(f"agent {node} did not report listening within {READY_TIMEOUT_S:g}s")
-            line = proc.stdout.readline()
-            if not line:
-                raise DemoError(f"agent {node} exited (rc={proc.wait()}): {' '.join(seen)[-400:]}")
-            seen.append(line.strip())
-            if "listening on" in line:
-                print(f"  {line.strip()}", flush=True)
-                doc: dict[str, object] = json.loads(ready.read_text())
-                return doc
-    finally:
-        sel.close()
-
-
-def stop_agents(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        if p.stdout is not None:
-            p.stdout.close()
-    if procs:
-        print(f"\nstopped {len(procs)} agent(s)", flush=True)
-
-
 def write_config(path: Path, addrs: dict[str, str], pki: Path) -> None:
     nodes = "\n".join(f"    - {{name: {n}, addr: '{a}'}}" for n, a in addrs.items())
     path.write_text(
@@ -176,7 +134,8 @@ def demo(work: Path) -> None:
         procs = [p for p, _ in started]
         addrs: dict[str, str] = {}
         for node, (proc, ready) in zip(NODES, started, strict=True):
-            info = wait_ready(proc, ready, node)
+            line, info = local_agents.wait_ready(proc, ready, node)
+            print(f"  {line}", flush=True)
             addrs[node] = f"{info['host']}:{info['port']}"
         cfg = work / "ingero.yaml"
         write_config(cfg, addrs, pki)
@@ -187,7 +146,9 @@ def demo(work: Path) -> None:
             raise DemoError("explain --nodes did not name gpu-node-01 as the straggler")
         print("\nthe fleet agrees: gpu-node-01 is the straggler (CPU contention + checkpoint I/O).", flush=True)
     finally:
-        stop_agents(procs)
+        local_agents.stop(procs)
+        if procs:
+            print(f"\nstopped {len(procs)} agent(s)", flush=True)
 
 
 def main() -> int:
@@ -199,7 +160,7 @@ def main() -> int:
     try:
         demo(work)
         return 0
-    except DemoError as e:
+    except (DemoError, IngeroError) as e:
         print(f"fleet demo: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

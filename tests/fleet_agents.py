@@ -1,62 +1,74 @@
-"""Real agents for the fleet tests: a CA and certificates from ingero's own PKI, ``serve_api`` listeners
-on 127.0.0.1 (port 0, readiness through ``task_status``), and ASGI wrappers that make one agent slow,
-failing, cut-off or off-schema while it still serves real TLS.
+"""Real agents for the fleet tests: ingero's own PKI (``tests.agent_servers.make_pki``), ``serve_api``
+listeners on 127.0.0.1 (port 0, readiness through ``task_status``), ASGI wrappers that make one agent
+slow, failing, cut-off or off-schema while it still serves real TLS, and the events of a straggler.
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ingero.agent.pki import create_ca, issue_cert, split_sans
+from ingero.agent.api import ASGIApp, Message, Receive, Scope, Send
 from ingero.agent.server import BoundServer, ServerSettings, serve_api
 from ingero.config import NodeSpec
 from ingero.fleet.settings import ClientSettings
 from ingero.identity import Identity
+from ingero.store.writer import EventRow
+from tests import agent_servers
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Pki = agent_servers.Pki  # the agent tests' PKI; test modules import both from here too
+make_pki = agent_servers.make_pki
 Wrapper = Callable[[ASGIApp], ASGIApp]
+BASE_NS = 1_775_218_715_000_000_000
+MS = 1_000_000
 
 
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    node_cert: Path
-    node_key: Path
-    client_cert: Path
-    client_key: Path
-    other_ca: Path  # a CA that signed nothing the agents use
-
-    def client_settings(self, **kw: Any) -> ClientSettings:
-        base: dict[str, Any] = {
-            "ca_cert": str(self.ca),
-            "client_cert": str(self.client_cert),
-            "client_key": str(self.client_key),
-            "timeout_s": 5.0,
-        }
-        base.update(kw)
-        return ClientSettings(**base)
+def client_settings(pki: Pki, **kw: Any) -> ClientSettings:
+    """mTLS client settings for agents with ``pki``'s certificates; ``kw`` overrides."""
+    base: dict[str, Any] = {
+        "ca_cert": str(pki.ca),
+        "client_cert": str(pki.client_cert),
+        "client_key": str(pki.client_key),
+        "timeout_s": 5.0,
+    }
+    return ClientSettings(**{**base, **kw})
 
 
-def make_pki(d: Path) -> Pki:
-    ca_dir, other = d / "ca", d / "other"
-    create_ca(ca_dir)
-    create_ca(other, "some other CA")
-    node = issue_cert(ca_dir, "node", "fleet-test", split_sans(["127.0.0.1", "localhost"]))
-    client = issue_cert(ca_dir, "client", "laptop")
-    return Pki(ca_dir / "ca.pem", node.cert, node.key, client.cert, client.key, other / "ca.pem")
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nobody listens on (bound, learnt, closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def straggler_events(n_host: int, host_ms: float, seed: int, *, tail: bool = False) -> list[EventRow]:
+    """Kernel launches plus host events (sched_switch off-CPU, block writes) of a given mean duration,
+    interleaved in one time window; with ``tail`` every 12th launch is slow (a p99 >> p50 symptom)."""
+    rows: list[EventRow] = []
+    t = BASE_NS + seed
+    launches = 300
+    for i in range(max(launches, n_host)):
+        t += 1 * MS
+        if i < launches:
+            dur = 20_000 + (i % 7) * 1000
+            if tail and i % 12 == 0:
+                dur = 1_500_000 + (i % 5) * 100_000
+            rows.append((t, 4242, 4242, 4, 1, dur, 0, 0, 0, 0, 0, 0))  # cuLaunchKernel
+        if i < n_host:
+            source, op = (3, 1) if i % 2 else (5, 2)
+            dur = int(host_ms * MS * (0.8 + 0.4 * ((i * 7919 + seed) % 100) / 100))
+            rows.append((t + 1000, 4242, 4242, source, op, dur, 0, 4096, 0, 0, 0, 0))
+    return rows
 
 
 @dataclass
@@ -89,16 +101,9 @@ def server_settings(spec: AgentSpec, pki: Pki) -> ServerSettings:
 
 async def start_agents(nursery: trio.Nursery, pki: Pki, specs: list[AgentSpec]) -> list[BoundServer]:
     """Start every agent; returns once each reported its bound port (task_status), in order."""
-    bound: list[BoundServer] = []
-    for spec in specs:
-
-        async def run(
-            settings: ServerSettings, wrapper: Wrapper | None, task_status: Any = trio.TASK_STATUS_IGNORED
-        ) -> None:
-            await serve_api(settings, app_wrapper=wrapper, task_status=task_status)
-
-        bound.append(await nursery.start(run, server_settings(spec, pki), spec.wrapper))
-    return bound
+    return [
+        await nursery.start(partial(serve_api, server_settings(spec, pki), app_wrapper=spec.wrapper)) for spec in specs
+    ]
 
 
 def node_specs(servers: list[BoundServer]) -> list[NodeSpec]:

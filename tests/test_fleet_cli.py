@@ -7,8 +7,6 @@ import csv
 import io
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ingero.cli.main import main
+from ingero.fleet import local_agents
 from tests.conftest import ROOT, SEED_QUERY, write_db
-from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, make_pki
-from tests.test_fleet_fanout import straggler_events
+from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, closed_port, make_pki, straggler_events
 
 FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
@@ -62,9 +60,7 @@ def tls_flags(pki: Pki) -> list[str]:
 
 
 def dead_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{closed_port()}"
 
 
 def test_query_table_with_footer(fleet3: list[str], pki: Pki, capsys: pytest.CaptureFixture[str]) -> None:
@@ -204,17 +200,14 @@ def test_skew_warning_names_a_shifted_real_agent(pki: Pki, samples: Path, tmp_pa
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        assert agent.stdout is not None
-        agent.stdout.readline()  # "listening on ..." is printed once the ready file is written
-        addr = json.loads(ready.read_text())
+        _, addr = local_agents.wait_ready(agent, ready, "shifted")
         out = subprocess.run(
             [sys.executable, "-m", "ingero", "fleet", "status", "--json", "--nodes", f"{addr['host']}:{addr['port']}",
              *tls_flags(pki)],
             cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=20)
+        local_agents.stop([agent])
     assert out.returncode == 0, out.stderr
     node = json.loads(out.stdout)["nodes"][0]
     skew = node["skew"]

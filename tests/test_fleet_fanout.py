@@ -3,22 +3,23 @@ cut-off, off-schema, truncating, token-protected and absent nodes, each ending a
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from ingero.agent.pki import create_ca
 from ingero.config import NodeSpec
 from ingero.fleet.client import FleetClient
 from ingero.fleet.operations import fleet_explain, fleet_query, fleet_status
 from ingero.fleet.outcome import Kind, NodeOutcome
-from ingero.store.writer import EventRow
 from tests.conftest import SEED_QUERY, write_db
 from tests.fleet_agents import (
     AgentSpec,
     Pki,
+    client_settings,
+    closed_port,
     cut_off,
     fail,
     hang,
@@ -26,41 +27,13 @@ from tests.fleet_agents import (
     node_specs,
     rewrite_json,
     start_agents,
+    straggler_events,
 )
-
-BASE_NS = 1_775_218_715_000_000_000
-MS = 1_000_000
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def straggler_events(n_host: int, host_ms: float, seed: int, *, tail: bool = False) -> list[EventRow]:
-    """Kernel launches plus host events (sched_switch off-CPU, block writes) of a given mean duration,
-    interleaved in one time window; with ``tail`` every 12th launch is slow (a p99 >> p50 symptom)."""
-    rows: list[EventRow] = []
-    t = BASE_NS + seed
-    launches = 300
-    for i in range(max(launches, n_host)):
-        t += 1 * MS
-        if i < launches:
-            dur = 20_000 + (i % 7) * 1000
-            if tail and i % 12 == 0:
-                dur = 1_500_000 + (i % 5) * 100_000
-            rows.append((t, 4242, 4242, 4, 1, dur, 0, 0, 0, 0, 0, 0))  # cuLaunchKernel
-        if i < n_host:
-            source, op = (3, 1) if i % 2 else (5, 2)
-            dur = int(host_ms * MS * (0.8 + 0.4 * ((i * 7919 + seed) % 100) / 100))
-            rows.append((t + 1000, 4242, 4242, source, op, dur, 0, 4096, 0, 0, 0, 0))
-    return rows
 
 
 def by_label(outcomes: list[NodeOutcome]) -> dict[str, NodeOutcome]:
@@ -73,7 +46,7 @@ def test_healthy_fleet_merges_rows_with_agent_identity(pki: Pki, samples: Path) 
     async def main() -> Any:
         async with trio.open_nursery() as nursery:
             servers = await start_agents(nursery, pki, specs)
-            result = await fleet_query(node_specs(servers), pki.client_settings(), SEED_QUERY)
+            result = await fleet_query(node_specs(servers), client_settings(pki), SEED_QUERY)
             nursery.cancel_scope.cancel()
         return result
 
@@ -110,7 +83,7 @@ def test_faulty_nodes_each_end_as_their_outcome(pki: Pki, samples: Path) -> None
         AgentSpec(db, "no-ok", wrapper=rewrite_json("/api/v1/query", no_ok)),
         AgentSpec(db, "locked", token="s3cret"),
     ]
-    dead = NodeSpec("127.0.0.1", free_port(), "gone")
+    dead = NodeSpec("127.0.0.1", closed_port(), "gone")
 
     async def main() -> Any:
         async with trio.open_nursery() as nursery:
@@ -118,7 +91,7 @@ def test_faulty_nodes_each_end_as_their_outcome(pki: Pki, samples: Path) -> None
             nodes = node_specs(servers)
             # a 401 answer names no node: the operator's label stands in (as a config {name, addr} would)
             nodes[-1] = NodeSpec(nodes[-1].host, nodes[-1].port, "locked")
-            result = await fleet_query([*nodes, dead], pki.client_settings(timeout_s=1.0), SEED_QUERY)
+            result = await fleet_query([*nodes, dead], client_settings(pki, timeout_s=1.0), SEED_QUERY)
             nursery.cancel_scope.cancel()
         return result
 
@@ -154,7 +127,7 @@ def test_agent_side_truncation_keeps_rows_and_says_so(pki: Pki, samples: Path) -
         async with trio.open_nursery() as nursery:
             servers = await start_agents(nursery, pki, specs)
             result = await fleet_query(
-                node_specs(servers), pki.client_settings(), "SELECT id, op FROM events ORDER BY id", limit=5
+                node_specs(servers), client_settings(pki), "SELECT id, op FROM events ORDER BY id", limit=5
             )
             nursery.cancel_scope.cancel()
         return result
@@ -166,8 +139,9 @@ def test_agent_side_truncation_keeps_rows_and_says_so(pki: Pki, samples: Path) -
     assert result.meta()["truncated"] is True
 
 
-def test_tls_failures_are_classified(pki: Pki, samples: Path) -> None:
+def test_tls_failures_are_classified(pki: Pki, samples: Path, tmp_path: Path) -> None:
     db = samples / "sample-gpu-node-01.db"
+    create_ca(tmp_path, "a CA that signed nothing the agents use")
     specs = [AgentSpec(db, "mtls"), AgentSpec(db, "plain", no_tls=True)]
 
     async def main() -> dict[str, list[NodeOutcome]]:
@@ -176,10 +150,10 @@ def test_tls_failures_are_classified(pki: Pki, samples: Path) -> None:
             mtls, plain = await start_agents(nursery, pki, specs)
             n_mtls, n_plain = NodeSpec(mtls.host, mtls.port), NodeSpec(plain.host, plain.port)
             cases = {
-                "wrong_ca": ([n_mtls], pki.client_settings(ca_cert=str(pki.other_ca))),
-                "no_client_cert": ([n_mtls], pki.client_settings(client_cert=None, client_key=None)),
-                "tls_to_plain": ([n_plain], pki.client_settings()),
-                "plain_ok": ([n_plain], pki.client_settings(plaintext=True)),
+                "wrong_ca": ([n_mtls], client_settings(pki, ca_cert=str(tmp_path / "ca.pem"))),
+                "no_client_cert": ([n_mtls], client_settings(pki, client_cert=None, client_key=None)),
+                "tls_to_plain": ([n_plain], client_settings(pki)),
+                "plain_ok": ([n_plain], client_settings(pki, plaintext=True)),
             }
             for name, (nodes, settings) in cases.items():
                 async with FleetClient(nodes, settings) as fc:
@@ -209,7 +183,7 @@ def test_explain_merges_chains_and_names_the_straggler(pki: Pki, tmp_path: Path)
         async with trio.open_nursery() as nursery:
             servers = await start_agents(nursery, pki, specs)
             nodes = node_specs(servers)
-            settings = pki.client_settings()
+            settings = client_settings(pki)
             async with FleetClient(nodes, settings) as fc:
                 explained = await fleet_explain(nodes, settings, client=fc)
                 status = await fleet_status(nodes, settings, client=fc)
@@ -245,7 +219,7 @@ def test_connections_shared_per_node_and_released_on_wide_fleets(pki: Pki, sampl
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nodes = node_specs(await start_agents(nursery, pki, specs))
-            narrow = pki.client_settings(timeout_s=20.0)  # patience 10 s: the query is long done by then
+            narrow = client_settings(pki, timeout_s=20.0)  # patience 10 s: the query is long done by then
             async with FleetClient(nodes[:3], narrow) as fc:
                 assert fc.transport is not None
                 first = await fc.request_all("GET", "/api/v1/info")
@@ -275,7 +249,7 @@ def test_window_filters_reach_every_agent(pki: Pki, samples: Path) -> None:
     async def main() -> tuple[Any, Any, Any]:
         async with trio.open_nursery() as nursery:
             nodes = node_specs(await start_agents(nursery, pki, specs))
-            settings = pki.client_settings()
+            settings = client_settings(pki)
             whole = await fleet_query(nodes, settings, sql)
             recent = await fleet_query(nodes, settings, sql, since="500ms")
             writes = await fleet_query(nodes, settings, sql, op="block_write")

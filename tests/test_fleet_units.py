@@ -21,6 +21,7 @@ from ingero.fleet.settings import ClientSettings, check_plaintext, is_loopback, 
 from ingero.fleet.skew import SkewEstimate, TimeSample, estimate, warning
 from ingero.fleet.straggler import NodeFigures, robust_z, verdict
 from ingero.store.db import open_readonly
+from tests.fleet_agents import closed_port
 
 MS = 1_000_000
 BASE = 1_775_218_715_095_237_062  # a 2026 Unix ns timestamp: far beyond float64's exact range
@@ -314,14 +315,7 @@ def test_plaintext_only_to_loopback() -> None:
 
 def test_refused_nodes_are_outcomes_not_exceptions() -> None:
     """Real sockets: ports with nobody listening end as 'refused' outcomes, all of them."""
-    import socket
-
-    ports = []
-    for _ in range(3):
-        with socket.socket() as s:  # bind, learn a free port, close: nothing listens there now
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    nodes = [NodeSpec("127.0.0.1", p) for p in ports]
+    nodes = [NodeSpec("127.0.0.1", closed_port()) for _ in range(3)]
     seen: list[NodeOutcome] = []
 
     async def main() -> list[NodeOutcome]:

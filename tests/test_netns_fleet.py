@@ -12,11 +12,9 @@ import itertools
 import json
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from ingero.agent.pki import create_ca, issue_cert, split_sans
+from ingero.fleet import local_agents
 from tests.conftest import ROOT, SEED_QUERY
 
 pytestmark = pytest.mark.netns
@@ -45,6 +44,7 @@ class Agent:
     ns: str
     ip: str
     proc: subprocess.Popen[str]
+    ready: Path
 
     @property
     def addr(self) -> str:
@@ -109,26 +109,9 @@ class NetFleet:
             text=True,
         )
         self.procs.append(proc)
-        agent = Agent(node, ns, ip, proc)
+        agent = Agent(node, ns, ip, proc, ready)
         self.agents[node] = agent
         return agent
-
-    def wait_listening(self, agent: Agent, timeout_s: float = 60) -> None:
-        """The agent's own report (it writes its ready file, then prints 'listening on')."""
-        assert agent.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(agent.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                assert left > 0 and sel.select(left), f"{agent.node} did not report listening"
-                line = agent.proc.stdout.readline()
-                assert line, f"{agent.node} exited: rc={agent.proc.wait()}"
-                if "listening on" in line:
-                    return
-        finally:
-            sel.close()
 
     def client_run(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         argv = ["ip", "netns", "exec", self.client, sys.executable, "-m", "ingero", *args]
@@ -170,7 +153,7 @@ def netfleet(tmp_path: Path, pki: Path, samples: Path) -> Iterator[NetFleet]:
         dbs = [samples / f"sample-gpu-node-0{i}.db" for i in (1, 2, 3, 3)]
         agents = [nf.start_agent(i, db, pki, faketime if i == 3 else None) for i, db in enumerate(dbs, 1)]
         for agent in agents:
-            nf.wait_listening(agent)
+            local_agents.wait_ready(agent.proc, agent.ready, agent.node)
         yield nf
     finally:
         nf.cleanup()

@@ -43,6 +43,8 @@ Pieces, one job per module:
   and their ``*_sync`` wrappers.
 * :mod:`ingero.fleet.render` — footers, the unanswered-nodes list, skew warnings, the merged
   diagnosis text, the TTY progress line.
+* :mod:`ingero.fleet.local_agents` — ``ingero serve`` child processes (demo, benchmarks, tests):
+  wait for their readiness report, stop them.
 
 Nothing here raises because one node failed: failures are outcomes. Callers decide what "none
 answered" means (the CLI raises :class:`~ingero.errors.NoNodeAnsweredError`, see
@@ -51,7 +53,7 @@ certificates, plaintext to a remote node) raise :class:`~ingero.errors.IngeroErr
 anything is sent.
 """
 
-from ingero.fleet.client import FleetClient, NodeConn, run_sync
+from ingero.fleet.client import FleetClient, NodeConn
 from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
 from ingero.fleet.operations import (
     FleetStatus,
@@ -60,7 +62,6 @@ from ingero.fleet.operations import (
     fleet_ops,
     fleet_query,
     fleet_status,
-    ops_sync,
     query_sync,
     status_sync,
 )
@@ -91,9 +92,7 @@ __all__ = [
     "fleet_status",
     "merge_chains",
     "merge_rows",
-    "ops_sync",
     "query_sync",
-    "run_sync",
     "settings_from",
     "status_sync",
 ]

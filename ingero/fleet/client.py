@@ -42,11 +42,7 @@ class NodeConn:
     """One node's handle on the shared client: JSON requests that raise :class:`NodeFailure`."""
 
     def __init__(
-        self,
-        client: httpx.AsyncClient,
-        spec: NodeSpec,
-        settings: ClientSettings,
-        transport: NodeTransport | None = None,
+        self, client: httpx.AsyncClient, spec: NodeSpec, settings: ClientSettings, transport: NodeTransport
     ) -> None:
         self.client = client
         self.spec = spec
@@ -54,7 +50,6 @@ class NodeConn:
         self.transport = transport
         self.base_url = base_url(spec, settings)
         self.node: str | None = None  # the agent's identity, from its first answer
-        self.requests = 0
         self._time_request: httpx.Request | None = None
 
     async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
@@ -82,11 +77,8 @@ class NodeConn:
         params: dict[str, str] | None = None,
     ) -> httpx.Response:
         """One request; transport failures raise a classified :class:`NodeFailure`."""
-        self.requests += 1
         try:
             return await self.client.request(method, self.base_url + path, json=json, params=params)
-        except NodeFailure:
-            raise
         except Exception as e:  # transport errors of every flavour → one classified outcome
             raise self.classify(e) from None
 
@@ -125,31 +117,21 @@ class NodeConn:
         return None
 
     async def time_sample(self) -> skewmod.TimeSample:
-        """One ``/api/v1/time`` round trip for the skew estimate.
-
-        ``t1``/``t4`` come from the transport (taken around the bytes on the wire) when it provides
-        them, else from around the whole call.
-        """
-        clock = skewmod.SampleClock()
-        if self.transport is None:
-            resp = await self.send("GET", "/api/v1/time")
-        else:
-            # The same client's headers and connections, built once per node and handed straight to
-            # the transport: a sample costs a round trip, not a trip through the client's request layers.
-            if self._time_request is None:
-                self._time_request = self.client.build_request("GET", self.base_url + "/api/v1/time")
-            self.requests += 1
-            try:
-                resp = await self.transport.handle_async_request(self._time_request)
-            except Exception as e:
-                raise self.classify(e) from None
-        t4 = clock.t4()
-        body = self.check(resp, "/api/v1/time")
-        sent, received = resp.extensions.get("ingero.sent_ns"), resp.extensions.get("ingero.received_ns")
-        if isinstance(sent, int) and isinstance(received, int):
-            clock.t1, t4 = sent, received
+        """One ``/api/v1/time`` round trip for the skew estimate; ``t1``/``t4`` are the transport's,
+        taken around the bytes on the wire."""
+        # The same client's headers and connections, built once per node and handed straight to the
+        # transport: a sample costs a round trip, not a trip through the client's request layers.
+        if self._time_request is None:
+            self._time_request = self.client.build_request("GET", self.base_url + "/api/v1/time")
         try:
-            return skewmod.sample_from_body(clock, t4, body)
+            resp = await self.transport.handle_async_request(self._time_request)
+        except Exception as e:
+            raise self.classify(e) from None
+        body = self.check(resp, "/api/v1/time")
+        try:
+            return skewmod.sample_from_body(
+                resp.extensions["ingero.sent_ns"], resp.extensions["ingero.received_ns"], body
+            )
         except ValueError as e:
             raise NodeFailure(Kind.SCHEMA, str(e)) from None
 
@@ -157,35 +139,27 @@ class NodeConn:
 class FleetClient:
     """Fan-out over one shared client. Use as ``async with FleetClient(nodes, settings) as fc: ...``."""
 
-    def __init__(
-        self,
-        nodes: Sequence[NodeSpec],
-        settings: ClientSettings | None = None,
-        *,
-        client: httpx.AsyncClient | None = None,
-    ) -> None:
+    def __init__(self, nodes: Sequence[NodeSpec], settings: ClientSettings | None = None) -> None:
         self.nodes = list(nodes)
-        self.settings = settings or ClientSettings()
-        check_plaintext(self.nodes, self.settings)
-        self._own_client = client is None
-        self._client = client
-        self.transport: NodeTransport | None = None
-        # Fleets wider than the fan-out drop each node's connections when it is done (bounded fds and
-        # memory at 1,000 nodes); smaller ones keep them for the next operation on this client.
-        self.release_nodes = len(self.nodes) > self.settings.fanout
-        self.limiter = trio.CapacityLimiter(max(1, self.settings.fanout))
-
-    def _make_client(self) -> httpx.AsyncClient:
-        s = self.settings
-        headers = {"user-agent": f"ingero/{__version__}", "accept": "application/json", "accept-encoding": "identity"}
-        if s.token:
-            headers["authorization"] = f"Bearer {s.token}"
+        self.settings = s = settings or ClientSettings()
+        check_plaintext(self.nodes, s)
+        self._client: httpx.AsyncClient | None = None
         self.transport = NodeTransport(
             build_ssl_context(s),
             per_node=2,
             # Skew samples wait up to half the deadline for the query's connection before opening their own.
             patience=s.timeout_s / 2,
         )
+        # Fleets wider than the fan-out drop each node's connections when it is done (bounded fds and
+        # memory at 1,000 nodes); smaller ones keep them for the next operation on this client.
+        self.release_nodes = len(self.nodes) > s.fanout
+        self.limiter = trio.CapacityLimiter(max(1, s.fanout))
+
+    def _make_client(self) -> httpx.AsyncClient:
+        s = self.settings
+        headers = {"user-agent": f"ingero/{__version__}", "accept": "application/json", "accept-encoding": "identity"}
+        if s.token:
+            headers["authorization"] = f"Bearer {s.token}"
         return httpx.AsyncClient(
             transport=self.transport,
             headers=headers,
@@ -208,7 +182,7 @@ class FleetClient:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._own_client and self._client is not None:
+        if self._client is not None:
             with trio.CancelScope(shield=True):
                 await self._client.aclose()
             self._client = None
@@ -228,7 +202,7 @@ class FleetClient:
         async def one(i: int, spec: NodeSpec) -> None:
             async with self.limiter:
                 outcome = await self._run_node(spec, job, skew)
-                if self.release_nodes and self.transport is not None:
+                if self.release_nodes:
                     await self.transport.release(base_url(spec, self.settings))
             outcomes[i] = outcome
             if on_outcome is not None:
@@ -318,12 +292,3 @@ class FleetClient:
             return await conn.request(method, path, json=json, params=params)
 
         return await self.fan_out(job, skew=skew, on_outcome=on_outcome)
-
-    async def skew(self, on_outcome: OutcomeCallback | None = None) -> list[NodeOutcome]:
-        """Clock skew only: ``/health`` as the job, ``/time`` samples alongside."""
-        return await self.request_all("GET", "/api/v1/health", on_outcome=on_outcome)
-
-
-def run_sync(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-    """``trio.run`` for synchronous callers (CLI, MCP tools running in a worker thread)."""
-    return trio.run(fn, *args)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ingero.explain.model import Chain, sort_chains
-from ingero.fleet.outcome import Kind, NodeOutcome
+from ingero.fleet.outcome import Kind, NodeOutcome, Outcomes
 from ingero.fleet.straggler import NodeFigures, StragglerVerdict, verdict
 
 
@@ -28,7 +28,7 @@ def _order(outcomes: list[NodeOutcome]) -> list[NodeOutcome]:
 
 
 @dataclass
-class FleetResult:
+class FleetResult(Outcomes):
     """A fleet query: merged rows plus every node's outcome."""
 
     columns: list[str]
@@ -36,14 +36,6 @@ class FleetResult:
     outcomes: list[NodeOutcome]
     elapsed_ms: float = 0.0
     rows_by_node: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def answered(self) -> list[NodeOutcome]:
-        return [o for o in self.outcomes if o.answered]
-
-    @property
-    def failed(self) -> list[NodeOutcome]:
-        return [o for o in self.outcomes if not o.answered]
 
     @property
     def truncated(self) -> list[NodeOutcome]:
@@ -81,54 +73,43 @@ def _check_result(o: NodeOutcome) -> tuple[list[str], list[list[Any]]] | None:
 
 def merge_rows(outcomes: list[NodeOutcome], elapsed_ms: float = 0.0) -> FleetResult:
     """Merge /query answers (``outcome.data``) into one table; see the module docstring."""
-    results: dict[int, tuple[list[str], list[list[Any]]]] = {}
-    for o in _order(outcomes):
-        if o.answered:
-            checked = _check_result(o)
-            if checked is not None:
-                results[id(o)] = checked
-    if not results:
+    checked = [(o, r) for o in _order(outcomes) if o.answered and (r := _check_result(o)) is not None]
+    if not checked:
         return FleetResult([], [], outcomes, elapsed_ms)
-    ordered = [o for o in _order(outcomes) if id(o) in results]
-    counts = Counter(tuple(results[id(o)][0]) for o in ordered)
-    top = max(counts.values())
-    reference = next(tuple(results[id(o)][0]) for o in ordered if counts[tuple(results[id(o)][0])] == top)
-    for o in ordered:
-        cols = tuple(results[id(o)][0])
-        if cols != reference:
+    counts = Counter(tuple(cols) for _, (cols, _) in checked)
+    reference = max(counts, key=counts.__getitem__)  # ties: the first node's, in name order
+    kept: list[tuple[NodeOutcome, list[list[Any]]]] = []
+    for o, (cols, node_rows) in checked:
+        if tuple(cols) == reference:
+            kept.append((o, node_rows))
+        else:
             o.kind = Kind.SCHEMA
             o.reason = f"columns ({', '.join(cols)}) differ from the other nodes' ({', '.join(reference)}); skipped"
             o.data = None
-            del results[id(o)]
-    ordered = [o for o in ordered if id(o) in results]
 
     columns = list(reference)
     node_idx = next((i for i, c in enumerate(columns) if c.lower() == "node"), None)
-    fold = node_idx is not None and all(
-        row[node_idx] == o.label for o in ordered for row in results[id(o)][1] if node_idx is not None
-    )
-    if node_idx is not None and fold:
-        out_cols = ["node"] + [c for i, c in enumerate(columns) if i != node_idx]
-    elif node_idx is not None:
-        out_cols = ["node"] + ["db_node" if i == node_idx else c for i, c in enumerate(columns)]
-    else:
-        out_cols = ["node", *columns]
+    fold_at: int | None = None  # the SQL's own node column, when it holds each agent's identity
+    if node_idx is not None:
+        if all(row[node_idx] == o.label for o, node_rows in kept for row in node_rows):
+            fold_at = node_idx
+            del columns[node_idx]
+        else:
+            columns[node_idx] = "db_node"
 
     rows: list[list[Any]] = []
     per_node: dict[str, int] = {}
-    for o in ordered:
-        node_rows = results[id(o)][1]
+    for o, node_rows in kept:
         per_node[o.label] = per_node.get(o.label, 0) + len(node_rows)
-        for row in node_rows:
-            if node_idx is not None and fold:
-                rows.append([o.label, *row[:node_idx], *row[node_idx + 1 :]])
-            else:
-                rows.append([o.label, *row])
-    return FleetResult(out_cols, rows, outcomes, elapsed_ms, per_node)
+        if fold_at is None:
+            rows.extend([o.label, *row] for row in node_rows)
+        else:
+            rows.extend([o.label, *row[:fold_at], *row[fold_at + 1 :]] for row in node_rows)
+    return FleetResult(["node", *columns], rows, outcomes, elapsed_ms, per_node)
 
 
 @dataclass
-class FleetChains:
+class FleetChains(Outcomes):
     """A fleet explain: every node's chains merged, and the straggler verdict."""
 
     chains: list[Chain]
@@ -136,14 +117,6 @@ class FleetChains:
     verdict: StragglerVerdict
     windows: dict[str, Any] = field(default_factory=dict)  # node -> the window it used
     elapsed_ms: float = 0.0
-
-    @property
-    def answered(self) -> list[NodeOutcome]:
-        return [o for o in self.outcomes if o.answered]
-
-    @property
-    def failed(self) -> list[NodeOutcome]:
-        return [o for o in self.outcomes if not o.answered]
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -18,7 +19,7 @@ import trio
 from ingero.config import NodeSpec
 from ingero.fleet.client import FleetClient, NodeConn, OutcomeCallback
 from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
-from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome
+from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, Outcomes
 from ingero.fleet.settings import API_VERSION, ClientSettings
 from ingero.timeutil import NS_PER_MS, fmt_ts
 
@@ -131,18 +132,10 @@ STATUS_COLUMNS = [
 
 
 @dataclass
-class FleetStatus:
+class FleetStatus(Outcomes):
     outcomes: list[NodeOutcome]
     elapsed_ms: float = 0.0
     columns: list[str] = field(default_factory=lambda: list(STATUS_COLUMNS))
-
-    @property
-    def answered(self) -> list[NodeOutcome]:
-        return [o for o in self.outcomes if o.answered]
-
-    @property
-    def failed(self) -> list[NodeOutcome]:
-        return [o for o in self.outcomes if not o.answered]
 
     def rows(self) -> list[list[Any]]:
         out: list[list[Any]] = []
@@ -214,32 +207,16 @@ async def fleet_status(
     return FleetStatus(outcomes, (time.perf_counter() - started) * 1000)
 
 
-# --- synchronous wrappers (CLI, MCP tools, scripts) --------------------------------------------
+# --- synchronous wrappers (CLI, scripts): one trio.run per call ----------------------------------
 
 
 def query_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, sql: str, **kw: Any) -> FleetResult:
-    async def main() -> FleetResult:
-        return await fleet_query(nodes, settings, sql, **kw)
-
-    return trio.run(main)
+    return trio.run(partial(fleet_query, nodes, settings, sql, **kw))
 
 
 def explain_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, **kw: Any) -> FleetChains:
-    async def main() -> FleetChains:
-        return await fleet_explain(nodes, settings, **kw)
-
-    return trio.run(main)
-
-
-def ops_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, **kw: Any) -> list[NodeOutcome]:
-    async def main() -> list[NodeOutcome]:
-        return await fleet_ops(nodes, settings, **kw)
-
-    return trio.run(main)
+    return trio.run(partial(fleet_explain, nodes, settings, **kw))
 
 
 def status_sync(nodes: Sequence[NodeSpec], settings: ClientSettings | None, **kw: Any) -> FleetStatus:
-    async def main() -> FleetStatus:
-        return await fleet_status(nodes, settings, **kw)
-
-    return trio.run(main)
+    return trio.run(partial(fleet_status, nodes, settings, **kw))

@@ -112,6 +112,20 @@ class NodeOutcome:
         }
 
 
+class Outcomes:
+    """``answered``/``failed`` for a fleet result that holds every node's outcome."""
+
+    outcomes: list[NodeOutcome]
+
+    @property
+    def answered(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if o.answered]
+
+    @property
+    def failed(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if not o.answered]
+
+
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     """The exception, its causes/contexts and the members of exception groups, each once."""
     seen: set[int] = set()

@@ -20,19 +20,16 @@ from ingero.config import FleetConfig, NodeSpec
 from ingero.errors import TLSConfigError, UsageError
 from ingero.timeutil import NS_PER_S, parse_duration
 
-DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_FANOUT = 64
-DEFAULT_SKEW_THRESHOLD_MS = 10.0
-DEFAULT_SKEW_SAMPLES = 4
 API_VERSION = 1
+_DEFAULTS = FleetConfig()  # one set of defaults for the config file's fleet section and the client
 
 
 @dataclass(frozen=True)
 class ClientSettings:
     """Everything a :class:`~ingero.fleet.client.FleetClient` needs besides the node list."""
 
-    timeout_s: float = DEFAULT_TIMEOUT_S  # per node, for its whole part of a fan-out
-    fanout: int = DEFAULT_FANOUT  # nodes asked at once (CapacityLimiter)
+    timeout_s: float = _DEFAULTS.timeout_s  # per node, for its whole part of a fan-out
+    fanout: int = _DEFAULTS.fanout  # nodes asked at once (CapacityLimiter)
     token: str | None = None  # bearer token
     ca_cert: str | None = None  # CA that signed the agents' certificates (None: system store)
     client_cert: str | None = None  # mTLS
@@ -40,8 +37,8 @@ class ClientSettings:
     plaintext: bool = False  # plain HTTP (agents started with --no-tls)
     allow_plaintext_remote: bool = False  # permit plain HTTP beyond loopback
     insecure_skip_verify: bool = False  # TLS without verifying the agents' certificates
-    skew_samples: int = DEFAULT_SKEW_SAMPLES  # /time samples per node (0: no skew estimation)
-    skew_threshold_ms: float = DEFAULT_SKEW_THRESHOLD_MS
+    skew_samples: int = _DEFAULTS.skew_samples  # /time samples per node (0: no skew estimation)
+    skew_threshold_ms: float = _DEFAULTS.skew_threshold_ms
     config_path: str | None = None  # where the fleet section came from (for messages)
 
     @property

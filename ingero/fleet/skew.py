@@ -11,14 +11,14 @@ One sample is one ``GET /api/v1/time`` round trip:
 behind) and ``delay = (t4 − t1) − (t3 − t2)`` the network round trip. Causality bounds the true
 offset to ``[t3 − t4, t2 − t1]``, which is exactly ``offset ± delay / 2``: that is the uncertainty we
 report. Several samples are taken per node and the one with the lowest delay wins (the tightest
-bound). ``t4`` is measured as ``t1`` plus a ``perf_counter_ns`` interval, so a clock step on this host
-in the middle of a sample cannot corrupt it.
+bound). ``t1``/``t4`` are taken by the fan-out's transport around the bytes on the wire, ``t4`` as
+``t1`` plus a ``perf_counter_ns`` interval, so a clock step on this host in the middle of a sample
+cannot corrupt it.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,19 +44,6 @@ class TimeSample:
     @property
     def delay_ns(self) -> float:
         return float((self.t4 - self.t1) - (self.t3 - self.t2))
-
-
-class SampleClock:
-    """Takes ``t1`` and ``t4`` for one sample: wall clock at the start, monotonic interval after."""
-
-    __slots__ = ("_pc", "t1")
-
-    def __init__(self) -> None:
-        self.t1 = time.time_ns()
-        self._pc = time.perf_counter_ns()
-
-    def t4(self) -> int:
-        return self.t1 + (time.perf_counter_ns() - self._pc)
 
 
 @dataclass(frozen=True)
@@ -132,12 +119,12 @@ def estimate(samples: Sequence[TimeSample], failed: int = 0) -> SkewEstimate | N
     )
 
 
-def sample_from_body(clock: SampleClock, t4: int, body: dict[str, Any]) -> TimeSample:
+def sample_from_body(t1: int, t4: int, body: dict[str, Any]) -> TimeSample:
     """Build a sample from a ``/api/v1/time`` answer; ValueError when the answer is malformed."""
     t2, t3 = body.get("receive_ns"), body.get("transmit_ns")
     if not isinstance(t2, int) or not isinstance(t3, int) or isinstance(t2, bool) or isinstance(t3, bool):
         raise ValueError("/time answer lacks integer receive_ns/transmit_ns")
-    return TimeSample(clock.t1, t2, t3, t4)
+    return TimeSample(t1, t2, t3, t4)
 
 
 def exceeds(est: SkewEstimate | None, threshold_ms: float) -> bool:

@@ -167,7 +167,7 @@ def robust_z(values: np.ndarray) -> np.ndarray:
 def _metrics(figs: Sequence[NodeFigures]) -> dict[str, dict[str, float]]:
     """metric -> {node: value}, only where a node has the figure."""
     out: dict[str, dict[str, float]] = {}
-    for name in ("host_events", "host_avg_ms", "offcpu_ms", "block_io_ms", "gpu_api_avg_ms"):
+    for name in ("host_events", "host_avg_ms", "offcpu_ms", "block_io_ms"):
         out[name] = {f.node: float(getattr(f, name)) for f in figs}
     out["gpu_api_avg_ms"] = {f.node: f.gpu_api_avg_ms for f in figs if f.gpu_api_calls > 0}
     ops = sorted({op for f in figs for op in f.op_p99_ms})

@@ -117,9 +117,8 @@ class NodeTransport(httpx.AsyncBaseTransport):
         if pool is None:
             pool = self._pools[origin] = _NodePool(self.per_node)
         timeouts: dict[str, Any] = request.extensions.get("timeout") or {}
-        patience = float(request.extensions.get("ingero.patience", self.patience))
         for attempt in (1, 2):
-            conn = await pool.acquire(patience)
+            conn = await pool.acquire(self.patience)
             reused = conn is not None
             try:
                 if conn is None:
