@@ -6,3 +6,4 @@ SQL or ``explain`` out to every node and merges the answers with a ``node`` colu
 """
 
 __version__ = "0.1.0"
+API_VERSION = 1  # the agent HTTP API under /api/v1 (agents say it in /info; the fleet client checks it)

@@ -87,6 +87,20 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host, int(port_s)
 
 
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """True for loopback addresses (``127.0.0.0/8``, ``::1``, bracketed or not) and localhost names."""
+    h = host.strip().strip("[]").lower()
+    if h in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_node_list(text: str) -> list[NodeSpec]:
     """The ``--nodes a:8080,b:8080`` flag. Entries may be ``name=host:port``."""
     nodes: list[NodeSpec] = []

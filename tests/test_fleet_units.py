@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import trio
 
-from ingero.config import NodeSpec, parse_config_file, parse_node_list
+from ingero.config import NodeSpec, is_loopback, parse_config_file, parse_node_list
 from ingero.errors import ConfigError, UsageError
 from ingero.explain.model import Chain
 from ingero.explain.stats import host_summary, op_stats
@@ -17,7 +17,7 @@ from ingero.fleet.client import FleetClient
 from ingero.fleet.merge import merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeOutcome, failure_summary
 from ingero.fleet.render import Progress, query_footer, render_chains, unanswered_lines
-from ingero.fleet.settings import ClientSettings, check_plaintext, is_loopback, settings_from
+from ingero.fleet.settings import ClientSettings, check_plaintext, settings_from
 from ingero.fleet.skew import SkewEstimate, TimeSample, estimate, warning
 from ingero.fleet.straggler import NodeFigures, robust_z, verdict
 from ingero.store.db import open_readonly
@@ -303,6 +303,7 @@ def test_settings_from_config_and_flags(tmp_path: Path) -> None:
 
 def test_plaintext_only_to_loopback() -> None:
     assert is_loopback("127.0.0.5") and is_loopback("::1") and is_loopback("localhost")
+    assert is_loopback("[::1]") and is_loopback("LOCALHOST") and is_loopback("localhost.localdomain")
     assert not is_loopback("10.0.0.1") and not is_loopback("gpu-node-01")
     plain = ClientSettings(plaintext=True)
     check_plaintext(parse_node_list("127.0.0.1:1,localhost:2"), plain)

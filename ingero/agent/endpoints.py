@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ingero import __version__
+from ingero import API_VERSION, __version__
 from ingero.agent.workers import Workers
 from ingero.errors import QueryTimeoutError, StoreError, UsageError
 from ingero.identity import Identity
@@ -31,7 +31,6 @@ from ingero.store.window import Window, resolve_window
 if TYPE_CHECKING:
     from ingero.explain.engine import ExplainReport
 
-API_VERSION = 1
 TOP_OPS = 10
 WINDOW_PARAMS = ("since", "from", "to")
 

@@ -11,7 +11,6 @@ hands it ours instead (TLS 1.3 minimum, client CA and ``CERT_REQUIRED`` for mTLS
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import ssl
@@ -31,6 +30,7 @@ from ingero.agent import tls
 from ingero.agent.api import AgentAPI, ASGIApp
 from ingero.agent.endpoints import AgentContext
 from ingero.agent.workers import Workers
+from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.identity import Identity
 from ingero.store import guard
@@ -103,15 +103,6 @@ class _HypercornConfig(HypercornConfig):
 
     def create_ssl_context(self) -> ssl.SSLContext | None:
         return self._ingero_ssl
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _is_wildcard(host: str) -> bool:

@@ -100,8 +100,8 @@ def add_limit_args(g: argparse._ArgumentGroup, *, hidden: bool = False) -> None:
 
 def warn_about_exposure(settings: ServerSettings) -> None:
     """The warnings every command that serves the API prints before listening."""
-    from ingero.agent.server import is_loopback
     from ingero.cli.output import warn
+    from ingero.config import is_loopback
 
     if settings.no_tls:
         warn("serving plain HTTP: queries, answers and the token cross the wire unencrypted")

@@ -16,11 +16,12 @@ from typing import Any
 
 import trio
 
+from ingero import API_VERSION
 from ingero.config import NodeSpec
 from ingero.fleet.client import FleetClient, NodeConn, OutcomeCallback
 from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, Outcomes
-from ingero.fleet.settings import API_VERSION, ClientSettings
+from ingero.fleet.settings import ClientSettings
 from ingero.timeutil import NS_PER_MS, fmt_ts
 
 

@@ -9,18 +9,16 @@ was explicitly allowed.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ingero.config import FleetConfig, NodeSpec
+from ingero.config import FleetConfig, NodeSpec, is_loopback
 from ingero.errors import TLSConfigError, UsageError
 from ingero.timeutil import NS_PER_S, parse_duration
 
-API_VERSION = 1
 _DEFAULTS = FleetConfig()  # one set of defaults for the config file's fleet section and the client
 
 
@@ -109,15 +107,6 @@ def _timeout_seconds(value: str | float) -> float:
     if seconds <= 0:
         raise UsageError(f"--timeout {value}: must be positive", hint="e.g. --timeout 5s or --timeout 500ms")
     return seconds
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_plaintext(nodes: Sequence[NodeSpec], settings: ClientSettings) -> None:
