@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 import trio
 
-from ingero.agent.server import BoundServer, ServerSettings, serve_api
-from ingero.agent.tls import client_ssl_context
+from ingero.api.server import BoundServer, ServerSettings, serve_api
 from ingero.identity import Identity
 from ingero.store.writer import StoreWriter
+from ingero.tls.context import client_ssl_context
 
 SEED_QUERY = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
 TARGET = 1.2

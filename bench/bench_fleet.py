@@ -66,7 +66,7 @@ def raise_fd_limit() -> None:
 def child_main(count: int, db: Path, pki: Path, first: int) -> None:
     """``--child``: serve ``count`` mTLS listeners on 127.0.0.1, print their ports, run until stdin closes."""
     raise_fd_limit()
-    from ingero.agent.server import ServerSettings, serve_api
+    from ingero.api.server import ServerSettings, serve_api
     from ingero.identity import Identity
 
     async def main() -> None:
@@ -140,7 +140,7 @@ def start_agents(total: int, procs: int, db: Path, pki: Path) -> AgentPool:
 
 
 def make_pki(d: Path) -> None:
-    from ingero.agent.pki import create_ca, issue_cert, split_sans
+    from ingero.tls.pki import create_ca, issue_cert, split_sans
 
     create_ca(d)
     issue_cert(d, "node", "bench", split_sans(["127.0.0.1", "localhost"]))

@@ -69,9 +69,9 @@ def main() -> int:
         return 0
     rounds = 3 if args.quick else args.rounds
 
-    from ingero.agent.pki import create_ca, issue_cert, split_sans
     from ingero.fleet.operations import status_sync
     from ingero.fleet.settings import ClientSettings
+    from ingero.tls.pki import create_ca, issue_cert, split_sans
 
     work = Path(tempfile.mkdtemp(prefix="ingero-bench-skew-"))
     procs: list[subprocess.Popen[str]] = []

@@ -34,8 +34,8 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ingero.agent.tracer import TraceOptions, TraceReady, run_trace  # noqa: E402
 from ingero.identity import Identity  # noqa: E402
+from ingero.trace.tracer import TraceOptions, TraceReady, run_trace  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "bpf_fixtures"
 # The probed loop gets a CPU of its own and the agent (this process: drainer, writer, trio) the
@@ -113,7 +113,7 @@ def with_agent(b: dict[str, Path], db: Path, action: Callable[[TraceReady], Any]
 def empty_probes(b: dict[str, Path], action: Callable[[], Any]) -> Any:
     from bcc import BPF
 
-    from ingero.agent import elfsyms
+    from ingero.trace import elfsyms
 
     image = elfsyms.load(str(b["cuda"]))
     where = elfsyms.probe_offset(image, "cuLaunchKernel")

@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import trio
 
-from ingero.agent.api import ASGIApp
-from ingero.agent.pki import create_ca, issue_cert, split_sans
-from ingero.agent.server import BoundServer, ServerSettings, serve_api
-from ingero.agent.tls import client_ssl_context
+from ingero.api.app import ASGIApp
+from ingero.api.server import BoundServer, ServerSettings, serve_api
 from ingero.identity import Identity
+from ingero.tls.context import client_ssl_context
+from ingero.tls.pki import create_ca, issue_cert, split_sans
 
 RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"  # never ends
 

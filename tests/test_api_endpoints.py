@@ -8,10 +8,10 @@ from typing import Any
 import httpx
 import trio
 
-from ingero.agent.api import ASGIApp, Receive, Scope, Send
-from ingero.agent.server import BoundServer, serve_api
-from ingero.agent.tls import client_ssl_context
+from ingero.api.app import ASGIApp, Receive, Scope, Send
+from ingero.api.server import BoundServer, serve_api
 from ingero.identity import Identity
+from ingero.tls.context import client_ssl_context
 from tests.agent_servers import RUNAWAY, running, settings
 from tests.conftest import SEED_QUERY, write_db
 

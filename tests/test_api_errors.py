@@ -13,8 +13,8 @@ import httpx
 import pytest
 import trio
 
-from ingero.agent import endpoints
-from ingero.agent.tls import client_ssl_context
+from ingero.api import endpoints
+from ingero.tls.context import client_ssl_context
 from tests.agent_servers import RUNAWAY, assert_error_shape, running, settings
 
 Case = tuple[str, str, str, dict[str, Any], int, str]  # name, method, path, httpx kwargs, status, words in error

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ingero.agent.tls import client_ssl_context
 from ingero.cli.main import main
+from ingero.tls.context import client_ssl_context
 from tests.conftest import ROOT, SAMPLES, SEED_QUERY
 
 

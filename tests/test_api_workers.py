@@ -8,7 +8,7 @@ import threading
 import pytest
 import trio
 
-from ingero.agent.workers import Workers
+from ingero.api.workers import Workers
 from ingero.errors import QueryTimeoutError
 from ingero.store import guard
 from tests.agent_servers import RUNAWAY

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
-from ingero.agent.tracer import TraceOptions, TraceReady
 from ingero.identity import Identity
+from ingero.trace.tracer import TraceOptions, TraceReady
 from tests.bpf_support import Built, build, record
 
 pytestmark = pytest.mark.bpf

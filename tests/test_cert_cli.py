@@ -10,11 +10,11 @@ import httpx
 import pytest
 import trio
 
-from ingero.agent import pki
-from ingero.agent.server import BoundServer, ServerSettings, serve_api
-from ingero.agent.tls import client_ssl_context
+from ingero.api.server import BoundServer, ServerSettings, serve_api
 from ingero.cli.main import main
 from ingero.identity import Identity
+from ingero.tls import pki
+from ingero.tls.context import client_ssl_context
 from tests.conftest import SEED_QUERY
 
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import trio
 
-from ingero.agent.pki import create_ca
 from ingero.config import NodeSpec
 from ingero.fleet.client import FleetClient
 from ingero.fleet.operations import fleet_explain, fleet_query, fleet_status
 from ingero.fleet.outcome import Kind, NodeOutcome
+from ingero.tls.pki import create_ca
 from tests.conftest import SEED_QUERY, write_db
 from tests.fleet_agents import (
     AgentSpec,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ingero.agent.pki import create_ca, issue_cert, split_sans
 from ingero.fleet import local_agents
+from ingero.tls.pki import create_ca, issue_cert, split_sans
 from tests.conftest import ROOT, SEED_QUERY
 
 pytestmark = pytest.mark.netns

@@ -7,7 +7,7 @@ import json
 import os
 import struct
 
-from ingero.agent.stacks import (
+from ingero.trace.stacks import (
     Symbolizer,
     fnv1a64,
     frames_json,

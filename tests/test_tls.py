@@ -12,9 +12,9 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ingero.agent import pki, tls
-from ingero.agent.server import BoundServer, serve_api
+from ingero.api.server import BoundServer, serve_api
 from ingero.errors import TLSConfigError, UsageError
+from ingero.tls import context, pki
 from tests.agent_servers import Pki, make_pki, running, settings
 
 
@@ -25,10 +25,10 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def _client(p: Pki, *, with_cert: bool = True, rogue: bool = False) -> ssl.SSLContext:
     if rogue:
-        return tls.client_ssl_context(ca_cert=p.ca, client_cert=p.rogue_cert, client_key=p.rogue_key)
+        return context.client_ssl_context(ca_cert=p.ca, client_cert=p.rogue_cert, client_key=p.rogue_key)
     if with_cert:
-        return tls.client_ssl_context(ca_cert=p.ca, client_cert=p.client_cert, client_key=p.client_key)
-    return tls.client_ssl_context(ca_cert=p.ca)
+        return context.client_ssl_context(ca_cert=p.ca, client_cert=p.client_cert, client_key=p.client_key)
+    return context.client_ssl_context(ca_cert=p.ca)
 
 
 def _causes(e: BaseException | None) -> str:
@@ -136,7 +136,7 @@ def test_self_signed_certificate_is_made_once_and_pinnable(samples: Path, tmp_pa
                 fingerprints.append(srv.bound.fingerprint_sha256)
                 assert (await srv.get("/api/v1/health")).status_code == 200
                 # a client that pins the fingerprint instead of trusting a CA
-                insecure = tls.client_ssl_context(insecure=True)
+                insecure = context.client_ssl_context(insecure=True)
                 stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", srv.bound.port, ssl_context=insecure)
                 await stream.do_handshake()
                 der = stream.getpeercert(binary_form=True)
@@ -146,9 +146,9 @@ def test_self_signed_certificate_is_made_once_and_pinnable(samples: Path, tmp_pa
     trio.run(main)
     assert fingerprints[0] == fingerprints[1] and fingerprints[0] is not None  # reused, not remade
     assert stat.S_IMODE(tls_dir.stat().st_mode) == 0o700
-    for name in (tls.AUTO_CERT, tls.AUTO_KEY):
+    for name in (context.AUTO_CERT, context.AUTO_KEY):
         assert stat.S_IMODE((tls_dir / name).stat().st_mode) == 0o600
-    cert = pki.load_cert(tls_dir / tls.AUTO_CERT)
+    cert = pki.load_cert(tls_dir / context.AUTO_CERT)
     key = cert.public_key()
     assert isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name == "secp256r1"
     sans = pki.san_strings(cert)
@@ -157,16 +157,16 @@ def test_self_signed_certificate_is_made_once_and_pinnable(samples: Path, tmp_pa
 
 
 def test_self_signed_certificate_is_renewed_when_it_expires_soon(tmp_path: Path) -> None:
-    first = tls.ensure_auto_cert(tmp_path, common_name="n1")
+    first = context.ensure_auto_cert(tmp_path, common_name="n1")
     assert first.created
-    again = tls.ensure_auto_cert(tmp_path, common_name="n1")
+    again = context.ensure_auto_cert(tmp_path, common_name="n1")
     assert not again.created and again.fingerprint_sha256 == first.fingerprint_sha256
-    cert, key = pki.self_signed_server_cert("n1", tls.host_sans(), days=3)
-    pki.write_file(tmp_path / tls.AUTO_KEY, pki.key_pem(key))
-    pki.write_file(tmp_path / tls.AUTO_CERT, pki.cert_pem(cert))
-    renewed = tls.ensure_auto_cert(tmp_path, common_name="n1")
+    cert, key = pki.self_signed_server_cert("n1", context.host_sans(), days=3)
+    pki.write_file(tmp_path / context.AUTO_KEY, pki.key_pem(key))
+    pki.write_file(tmp_path / context.AUTO_CERT, pki.cert_pem(cert))
+    renewed = context.ensure_auto_cert(tmp_path, common_name="n1")
     assert renewed.created and renewed.fingerprint_sha256 != pki.fingerprint_sha256(cert)
-    wider = tls.ensure_auto_cert(tmp_path, common_name="n1", extra_names=["10.99.0.7"])
+    wider = context.ensure_auto_cert(tmp_path, common_name="n1", extra_names=["10.99.0.7"])
     assert wider.created and "IP:10.99.0.7" in pki.san_strings(pki.load_cert(wider.cert))
 
 
@@ -178,10 +178,10 @@ def test_certificates_pass_strict_x509_verification(samples: Path, tmp_path: Pat
     async def main() -> None:
         for s, ca, verify in (
             (s_ca, certs.ca, _client(certs, with_cert=False)),
-            (s_self, tmp_path / "b" / tls.AUTO_CERT, None),
+            (s_self, tmp_path / "b" / context.AUTO_CERT, None),
         ):
             async with running(s, verify=verify) as srv:
-                strict = tls.client_ssl_context(ca_cert=ca)
+                strict = context.client_ssl_context(ca_cert=ca)
                 strict.verify_flags |= ssl.VERIFY_X509_STRICT
                 assert await _handshake_version(srv.bound.port, strict) == "TLSv1.3"
 
@@ -241,6 +241,6 @@ def test_bad_tls_settings_fail_before_listening(samples: Path, tmp_path: Path, c
 
 def test_client_context_rejects_half_a_client_identity(certs: Pki) -> None:
     with pytest.raises(TLSConfigError, match="go together"):
-        tls.client_ssl_context(ca_cert=certs.ca, client_cert=certs.client_cert)
-    ctx = tls.client_ssl_context(ca_cert=certs.ca)
+        context.client_ssl_context(ca_cert=certs.ca, client_cert=certs.client_cert)
+    ctx = context.client_ssl_context(ca_cert=certs.ca)
     assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3 and ctx.verify_mode == ssl.CERT_REQUIRED

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from ingero.agent.livemode import render_ops
-from ingero.agent.livestats import OpLine
-from ingero.agent.tracer import parse_size
 from ingero.cli.main import build_parser
 from ingero.cli.trace import options_from
 from ingero.errors import UsageError
+from ingero.trace.livemode import render_ops
+from ingero.trace.livestats import OpLine
+from ingero.trace.tracer import parse_size
 
 
 def _opts(*argv: str):  # type: ignore[no-untyped-def]

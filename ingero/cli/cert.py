@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ingero.cli import common
 
 if TYPE_CHECKING:
-    from ingero.agent.pki import IssuedFiles
+    from ingero.tls.pki import IssuedFiles
 
 DEFAULT_DIR = "~/.ingero/pki"
 
@@ -97,8 +97,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ingero.agent import pki
     from ingero.errors import UsageError
+    from ingero.tls import pki
 
     action = args.cert_command
     if action == "show":
@@ -143,8 +143,8 @@ def _report(title: str, issued: IssuedFiles, fmt: str, *, next_step: str) -> Non
 
 
 def _show(path: Path, fmt: str) -> None:
-    from ingero.agent import pki
     from ingero.cli.output import emit_json
+    from ingero.tls import pki
 
     doc: dict[str, Any] = {"path": str(path), **pki.describe(pki.load_cert(path))}
     if fmt == "json":

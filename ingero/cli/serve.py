@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ingero.cli import common
 
 if TYPE_CHECKING:
-    from ingero.agent.server import BoundServer, ServerSettings, TLSSetup
+    from ingero.api.server import BoundServer, ServerSettings, TLSSetup
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
@@ -127,7 +127,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:
-    from ingero.agent.server import ServerSettings
+    from ingero.api.server import ServerSettings
     from ingero.errors import UsageError
 
     cfg = common.config_from(args).agent
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
     import trio
 
-    from ingero.agent.server import preflight
+    from ingero.api.server import preflight
     from ingero.cli.output import note
 
     settings = settings_from(args)
@@ -193,7 +193,7 @@ async def _serve(settings: ServerSettings, setup: TLSSetup, ready: Path | None) 
 
     import trio
 
-    from ingero.agent.server import serve_api
+    from ingero.api.server import serve_api
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:

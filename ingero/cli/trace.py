@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ingero.cli import common, serve
 
 if TYPE_CHECKING:
-    from ingero.agent.tracer import TraceOptions, TraceReady
+    from ingero.trace.tracer import TraceOptions, TraceReady
 
 EXAMPLES = """\
 examples:
@@ -110,9 +110,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 
 
 def options_from(args: argparse.Namespace) -> TraceOptions:
-    from ingero.agent.tracer import TraceOptions, parse_size
     from ingero.errors import UsageError
     from ingero.timeutil import parse_duration
+    from ingero.trace.tracer import TraceOptions, parse_size
 
     duration = parse_duration(args.duration) / 1e9 if args.duration else None
     if duration is not None and duration <= 0:
@@ -151,7 +151,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from ingero.agent.probes import preflight
+    from ingero.trace.probes import preflight
 
     preflight()  # not root / no bcc / no tracefs: one line and the fix, before anything else
     if not args.db:
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _trace(opts: TraceOptions, ready: Path | None) -> None:
-    from ingero.agent.tracer import run_trace
+    from ingero.trace.tracer import run_trace
 
     on_ready = (lambda info: _write_ready(ready, info)) if ready is not None else None
     await run_trace(opts, on_ready=on_ready)

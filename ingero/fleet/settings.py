@@ -127,7 +127,7 @@ def build_ssl_context(settings: ClientSettings) -> ssl.SSLContext | None:
     """The one client SSL context of a fan-out (None for plaintext)."""
     if settings.plaintext:
         return None
-    from ingero.agent.tls import client_ssl_context
+    from ingero.tls.context import client_ssl_context
 
     try:
         ctx = client_ssl_context(

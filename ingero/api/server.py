@@ -26,17 +26,17 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from ingero.agent import tls
-from ingero.agent.api import AgentAPI, ASGIApp
-from ingero.agent.endpoints import AgentContext
-from ingero.agent.workers import Workers
+from ingero.api.app import AgentAPI, ASGIApp
+from ingero.api.endpoints import AgentContext
+from ingero.api.workers import Workers
 from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.identity import Identity
 from ingero.store import guard
 from ingero.store.db import open_readonly
+from ingero.tls import context
 
-log = logging.getLogger("ingero.agent.server")
+log = logging.getLogger("ingero.api.server")
 
 
 @dataclass
@@ -88,7 +88,7 @@ class _HypercornConfig(HypercornConfig):
         super().__init__()
         self._ingero_ssl = ssl_context
         self.loglevel = "WARNING"
-        self.errorlog = logging.getLogger("ingero.agent.http")
+        self.errorlog = logging.getLogger("ingero.api.http")
         self.accesslog = None
         self.include_server_header = False
         self.ssl_handshake_timeout = 10.0
@@ -128,10 +128,10 @@ def prepare_tls(settings: ServerSettings) -> TLSSetup:
         cert, key, fingerprint, created = s.tls_cert.expanduser(), s.tls_key.expanduser(), None, False
     else:
         extra = [] if _is_wildcard(s.host) else [s.host.strip("[]")]
-        auto = tls.ensure_auto_cert(s.tls_dir, common_name=s.identity.node, extra_names=extra)
+        auto = context.ensure_auto_cert(s.tls_dir, common_name=s.identity.node, extra_names=extra)
         cert, key, fingerprint, created = auto.cert, auto.key, auto.fingerprint_sha256, auto.created
-    ctx = tls.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
-    return TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint or tls.cert_fingerprint(cert), cert, created)
+    ctx = context.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
+    return TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint or context.cert_fingerprint(cert), cert, created)
 
 
 def bind_socket(host: str, port: int, backlog: int) -> socket.socket:

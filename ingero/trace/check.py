@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingero.agent import discovery, probes, sysinfo
+from ingero.trace import discovery, probes, sysinfo
 
 MIN_KERNEL = (5, 8)  # BPF ring buffer
 TRACEPOINTS = [

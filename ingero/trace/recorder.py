@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ingero.agent import discovery
-from ingero.agent.stacks import Symbolizer, stack_hash, stack_row
 from ingero.store import catalog
 from ingero.timeutil import now_ns
+from ingero.trace import discovery
+from ingero.trace.stacks import Symbolizer, stack_hash, stack_row
 
 NS_PER_S = 1_000_000_000
 NS_PER_MIN = 60 * NS_PER_S

@@ -6,7 +6,7 @@
 * ``frames`` is compact JSON, one object per IP: ``{"s": "cudaMalloc+0x1cb", "f": "libcudart.so.12"}``
   when a function symbol covers the IP, ``{"i": "0x7f1234", "f": "libfoo.so"}`` when only the file is
   known, ``{"i": "0x7f1234"}`` when nothing is. Symbols come from each file's ``.symtab``/``.dynsym``
-  (:mod:`ingero.agent.elfsyms`) through the process's ``/proc/<pid>/maps``, read while it runs.
+  (:mod:`ingero.trace.elfsyms`) through the process's ``/proc/<pid>/maps``, read while it runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ingero.agent import elfsyms
+from ingero.trace import elfsyms
 
 FNV64_OFFSET = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import trio
 
-from ingero.agent.livestats import LiveStats, OpLine
 from ingero.timeutil import fmt_us
+from ingero.trace.livestats import LiveStats, OpLine
 
 if TYPE_CHECKING:
-    from ingero.agent.pipeline import Pipeline
-    from ingero.agent.probes import LibraryAttach
-    from ingero.agent.server import BoundServer
-    from ingero.agent.tracer import TraceControl, TraceOptions, TraceSummary
+    from ingero.api.server import BoundServer
+    from ingero.trace.pipeline import Pipeline
+    from ingero.trace.probes import LibraryAttach
+    from ingero.trace.tracer import TraceControl, TraceOptions, TraceSummary
 
 CLEAR = "\x1b[H\x1b[2J"
 

@@ -8,7 +8,7 @@ instant), drains what the kernel already produced, closes the ``sessions`` row w
 (``session_stats``), closes the database, prints the summary and only then detaches the probes (the
 kernel takes ~0.1 s per uprobe to unregister one).
 
-Within a run, ``--listen`` serves the agent API (:func:`ingero.agent.server.serve_api`) from the same
+Within a run, ``--listen`` serves the agent API (:func:`ingero.api.server.serve_api`) from the same
 trio nursery; a maintenance task probes libraries that new processes map (follow mode, every 2 s) and
 forgets the page-allocation counters of processes that exited.
 """
@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 import trio
 
-from ingero.agent import discovery
-from ingero.agent.livestats import LiveStats
-from ingero.agent.pipeline import Pipeline, PipelineOptions
-from ingero.agent.recorder import Recorder, StoragePolicy
-from ingero.agent.sysinfo import session_info
 from ingero.errors import IngeroError, UsageError
 from ingero.identity import Identity
 from ingero.store import catalog
+from ingero.trace import discovery
+from ingero.trace.livestats import LiveStats
+from ingero.trace.pipeline import Pipeline, PipelineOptions
+from ingero.trace.recorder import Recorder, StoragePolicy
+from ingero.trace.sysinfo import session_info
 
 if TYPE_CHECKING:
-    from ingero.agent.probes import BpfProbes, LibraryAttach
-    from ingero.agent.server import BoundServer, ServerSettings
+    from ingero.api.server import BoundServer, ServerSettings
     from ingero.store.writer import StoreWriter
+    from ingero.trace.probes import BpfProbes, LibraryAttach
 
 RESCAN_INTERVAL_S = 2.0
 
@@ -179,9 +179,9 @@ async def run_trace(
     handle_signals: bool = True,
     on_ready: Callable[[TraceReady], None] | None = None,
 ) -> TraceSummary:
-    from ingero.agent.livemode import LiveView
-    from ingero.agent.probes import BpfProbes, ProbeOptions, preflight
     from ingero.store.writer import StoreWriter
+    from ingero.trace.livemode import LiveView
+    from ingero.trace.probes import BpfProbes, ProbeOptions, preflight
 
     out = out or sys.stdout
     preflight()
@@ -231,7 +231,7 @@ async def run_trace(
         async with trio.open_nursery() as nursery:
             bound = None
             if opts.listen is not None:
-                from ingero.agent.server import serve_api
+                from ingero.api.server import serve_api
 
                 bound = await nursery.start(serve_api, opts.listen)
             pipeline_done = trio.Event()

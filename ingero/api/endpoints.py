@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ingero import API_VERSION, __version__
-from ingero.agent.workers import Workers
+from ingero.api.workers import Workers
 from ingero.errors import QueryTimeoutError, StoreError, UsageError
 from ingero.identity import Identity
 from ingero.store import guard
@@ -37,7 +37,7 @@ WINDOW_PARAMS = ("since", "from", "to")
 
 @dataclass
 class AgentContext:
-    """Everything a request handler needs; built once per server by :mod:`ingero.agent.server`."""
+    """Everything a request handler needs; built once per server by :mod:`ingero.api.server`."""
 
     db_path: Path
     identity: Identity

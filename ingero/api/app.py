@@ -8,7 +8,7 @@ Routes (``/api/v1``): ``GET health``, ``GET info``, ``GET time``, ``POST query``
 Order of checks for every request: bearer token (when configured; constant-time compare), route
 (404), method (405), query parameters, body (size cap, UTF-8, JSON, field types), then the work.
 ``/time`` and ``/health`` answer on the loop; everything that reads the database runs in worker
-threads (:mod:`ingero.agent.workers`), so they never wait behind a query.
+threads (:mod:`ingero.api.workers`), so they never wait behind a query.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import trio
 
 from ingero import __version__
-from ingero.agent import endpoints
-from ingero.agent.endpoints import AgentContext, encode, ok
+from ingero.api import endpoints
+from ingero.api.endpoints import AgentContext, encode, ok
 from ingero.errors import (
     AuthError,
     BodyTooLargeError,
@@ -37,7 +37,7 @@ from ingero.errors import (
     RequestError,
 )
 
-log = logging.getLogger("ingero.agent.api")
+log = logging.getLogger("ingero.api.app")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from cryptography import x509
 
-from ingero.agent import pki
 from ingero.errors import TLSConfigError, UsageError
+from ingero.tls import pki
 
 ALPN = ["h2", "http/1.1"]
 AUTO_CERT = "server-cert.pem"
