@@ -48,6 +48,7 @@ from typing import Any
 
 from ingero import __version__
 from ingero.errors import StoreError, UsageError
+from ingero.store import columns
 from ingero.store import merge_inputs as mi
 from ingero.store import merge_tables as mt
 from ingero.store.db import open_writable, translate
@@ -56,37 +57,9 @@ from ingero.timeutil import NS_PER_S, now_ns
 
 DEFAULT_SKEW_THRESHOLD_NS = NS_PER_S
 
-EVENT_COLUMNS: tuple[tuple[str, str], ...] = (  # (column, default when the input lacks it)
-    ("timestamp", "0"),
-    ("pid", "0"),
-    ("tid", "0"),
-    ("source", "0"),
-    ("op", "0"),
-    ("duration", "0"),
-    ("gpu_id", "0"),
-    ("arg0", "0"),
-    ("arg1", "0"),
-    ("ret_code", "0"),
-    ("stack_hash", "0"),
-    ("rank", "NULL"),
-    ("local_rank", "NULL"),
-    ("world_size", "NULL"),
-    ("stack_ips", "''"),
-    ("cgroup_id", "0"),
-)
-CHAIN_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("detected_at", "0"),
-    ("severity", "'LOW'"),
-    ("summary", "''"),
-    ("root_cause", "''"),
-    ("explanation", "''"),
-    ("recommendations", "''"),
-    ("cuda_op", "''"),
-    ("cuda_p99_us", "0"),
-    ("cuda_p50_us", "0"),
-    ("tail_ratio", "0"),
-    ("timeline", "''"),
-)
+# (column, default when the input lacks it), derived from the one declaration in store/columns.py
+EVENT_COLUMNS: tuple[tuple[str, str], ...] = tuple((c.name, c.default) for c in columns.copied(columns.EVENTS))
+CHAIN_COLUMNS: tuple[tuple[str, str], ...] = tuple((c.name, c.default) for c in columns.copied(columns.CHAINS))
 
 
 @dataclass
