@@ -17,7 +17,7 @@ from typing import Any
 from ingero.errors import UsageError
 from ingero.explain.model import SEVERITIES, Chain, sort_chains, stored_chains
 from ingero.store import guard
-from ingero.store.catalog import GPU_API_SOURCES, SOURCE_NAMES, lookup_op, op_name
+from ingero.store.catalog import GPU_API_SOURCES, IO, SOURCE_NAMES, lookup_op, op_name
 from ingero.store.db import open_readonly, summarize, translate
 from ingero.store.window import Window, resolve_window
 from ingero.timeutil import fmt_duration, fmt_ts, parse_duration
@@ -218,6 +218,8 @@ def processes(db: Path, since: str | None = None, node: str | None = None, limit
     """Per-process breakdown: GPU API time, off-CPU time, block I/O, busiest op."""
     check_limit(limit)
     gpu = ",".join(str(s) for s in GPU_API_SOURCES)
+    sched = lookup_op("sched_switch")
+    switch = f"source = {sched.source} AND op = {sched.op}"
     node_sql, node_params = _node_clause(node)
     with _reader(db) as conn:
         window = _window(conn, since)
@@ -226,8 +228,8 @@ def processes(db: Path, since: str | None = None, node: str | None = None, limit
         rows = conn.execute(
             "SELECT node, pid, count(*), "
             f"sum(source IN ({gpu})), total(CASE WHEN source IN ({gpu}) THEN duration END), "
-            "sum(source = 3 AND op = 1), total(CASE WHEN source = 3 AND op = 1 THEN duration END), "
-            "sum(source = 5), total(CASE WHEN source = 5 THEN duration END), min(timestamp), max(timestamp) "
+            f"sum({switch}), total(CASE WHEN {switch} THEN duration END), "
+            f"sum(source = {IO}), total(CASE WHEN source = {IO} THEN duration END), min(timestamp), max(timestamp) "
             f"FROM events WHERE {where}{node_sql} GROUP BY node, pid "
             "ORDER BY 5 DESC, 7 DESC, 3 DESC LIMIT ?",
             [*args, limit],

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-INSTRUCTIONS = """\
+from ingero.store.catalog import SOURCES
+
+_SOURCE_IDS = ", ".join(f"{sid} {name}" for sid, name, _ in SOURCES)
+
+INSTRUCTIONS = f"""\
 ingero answers "why is my GPU job slow?" from eBPF traces: CUDA runtime/driver and NCCL calls plus host
 events (scheduler, block I/O, page allocation, process lifecycle, TCP), one SQLite database per node.
 Tools are read-only. Start with overview, then chains (causal chains = symptom -> host cause -> fix),
 then stacks/processes/sql to confirm. query_fleet asks every live agent at once (node column first;
 clock-skew warnings and unreachable nodes come first in its answer).
-Times: events.timestamp and duration are nanoseconds; sources 1 CUDA, 3 HOST, 4 DRIVER, 5 IO, 6 TCP,
-7 NET, 8 NCCL; join ops on (source, op) for names. 'since' is a duration such as 30s, 5m, 2h; on a
+Times: events.timestamp and duration are nanoseconds; sources {_SOURCE_IDS};
+join ops on (source, op) for names. 'since' is a duration such as 30s, 5m, 2h; on a
 finished recording it counts back from the recording's last event.
 """
 
