@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 import trio
@@ -64,6 +64,15 @@ class TraceOptions:
     output: str = "table"  # table | json | quiet
     listen: ServerSettings | None = None
     flags: str = ""
+    observer: TraceObserver | None = None  # e.g. ingero.metrics (--prometheus / --otlp)
+
+
+class TraceObserver(Protocol):
+    """Sees every drained event batch (before selective storage) and the running pipeline."""
+
+    def attach(self, pipeline: Pipeline) -> None: ...
+
+    def on_events(self, ev: np.ndarray) -> None: ...
 
 
 @dataclass
@@ -225,8 +234,10 @@ async def run_trace(
             session_id,
             PipelineOptions(drain_interval_s=opts.drain_interval_s, max_db_bytes=opts.max_db_bytes),
             live=live,
-            on_events=follower.on_events,
+            on_events=follower.on_events if opts.observer is None else _both(follower.on_events, opts.observer),
         )
+        if opts.observer is not None:
+            opts.observer.attach(pipeline)
         view = LiveView(live, pipeline, opts, out)
         async with trio.open_nursery() as nursery:
             bound = None
@@ -296,6 +307,14 @@ async def _close(
         finally:
             writer.close()
     return elapsed, stats
+
+
+def _both(first: Callable[[np.ndarray], None], observer: TraceObserver) -> Callable[[np.ndarray], None]:
+    def on_events(ev: np.ndarray) -> None:
+        first(ev)
+        observer.on_events(ev)
+
+    return on_events
 
 
 async def _run_pipeline(pipeline: Pipeline, done: trio.Event) -> None:
