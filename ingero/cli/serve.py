@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ingero.cli import common
+from ingero.cli import common, metrics_flags
 
 if TYPE_CHECKING:
     from ingero.api.server import BoundServer, ServerSettings, TLSSetup
@@ -24,6 +24,7 @@ examples:
       --tls-cert ~/.ingero/pki/node-gpu-node-01.pem --tls-key ~/.ingero/pki/node-gpu-node-01-key.pem \\
       --client-ca ~/.ingero/pki/ca.pem                          mutual TLS: only holders of a client cert
   ingero serve --db trace.db --listen 127.0.0.1:8080 --no-tls  plain HTTP, loopback only
+  ingero serve --db trace.db --prometheus :9464 --otlp http://otelcol:4318   + metrics for Prometheus / OTel
 
 then, from the laptop:
   ingero query --nodes gpu-node-01:8443 --ca-cert ca.pem --client-cert client-me.pem --client-key client-me-key.pem \\
@@ -59,6 +60,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     lim = p.add_argument_group("limits")
     add_limit_args(lim)
     p.add_argument("--ready-file", metavar="PATH", help="write the bound address as JSON here once listening")
+    metrics_flags.add_metrics_args(p)
     p.set_defaults(func=run)
 
 
@@ -179,9 +181,14 @@ def run(args: argparse.Namespace) -> int:
     warn_about_exposure(settings)
     logging.basicConfig(level=logging.WARNING, format="ingero serve: %(levelname)s: %(name)s: %(message)s")
     ready = Path(args.ready_file).expanduser() if args.ready_file else None
+    exporters = metrics_flags.start(args, settings.identity, settings.db_path, "serve")
+    for line in exporters.lines if exporters else []:
+        note(line)
     try:
         trio.run(_serve, settings, setup, ready)
     finally:
+        if exporters is not None:
+            exporters.close()
         if ready is not None:
             remove_ready_file(ready)
     return 0

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ingero.cli import common, serve
+from ingero.cli import common, metrics_flags, serve
 
 if TYPE_CHECKING:
     from ingero.trace.tracer import TraceOptions, TraceReady
@@ -22,6 +22,8 @@ examples:
                                                            record and serve the agent API (mTLS)
   sudo ingero trace --db trace.db --cuda-lib /opt/app/lib/libcudart.so.12 --nccl-lib /opt/nccl/lib/libnccl.so.2
   sudo ingero trace --db trace.db --store all --stack full --max-db 2g
+  sudo ingero trace --db trace.db --prometheus :9464 --otlp http://otelcol:4318
+                                                           export metrics (Prometheus scrape, OTLP push)
 
 What is traced: uprobes on libcudart (cudaMalloc, cudaFree, cudaLaunchKernel, cudaMemcpy[Async],
 cudaStreamSynchronize, cudaDeviceSynchronize, cudaMallocManaged), libcuda (cuLaunchKernel, cuMemcpy*,
@@ -106,6 +108,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     serve.add_server_args(p, srv)
     serve.add_limit_args(srv, hidden=True)
     p.add_argument("--ready-file", metavar="PATH", help="write {pid, session, probes, url} as JSON here once recording")
+    metrics_flags.add_metrics_args(p)
     p.set_defaults(func=run)
 
 
@@ -160,9 +163,18 @@ def run(args: argparse.Namespace) -> int:
     if opts.listen is not None:
         serve.warn_about_exposure(opts.listen)
     ready = Path(args.ready_file).expanduser() if args.ready_file else None
+    exporters = metrics_flags.start(args, opts.identity, opts.db_path, "trace")
+    if exporters is not None:
+        from ingero.cli.output import note
+
+        opts.observer = exporters.observer
+        for line in exporters.lines:
+            note(line)
     try:
         trio.run(_trace, opts, ready)
     finally:
+        if exporters is not None:
+            exporters.close()
         if ready is not None:
             serve.remove_ready_file(ready)
     return 0

@@ -1,0 +1,134 @@
+"""What the database contributes to the metrics: its size, its causal chains, and — for ``ingero serve``,
+which has no recorder — the recording itself.
+
+* :func:`database_provider` (trace and serve): ``ingero_db_size_bytes`` from ``stat`` and
+  ``ingero_causal_chains{severity}`` from one ``GROUP BY`` over ``causal_chains``, cached for
+  :data:`CHAINS_TTL_S` so a scrape storm never reaches SQLite more than that often.
+* :class:`DatabaseFeed` (serve only): replays the rows added since its last read through the very
+  same :meth:`MetricState.observe` the tracer feeds (``main.events`` by rowid, at most every
+  :data:`REFRESH_TTL_S`), then sets the event and byte totals from ``event_aggregates`` (exact even
+  where selective storage kept a sample). Histograms therefore describe the stored rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ingero.errors import IngeroError
+from ingero.metrics import registry as r
+from ingero.metrics.state import MetricState, Provider
+from ingero.store.db import open_readonly
+from ingero.trace.ringbuf import EVENT_DTYPE
+
+CHAINS_TTL_S = 10.0
+REFRESH_TTL_S = 10.0
+ROWS_PER_READ = 200_000
+_EVENT_COLS = (
+    "rowid, timestamp, max(coalesce(duration, 0), 0), coalesce(arg0, 0), coalesce(arg1, 0), pid, tid, "
+    "coalesce(ret_code, 0), source, op"
+)
+
+
+def db_size(path: Path) -> int:
+    total = 0
+    for p in (path, Path(f"{path}-wal")):
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(p).st_size
+    return total
+
+
+def database_provider(state: MetricState, path: Path) -> Provider:
+    cache: dict[str, int] = {}
+    stamp = [-CHAINS_TTL_S]
+    lock = threading.Lock()
+
+    def chains() -> dict[str, int]:
+        with lock:
+            if time.monotonic() - stamp[0] >= CHAINS_TTL_S:
+                stamp[0] = time.monotonic()
+                cache.clear()
+                try:
+                    conn = open_readonly(path, check_same_thread=False)
+                    try:
+                        for sev, n in conn.execute("SELECT severity, count(*) FROM causal_chains GROUP BY severity"):
+                            cache[str(sev).upper()] = int(n)
+                    finally:
+                        conn.close()
+                except (IngeroError, sqlite3.Error, OSError):  # busy, missing or pre-chains file: no chain series
+                    cache.clear()
+            return dict(cache)
+
+    def provide() -> list[r.Sample]:
+        base = state.base_labels()
+        found = chains()
+        out = [r.Sample(r.DB_SIZE, base, float(db_size(path)))]
+        for sev in r.SEVERITIES:
+            out.append(r.Sample(r.CHAINS, (*base, sev), float(found.get(sev, 0))))
+        return out
+
+    return provide
+
+
+class DatabaseFeed:
+    """Feeds a :class:`MetricState` from a database's rows (``ingero serve``)."""
+
+    def __init__(self, state: MetricState, path: Path) -> None:
+        self.state = state
+        self.path = path
+        self._last_rowid = 0
+        self._last_read = -REFRESH_TTL_S
+        self._lock = threading.Lock()
+
+    def refresh(self, *, force: bool = False) -> None:
+        with self._lock:
+            if not force and time.monotonic() - self._last_read < REFRESH_TTL_S:
+                return
+            self._last_read = time.monotonic()
+            conn = open_readonly(self.path, check_same_thread=False)
+            try:
+                self._read(conn)
+            finally:
+                conn.close()
+
+    def _read(self, conn: sqlite3.Connection) -> None:
+        tables = {row[0] for row in conn.execute("SELECT name FROM main.sqlite_master WHERE type = 'table'")}
+        if "nccl_comms" in tables:
+            for comm, pid, rank, nranks in conn.execute(
+                "SELECT comm, pid, rank, nranks FROM main.nccl_comms ORDER BY pid, seen_at, comm"
+            ):
+                self.state.register_comm(int(pid), int(comm) & 0xFFFFFFFFFFFFFFFF, int(rank), int(nranks))
+        while True:
+            rows = conn.execute(
+                f"SELECT {_EVENT_COLS} FROM main.events WHERE rowid > ? ORDER BY rowid LIMIT ?",
+                (self._last_rowid, ROWS_PER_READ),
+            ).fetchall()
+            if not rows:
+                break
+            self._last_rowid = int(rows[-1][0])
+            self.state.observe(_as_events(rows))
+            if len(rows) < ROWS_PER_READ:
+                break
+        if "event_aggregates" in tables:
+            totals = {
+                int(s) << 8 | int(o): (int(n), int(b or 0))
+                for s, o, n, b in conn.execute(
+                    "SELECT source, op, sum(count), sum(sum_arg0) FROM main.event_aggregates GROUP BY source, op"
+                )
+            }
+            self.state.set_counts(totals)
+
+
+def _as_events(rows: list[tuple[int, ...]]) -> np.ndarray:
+    cols = np.array([row[1:] for row in rows], dtype=np.int64).reshape(len(rows), 9)
+    ev = np.zeros(len(rows), dtype=EVENT_DTYPE)
+    for i, name in enumerate(("ts", "duration", "arg0", "arg1", "pid", "tid", "ret", "source", "op")):
+        ev[name] = cols[:, i].astype(EVENT_DTYPE[name], casting="unsafe")
+    ev["stack_id"] = -1
+    return ev
