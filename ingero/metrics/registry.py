@@ -27,6 +27,7 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
 
 MAX_COMMS = 64  # communicators labelled individually; the rest share comm="other"
 GPU_IDLE_MIN_GAP_NS = 1_000_000  # a gap between GPU calls shorter than this is host overhead, not idle
+GPU_ACTIVE_WINDOW_NS = 60_000_000_000  # a process with a GPU call this recently counts as a GPU process
 OFFCPU_STATES = ("preempted", "sleep", "io")  # sched_switch prev_state: runnable / sleeping / D
 SEVERITIES = ("HIGH", "MEDIUM", "LOW")
 LOSS_REASONS = {  # kernel counter (ingero.trace.probes.COUNTER_NAMES) -> reason label
@@ -80,6 +81,11 @@ GPU_IDLE = _m(
     (),
     "s",
 )
+GPU_PROCESSES = _m(
+    "ingero_gpu_processes",
+    "gauge",
+    "Processes that made a GPU call in the last minute of traced time (divides GPU idle into a share)",
+)
 COLLECTIVES = _m(
     "ingero_collectives",
     "counter",
@@ -109,6 +115,7 @@ METRICS: tuple[MetricDef, ...] = (
     BYTES,
     OFFCPU,
     GPU_IDLE,
+    GPU_PROCESSES,
     COLLECTIVES,
     COLLECTIVE_WAIT,
     STORED,

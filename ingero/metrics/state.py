@@ -142,7 +142,7 @@ class MetricState:
             hist = np.bincount(hs * NB + bucket, minlength=MAX_SLOTS * NB).reshape(MAX_SLOTS, NB)
             hsum = np.bincount(hs, weights=hd.astype(np.float64), minlength=MAX_SLOTS)
         offcpu = self._offcpu(ev, code)
-        idle = self._gpu_idle(ev)
+        idle, ends = self._gpu_idle(ev)
         nccl = ev[ev["source"] == catalog.NCCL]
         with self._lock:
             self._count += counts
@@ -155,6 +155,7 @@ class MetricState:
                 np.maximum.at(self._hist_max_ns, hs, hd)
             self._offcpu_ns += offcpu
             self._gpu_idle_ns += idle
+            self._last_gpu_end.update(ends)
             self.batches += 1
         if nccl.size:
             self._collectives(nccl)
@@ -174,12 +175,12 @@ class MetricState:
         out[1] = int(dur.sum()) - out[0] - out[2]
         return out
 
-    def _gpu_idle(self, ev: np.ndarray) -> int:
+    def _gpu_idle(self, ev: np.ndarray) -> tuple[int, dict[int, int]]:
         """Gaps ≥ GPU_IDLE_MIN_GAP_NS between a process's GPU calls (overlapping calls of its threads
         merged), carried over from the previous batch per pid."""
         gpu = np.isin(ev["source"], GPU_SOURCES)
         if not gpu.any():
-            return 0
+            return 0, {}
         g = ev[gpu]
         pid = g["pid"].astype(np.int64)
         start = g["ts"].astype(np.int64)
@@ -188,14 +189,15 @@ class MetricState:
         pid, start, end = pid[order], start[order], end[order]
         cuts = np.flatnonzero(np.diff(pid)) + 1
         total = 0
+        ends: dict[int, int] = {}  # applied under the lock by observe (snapshots read the dict)
         for a, z in zip(np.concatenate(([0], cuts)).tolist(), np.append(cuts, pid.size).tolist(), strict=True):
             p = int(pid[a])
             reach = np.maximum.accumulate(end[a:z])
             prev = np.concatenate(([self._last_gpu_end.get(p, start[a])], reach[:-1]))
             gaps = start[a:z] - prev
             total += int(gaps[gaps >= r.GPU_IDLE_MIN_GAP_NS].sum())
-            self._last_gpu_end[p] = max(int(reach[-1]), self._last_gpu_end.get(p, 0))
-        return total
+            ends[p] = max(int(reach[-1]), self._last_gpu_end.get(p, 0))
+        return total, ends
 
     def _collectives(self, nccl: np.ndarray) -> None:
         key = nccl["pid"].astype(np.uint64) << np.uint64(48) ^ nccl["arg1"]
@@ -242,6 +244,8 @@ class MetricState:
             hmax = self._hist_max_ns.copy()
             offcpu = self._offcpu_ns.tolist()
             idle = self._gpu_idle_ns
+            latest = max(self._last_gpu_end.values(), default=0)
+            active = sum(1 for t in self._last_gpu_end.values() if t >= latest - r.GPU_ACTIVE_WINDOW_NS)
             comms: dict[tuple[str, int, int], list[int]] = {}
             for c in self._comms.values():
                 t = comms.setdefault((c.label, c.rank, c.size), [0, 0])
@@ -269,6 +273,7 @@ class MetricState:
         for state, ns in zip(r.OFFCPU_STATES, offcpu, strict=True):
             samples.append(r.Sample(r.OFFCPU, (*base, state), ns / 1e9))
         samples.append(r.Sample(r.GPU_IDLE, base, idle / 1e9))
+        samples.append(r.Sample(r.GPU_PROCESSES, base, float(active)))
         for (label, rank, size), (calls, wait_ns) in sorted(comms.items()):
             lab = (*base, label, str(rank), str(size))
             samples.append(r.Sample(r.COLLECTIVES, lab, float(calls)))

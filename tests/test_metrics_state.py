@@ -1,0 +1,268 @@
+"""The metric state: per-batch numpy folding checked against per-event Python, labels, cardinality,
+the database feed against SQL, and the Prometheus exposition parsed back by prometheus-client."""
+
+from __future__ import annotations
+
+import bisect
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ingero.identity import Identity
+from ingero.metrics import registry as r
+from ingero.metrics.dbfeed import DatabaseFeed, database_provider, db_size
+from ingero.metrics.prometheus import families, parse_prometheus_addr
+from ingero.metrics.state import MetricState
+from ingero.store import catalog
+from ingero.trace.recorder import OP_NCCL_COMM_INIT
+from ingero.trace.ringbuf import EVENT_DTYPE
+from tests.conftest import INVESTIGATIONS
+
+MS = 1_000_000
+
+
+def events(rows: list[dict[str, int]]) -> np.ndarray:
+    ev = np.zeros(len(rows), dtype=EVENT_DTYPE)
+    for i, row in enumerate(rows):
+        for k, v in row.items():
+            ev[k][i] = v
+    ev["stack_id"] = -1
+    return ev
+
+
+def state() -> MetricState:
+    return MetricState(Identity("gpu-node-07", rank=3), "trace")
+
+
+def series(st: MetricState) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """name + sorted labels -> value, from the Prometheus text the state renders."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from ingero.metrics.prometheus import IngeroCollector
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(IngeroCollector(st.snapshot))
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def lab(**kw: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"node": "gpu-node-07", "rank": "3", **kw}.items()))
+
+
+def test_histogram_counts_and_sums_match_per_event_python() -> None:
+    rng = np.random.default_rng(7)
+    st = state()
+    n = 20_000
+    ref_buckets: dict[tuple[int, int], list[int]] = {}
+    ref_sum: dict[tuple[int, int], int] = {}
+    bounds = [round(b * 1e9) for b in r.DURATION_BUCKETS_S]
+    ops = [(catalog.CUDA, 3), (catalog.DRIVER, 1), (catalog.CUDA, 5), (catalog.IO, 2)]
+    for _ in range(4):  # several batches, as the pipeline drains them
+        batch = np.zeros(n, dtype=EVENT_DTYPE)
+        which = rng.integers(0, len(ops), n)
+        batch["source"] = [ops[w][0] for w in which]
+        batch["op"] = [ops[w][1] for w in which]
+        batch["duration"] = np.exp(rng.uniform(np.log(200), np.log(30e9), n)).astype(np.uint64)
+        batch["duration"][:5] = bounds[3]  # exactly on a bound: counted in that bucket (le)
+        batch["pid"] = rng.integers(1, 5000, n)  # many pids: never labels
+        batch["ts"] = np.arange(n) * 10
+        st.observe(batch)
+        for s, o, d in zip(batch["source"].tolist(), batch["op"].tolist(), batch["duration"].tolist(), strict=True):
+            b = ref_buckets.setdefault((s, o), [0] * (len(bounds) + 1))
+            b[bisect.bisect_left(bounds, d)] += 1
+            ref_sum[(s, o)] = ref_sum.get((s, o), 0) + d
+    got = series(st)
+    for (s, o), b in ref_buckets.items():
+        src, op = next(x[1] for x in catalog.SOURCES if x[0] == s), catalog.op_name(s, o)
+        cum = 0
+        for le, count in zip([*r.DURATION_BUCKETS_S, float("inf")], b, strict=True):
+            cum += count
+            le_s = "+Inf" if le == float("inf") else repr(float(le))
+            assert got[("ingero_call_duration_seconds_bucket", lab(source=src, op=op, le=le_s))] == cum
+        assert got[("ingero_call_duration_seconds_count", lab(source=src, op=op))] == sum(b)
+        assert got[("ingero_events_total", lab(source=src, op=op))] == sum(b)
+        assert got[("ingero_call_duration_seconds_sum", lab(source=src, op=op))] == pytest.approx(ref_sum[(s, o)] / 1e9)
+    # Bounded cardinality: 5000 pids, four ops -> no label holds a pid.
+    label_values = {v for _, labels in got for _, v in labels}
+    assert not any(v.isdigit() and int(v) > 10 for v in label_values)
+
+
+def test_bytes_offcpu_states_and_host_events() -> None:
+    st = state()
+    st.observe(
+        events(
+            [
+                {"source": catalog.CUDA, "op": 7, "arg0": 4096, "duration": 1000},  # cudaMemcpyAsync bytes
+                {"source": catalog.CUDA, "op": 7, "arg0": 1 << 20, "duration": 1000},
+                {"source": catalog.CUDA, "op": 2, "arg0": 0xDEADBEEF, "duration": 1000},  # cudaFree: a pointer
+                {"source": catalog.HOST, "op": 1, "arg0": 0, "duration": 3 * MS},  # preempted
+                {"source": catalog.HOST, "op": 1, "arg0": 256, "duration": 2 * MS},  # preempted (TASK_REPORT_MAX)
+                {"source": catalog.HOST, "op": 1, "arg0": 1, "duration": 7 * MS},  # sleeping
+                {"source": catalog.HOST, "op": 1, "arg0": 2, "duration": 11 * MS},  # uninterruptible (I/O)
+                {"source": catalog.HOST, "op": 5, "duration": 0},  # process_exec
+            ]
+        )
+    )
+    got = series(st)
+    assert got[("ingero_bytes_total", lab(source="CUDA", op="cudaMemcpyAsync"))] == 4096 + (1 << 20)
+    assert ("ingero_bytes_total", lab(source="CUDA", op="cudaFree")) not in got  # arg0 is not bytes there
+    assert got[("ingero_offcpu_seconds_total", lab(state="preempted"))] == pytest.approx(0.005)
+    assert got[("ingero_offcpu_seconds_total", lab(state="sleep"))] == pytest.approx(0.007)
+    assert got[("ingero_offcpu_seconds_total", lab(state="io"))] == pytest.approx(0.011)
+    assert got[("ingero_events_total", lab(source="HOST", op="process_exec"))] == 1
+    assert ("ingero_call_duration_seconds_count", lab(source="HOST", op="sched_switch")) not in got
+
+
+def test_gpu_idle_counts_gaps_across_threads_and_batches() -> None:
+    st = state()
+    pid = 4242
+    # Two threads overlap (no idle between them), then a 5 ms gap, then a 0.5 ms gap (too short).
+    st.observe(
+        events(
+            [
+                {"source": catalog.CUDA, "op": 5, "pid": pid, "tid": 1, "ts": 100 * MS, "duration": 4 * MS},
+                {"source": catalog.DRIVER, "op": 1, "pid": pid, "tid": 2, "ts": 101 * MS, "duration": 1 * MS},
+                {"source": catalog.CUDA, "op": 5, "pid": pid, "tid": 1, "ts": 109 * MS, "duration": 1 * MS},
+                {"source": catalog.CUDA, "op": 5, "pid": pid, "tid": 1, "ts": 110 * MS + MS // 2, "duration": MS},
+                {"source": catalog.HOST, "op": 1, "pid": pid, "tid": 1, "ts": 105 * MS, "duration": 4 * MS},
+            ]
+        )
+    )
+    # The next batch continues where the last call ended (111.5 ms): 20 ms later.
+    st.observe(events([{"source": catalog.CUDA, "op": 3, "pid": pid, "tid": 1, "ts": 131_500_000, "duration": 10}]))
+    # Another process's calls never fill this one's gaps, and its own first call is no gap.
+    st.observe(events([{"source": catalog.CUDA, "op": 3, "pid": 99, "tid": 9, "ts": 120 * MS, "duration": 10}]))
+    got = series(st)
+    assert got[("ingero_gpu_idle_seconds_total", lab())] == pytest.approx(0.025)
+    assert got[("ingero_gpu_processes", lab())] == 2
+    st.observe(events([{"source": catalog.CUDA, "op": 3, "pid": 99, "tid": 9, "ts": 200_000 * MS, "duration": 10}]))
+    assert series(st)[("ingero_gpu_processes", lab())] == 1  # pid 4242 made no call in the last minute
+
+
+def comm_init(pid: int, comm: int, rank: int, size: int) -> dict[str, int]:
+    return {"source": catalog.NCCL, "op": OP_NCCL_COMM_INIT, "pid": pid, "arg0": comm, "arg1": size << 32 | rank}
+
+
+def test_collectives_per_communicator_and_rank_without_pointer_labels() -> None:
+    st = state()
+    a, b = 0x7F00_1234_5000, 0x7F00_1234_9000
+    st.observe(events([comm_init(10, a, 3, 8), comm_init(10, b, 1, 2)]))
+    calls = [{"source": catalog.NCCL, "op": 1, "pid": 10, "arg1": a, "arg0": 1 << 20, "duration": 2 * MS}] * 5
+    calls += [{"source": catalog.NCCL, "op": 6, "pid": 10, "arg1": b, "arg0": 64, "duration": 7 * MS}] * 2
+    calls += [{"source": catalog.NCCL, "op": 1, "pid": 11, "arg1": a, "arg0": 8, "duration": MS}]  # no init seen
+    st.observe(events(calls))
+    got = series(st)
+    first = lab(comm="c0/8", comm_rank="3", comm_size="8")
+    second = lab(comm="c1/2", comm_rank="1", comm_size="2")
+    unknown = lab(comm="unknown", comm_rank="-1", comm_size="0")
+    assert got[("ingero_collectives_total", first)] == 5
+    assert got[("ingero_collective_wait_seconds_total", first)] == pytest.approx(0.010)
+    assert got[("ingero_collectives_total", second)] == 2
+    assert got[("ingero_collective_wait_seconds_total", second)] == pytest.approx(0.014)
+    assert got[("ingero_collectives_total", unknown)] == 1
+    assert got[("ingero_bytes_total", lab(source="NCCL", op="ncclAllReduce"))] == 5 * (1 << 20) + 8
+    assert not any(str(a) in v or hex(a) in v for _, labels in got for _, v in labels)
+
+
+def test_communicator_labels_are_capped() -> None:
+    st = state()
+    st.observe(events([comm_init(1, 0x1000 + i, 0, 2) for i in range(r.MAX_COMMS + 30)]))
+    st.observe(
+        events([{"source": catalog.NCCL, "op": 1, "pid": 1, "arg1": 0x1000 + i} for i in range(r.MAX_COMMS + 30)])
+    )
+    comms = {dict(k[1])["comm"] for k in series(st) if k[0] == "ingero_collectives_total"}
+    assert len(comms) == r.MAX_COMMS + 1 and "other" in comms
+
+
+def test_database_feed_matches_sql() -> None:
+    db = INVESTIGATIONS / "sample-gpu-node-01.db"
+    st = MetricState(Identity("gpu-node-01", rank=0), "serve")
+    st.add_provider(database_provider(st, db))
+    DatabaseFeed(st, db).refresh(force=True)
+    got = series(st)
+    conn = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
+    names = {(s, o): n for s, o, n, _ in catalog.OPS}
+    srcs = {s: n for s, n, _ in catalog.SOURCES}
+    lab0 = {"node": "gpu-node-01", "rank": "0"}
+    for s, o, total, nbytes in conn.execute(
+        "SELECT source, op, sum(count), sum(sum_arg0) FROM event_aggregates GROUP BY 1, 2"
+    ):
+        key = tuple(sorted({**lab0, "source": srcs[s], "op": names[(s, o)]}.items()))
+        assert got[("ingero_events_total", key)] == total
+        if ("ingero_bytes_total", key) in got:
+            assert got[("ingero_bytes_total", key)] == nbytes
+    for s, o, n, total_ns in conn.execute(
+        "SELECT source, op, count(*), sum(duration) FROM events WHERE source IN (1, 4, 5) GROUP BY 1, 2"
+    ):
+        key = tuple(sorted({**lab0, "source": srcs[s], "op": names[(s, o)]}.items()))
+        assert got[("ingero_call_duration_seconds_count", key)] == n
+        assert got[("ingero_call_duration_seconds_sum", key)] == pytest.approx(total_ns / 1e9)
+    offcpu = conn.execute("SELECT sum(duration) FROM events WHERE source = 3 AND op = 1").fetchone()[0]
+    assert sum(v for (name, _), v in got.items() if name == "ingero_offcpu_seconds_total") == pytest.approx(
+        offcpu / 1e9
+    )
+    chains = dict(conn.execute("SELECT upper(severity), count(*) FROM causal_chains GROUP BY 1").fetchall())
+    for sev in r.SEVERITIES:
+        assert got[("ingero_causal_chains", tuple(sorted({**lab0, "severity": sev}.items())))] == chains.get(sev, 0)
+    assert got[("ingero_db_size_bytes", tuple(sorted(lab0.items())))] == db_size(db) == db.stat().st_size
+    conn.close()
+
+
+def test_database_feed_reads_only_new_rows(tmp_path: Path) -> None:
+    from tests.conftest import write_db
+
+    db = write_db(tmp_path / "t.db", [])
+    st = MetricState(Identity("n"), "serve")
+    feed = DatabaseFeed(st, db)
+    feed.refresh(force=True)
+    assert not st.snapshot().histograms
+    conn = sqlite3.connect(db)
+    conn.execute(
+        "INSERT INTO events (id, timestamp, pid, tid, source, op, duration) VALUES ('n:1', 1, 1, 1, 1, 5, 2000000)"
+    )
+    conn.commit()
+    conn.close()
+    feed.refresh()  # within the refresh interval: nothing read
+    assert not st.snapshot().histograms
+    feed.refresh(force=True)
+    feed.refresh(force=True)  # the same row is never counted twice
+    (h,) = st.snapshot().histograms
+    assert h.count == 1 and h.sum == pytest.approx(0.002)
+
+
+def test_every_declared_metric_has_one_family_and_help() -> None:
+    st = state()
+    st.observe(events([{"source": catalog.CUDA, "op": 5, "duration": 10}]))
+    fams = {f.name for f in families(st.snapshot())}
+    assert {"ingero_agent_info", "ingero_events", "ingero_call_duration_seconds"} <= fams
+    assert len({m.name for m in r.METRICS}) == len(r.METRICS)
+    assert all(m.help and m.kind in ("counter", "gauge", "histogram") for m in r.METRICS)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("9464", ("0.0.0.0", 9464)),
+        (":9464", ("0.0.0.0", 9464)),
+        ("127.0.0.1:0", ("127.0.0.1", 0)),
+        ("[::1]:9", ("::1", 9)),
+    ],
+)
+def test_prometheus_addr(text: str, want: tuple[str, int]) -> None:
+    assert parse_prometheus_addr(text) == want
+
+
+@pytest.mark.parametrize("text", ["abc", "host:99999", ":"])
+def test_prometheus_addr_errors(text: str) -> None:
+    from ingero.errors import UsageError
+
+    with pytest.raises(UsageError):
+        parse_prometheus_addr(text)
