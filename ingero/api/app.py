@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from ingero import __version__
-from ingero.api import endpoints
+from ingero.api import collectives, endpoints
 from ingero.api.endpoints import AgentContext, encode, ok
 from ingero.errors import (
     AuthError,
@@ -78,6 +78,7 @@ class AgentAPI:
             "chains": {"GET": (self._chains, endpoints.WINDOW_PARAMS, True)},
             "ops": {"GET": (self._ops, endpoints.WINDOW_PARAMS, True)},
             "overview": {"GET": (self._overview, endpoints.WINDOW_PARAMS, True)},
+            "collectives": {"GET": (self._collectives, collectives.PARAMS, True)},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -194,6 +195,9 @@ class AgentAPI:
 
     async def _overview(self, req: Request) -> bytes:
         return await self._in_worker(lambda cancel: endpoints.overview(self.ctx, req.params, cancel))
+
+    async def _collectives(self, req: Request) -> bytes:
+        return await self._in_worker(lambda cancel: collectives.collectives(self.ctx, req.params, cancel))
 
     async def _in_worker(
         self, fn: Callable[[threading.Event], bytes], budget_ms: int | None = None, *, meta: bool = False

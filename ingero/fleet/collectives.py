@@ -40,10 +40,7 @@ from typing import Any
 import numpy as np
 
 from ingero.store.catalog import NCCL, op_name
-
-# Columns of the /collectives answer, in order (the endpoint and this module share the list).
-CALL_COLUMNS = ("comm", "seq", "op", "bytes", "entry_ns", "duration_ns", "rank")
-IN_FLIGHT = -1  # duration of a call that had not returned when the agent answered
+from ingero.store.nccl import CALL_COLUMNS
 
 MIN_Z = 4.0  # binomial z-score of "last" counts against chance (1 / nranks)
 MIN_LAST_SHARE = 0.5  # the straggler is last in at least half the calls

@@ -1,4 +1,7 @@
-"""Source and op ids — the same numbers Ingero uses, plus NCCL after the existing ids.
+"""Source and op ids — the same numbers Ingero uses, plus NCCL on an id Ingero does not use.
+
+Ingero uses source 8 for CUDA Graph events, so NCCL is 9 (schema 3 moved it off 8; the migration
+rewrites the rows of our older databases, see :mod:`ingero.store.schema`).
 
 ``events.source`` / ``events.op`` are small integers; the ``sources`` and ``ops`` tables in every
 database carry these names so SQL can join them. Lookups accept the C function names too
@@ -19,7 +22,8 @@ DRIVER = 4
 IO = 5
 TCP = 6
 NET = 7
-NCCL = 8
+CUDA_GRAPH = 8  # Ingero's; ingero does not trace CUDA Graphs but reads databases that have them
+NCCL = 9
 
 SOURCES: list[tuple[int, str, str]] = [
     (CUDA, "CUDA", "CUDA Runtime API (libcudart.so) — uprobes"),
@@ -29,7 +33,8 @@ SOURCES: list[tuple[int, str, str]] = [
     (IO, "IO", "Block I/O events — tracepoints (block_rq_issue/block_rq_complete)"),
     (TCP, "TCP", "TCP events — tracepoints (tcp_retransmit_skb)"),
     (NET, "NET", "Network socket events — syscall tracepoints (sendto/recvfrom)"),
-    (NCCL, "NCCL", "NCCL collectives (libnccl.so) — uprobes; arg0 = bytes, arg1 = communicator"),
+    (CUDA_GRAPH, "CUDA_GRAPH", "CUDA Graph events (Ingero) — not traced by ingero"),
+    (NCCL, "NCCL", "NCCL collectives (libnccl.so) — uprobes; arg0 = bytes, arg1 = communicator (see nccl_calls)"),
 ]
 
 # (source, op, name, description) — Ingero's rows in Ingero's order, then ours.
@@ -123,3 +128,53 @@ def lookup_op(name: str) -> OpRef:
 
 def all_ops() -> list[OpRef]:
     return list(_BY_ID.values())
+
+
+# --- NCCL communicators and calls ----------------------------------------------------------------
+
+U64 = (1 << 64) - 1
+NCCL_UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+
+# ncclDataType_t -> (name, bytes per element); ncclRedOp_t -> name. bytes = count × size.
+NCCL_DATATYPES: dict[int, tuple[str, int]] = {
+    0: ("int8", 1),
+    1: ("uint8", 1),
+    2: ("int32", 4),
+    3: ("uint32", 4),
+    4: ("int64", 8),
+    5: ("uint64", 8),
+    6: ("float16", 2),
+    7: ("float32", 4),
+    8: ("float64", 8),
+    9: ("bfloat16", 2),
+    10: ("float8e4m3", 1),
+    11: ("float8e5m2", 1),
+}
+NCCL_REDOPS: dict[int, str] = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
+
+
+def splitmix64(x: int) -> int:
+    """One splitmix64 step (Steele, Lea & Flood), on unsigned 64-bit integers."""
+    z = (x + 0x9E3779B97F4A7C15) & U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    return z ^ (z >> 31)
+
+
+def nccl_comm_id(unique_id: bytes) -> int:
+    """The cluster-wide communicator id: splitmix64 folded over the 16 little-endian u64 words of the
+    128-byte ``ncclUniqueId`` (``h = splitmix64(h ^ word)``, h starting at 0). The BPF program
+    (``ingero/trace/bpf/nccl_probes.c``) computes the same; unsigned, as :func:`as_sqlite_int`
+    stores it signed."""
+    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        raise ValueError(f"an ncclUniqueId has {NCCL_UNIQUE_ID_BYTES} bytes, not {len(unique_id)}")
+    h = 0
+    for i in range(0, NCCL_UNIQUE_ID_BYTES, 8):
+        h = splitmix64(h ^ int.from_bytes(unique_id[i : i + 8], "little"))
+    return h
+
+
+def as_sqlite_int(u: int) -> int:
+    """An unsigned 64-bit value as SQLite's signed INTEGER (and back with ``& U64``)."""
+    u &= U64
+    return u - (1 << 64) if u >= 1 << 63 else u

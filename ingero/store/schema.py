@@ -4,8 +4,29 @@ Compatibility rules
 * Every table and column of Ingero's databases exists here with the same name, type and meaning,
   so SQL written for their schema runs unchanged on ours (and vice versa for the common part).
 * Our own additions are new tables (``node_seq``, ``nccl_comms``, ``session_stats``), new
-  source/op rows after Ingero's ids (NCCL = source 8), and (schema 2) a ``node`` column on
-  ``system_snapshots`` so snapshots stay attributable after databases are merged.
+  source/op rows on ids Ingero does not use (NCCL = source 9: Ingero's 8 is CUDA Graph events), and
+  (schema 2) a ``node`` column on ``system_snapshots`` so snapshots stay attributable after databases
+  are merged.
+* Schema 3 (collectives): NCCL moves from source 8 to 9 (rows of our older databases are rewritten;
+  an Ingero database's source-8 rows are CUDA Graph events and stay); ``nccl_comms`` gains
+  ``comm_id``; and ``nccl_calls`` holds one row per NCCL collective or point-to-point call:
+
+  ``nccl_comms(comm, pid, rank, nranks, node, seen_at, comm_id)`` — one row per communicator a
+  process created. ``comm`` is the local ``ncclComm_t`` pointer (``events.arg1`` of NCCL rows,
+  ``nccl_calls.comm``), ``comm_id`` the cluster-wide id: splitmix64 folded over the 16 little-endian
+  64-bit words of the full 128-byte ``ncclUniqueId`` passed to ``ncclCommInitRank[Config]``
+  (:func:`ingero.store.catalog.nccl_comm_id`; the first 8 bytes alone collide across jobs), stored as
+  a signed 64-bit integer; 0 when unknown (``ncclCommInitAll``, or a communicator created before
+  tracing started).
+
+  ``nccl_calls(node, pid, tid, comm, seq, op, timestamp, duration, datatype, redop, count, bytes,
+  peer, ret_code)`` — ``comm`` the local pointer (join ``nccl_comms`` on node, pid, comm for the
+  cluster-wide id and the rank), ``seq`` the k-th call on that communicator in that process since
+  tracing started (0-based; the same k on every rank is the same collective), ``op`` the NCCL op id,
+  ``timestamp`` the entry (Unix ns), ``duration`` ns (−1: entered, not returned when recorded),
+  ``datatype`` the ``ncclDataType_t``, ``redop`` the ``ncclRedOp_t`` (−1 where the call has none),
+  ``count`` elements, ``bytes`` = count × the datatype's size, ``peer`` the peer rank of
+  ``ncclSend``/``ncclRecv`` and the root of ``ncclBroadcast``/``ncclReduce`` (−1 otherwise).
 * Our schema version lives in ``PRAGMA user_version`` (Ingero leaves it at 0). ``migrate()``
   brings any older layout we can write to ``SCHEMA_VERSION``; a database with a newer version is
   refused by every reader and writer (:class:`~ingero.errors.SchemaTooNewError`).
@@ -29,9 +50,9 @@ from dataclasses import dataclass
 
 from ingero import __version__
 from ingero.errors import SchemaError, SchemaTooNewError
-from ingero.store.catalog import OPS, SOURCES
+from ingero.store.catalog import NCCL, OPS, SOURCES
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 INGERO_LAYOUT = "0.9"
 
 # Ingero's DDL, column for column (comments kept: they are what `.schema` shows users), with the
@@ -279,6 +300,28 @@ def _migrate_to_1(conn: sqlite3.Connection) -> None:
     conn.executemany("INSERT OR IGNORE INTO ops(source_id, op_id, name, description) VALUES (?, ?, ?, ?)", OPS)
 
 
+NCCL_CALLS_TABLE = """
+CREATE TABLE IF NOT EXISTS nccl_calls (
+	node      TEXT NOT NULL DEFAULT '',
+	pid       INTEGER NOT NULL,
+	tid       INTEGER NOT NULL,
+	comm      INTEGER NOT NULL,            -- local ncclComm_t pointer (nccl_comms.comm)
+	seq       INTEGER NOT NULL,            -- k-th call on this communicator in this process (0-based)
+	op        INTEGER NOT NULL,            -- ops.op_id of the NCCL source
+	timestamp INTEGER NOT NULL,            -- entry, unix nanos
+	duration  INTEGER NOT NULL,            -- nanos; -1: had not returned when recorded
+	datatype  INTEGER NOT NULL DEFAULT -1, -- ncclDataType_t
+	redop     INTEGER NOT NULL DEFAULT -1, -- ncclRedOp_t (-1: none)
+	count     INTEGER NOT NULL DEFAULT 0,  -- elements
+	bytes     INTEGER NOT NULL DEFAULT 0,
+	peer      INTEGER NOT NULL DEFAULT -1, -- send/recv peer, broadcast/reduce root (-1: none)
+	ret_code  INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS idx_nccl_calls_timestamp ON nccl_calls(timestamp);
+CREATE UNIQUE INDEX IF NOT EXISTS idx_nccl_calls_call ON nccl_calls(node, pid, tid, timestamp);
+"""
+
+
 def _migrate_to_2(conn: sqlite3.Connection) -> None:
     """Schema 2: ``system_snapshots.node``; existing snapshots of a one-node database become its own."""
     cols = {r[1] for r in conn.execute("PRAGMA table_info(system_snapshots)")}
@@ -291,8 +334,26 @@ def _migrate_to_2(conn: sqlite3.Connection) -> None:
         conn.execute("UPDATE system_snapshots SET node = ? WHERE node = ''", (nodes[0],))
 
 
+def _migrate_to_3(conn: sqlite3.Connection) -> None:
+    """Schema 3: NCCL off source 8 (Ingero's CUDA Graph id) onto 9, ``nccl_comms.comm_id``, ``nccl_calls``.
+
+    Rows move only where this database's own ``sources`` row 8 says NCCL (our schema 1-2): in an
+    Ingero database source 8 is CUDA Graph events and stays."""
+    row = conn.execute("SELECT name FROM sources WHERE id = 8").fetchone()
+    if row is not None and row[0] == "NCCL":
+        for table, col in (("events", "source"), ("event_aggregates", "source"), ("ops", "source_id")):
+            conn.execute(f"UPDATE {table} SET {col} = ? WHERE {col} = 8", (NCCL,))
+        conn.execute("DELETE FROM sources WHERE id = 8")
+    conn.executemany("INSERT OR IGNORE INTO sources(id, name, description) VALUES (?, ?, ?)", SOURCES)
+    conn.executemany("INSERT OR IGNORE INTO ops(source_id, op_id, name, description) VALUES (?, ?, ?, ?)", OPS)
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(nccl_comms)")}
+    if "comm_id" not in cols:
+        conn.execute("ALTER TABLE nccl_comms ADD COLUMN comm_id INTEGER NOT NULL DEFAULT 0")
+    _exec_script(conn, NCCL_CALLS_TABLE)
+
+
 # MIGRATIONS[i] takes user_version i to i + 1.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1, _migrate_to_2]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1, _migrate_to_2, _migrate_to_3]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

@@ -180,9 +180,15 @@ class StoreWriter:
         aggregates: Iterable[Sequence[int]] = (),
         snapshots: Iterable[tuple[int, float, float, int, int, float]] = (),
         process_names: Iterable[tuple[int, str, int]] = (),
-        nccl_comms: Iterable[tuple[int, int, int, int, int]] = (),
+        nccl_comms: Iterable[tuple[int, ...]] = (),
+        nccl_calls: Iterable[tuple[int, ...]] = (),
     ) -> int:
-        """Write everything given in one transaction. Returns the number of events written."""
+        """Write everything given in one transaction. Returns the number of events written.
+
+        ``nccl_comms``: (comm, pid, rank, nranks, seen_at[, comm_id]); ``nccl_calls``: (pid, tid, comm,
+        seq, op, timestamp, duration, datatype, redop, count, bytes, peer, ret_code) — a call written
+        again with the same (pid, tid, timestamp) replaces the first row (an entry record, duration
+        −1, completed by its return); see :mod:`ingero.store.schema`."""
         try:
             self._begin()
             n = self._insert_events(events)
@@ -199,9 +205,14 @@ class StoreWriter:
                 process_names,
             )
             self.conn.executemany(
-                "INSERT OR REPLACE INTO nccl_comms(comm, pid, rank, nranks, seen_at, node) "
-                f"VALUES (?, ?, ?, ?, ?, {self._node_lit})",
-                nccl_comms,
+                "INSERT OR REPLACE INTO nccl_comms(comm, pid, rank, nranks, seen_at, comm_id, node) "
+                f"VALUES (?, ?, ?, ?, ?, ?, {self._node_lit})",
+                (r if len(r) == 6 else (*r, 0) for r in nccl_comms),
+            )
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO nccl_calls(pid, tid, comm, seq, op, timestamp, duration, datatype, redop, "
+                f"count, bytes, peer, ret_code, node) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {self._node_lit})",
+                nccl_calls,
             )
             self._commit()
         except sqlite3.Error as e:
