@@ -1,0 +1,177 @@
+"""OTLP/HTTP push through the OpenTelemetry exporter to a real receiver on loopback that decodes the
+protobuf with ``opentelemetry-proto``; a collector that hangs or is down; the drop counter."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+
+from ingero.errors import UsageError
+from ingero.identity import Identity
+from ingero.metrics import registry as r
+from ingero.metrics.otlp import OtlpPusher, metrics_url, otlp_exporter, resource_for
+from ingero.metrics.state import MetricState
+from ingero.store import catalog
+from ingero.trace.ringbuf import EVENT_DTYPE
+
+
+@dataclass
+class Receiver:
+    url: str
+    requests: list[ExportMetricsServiceRequest] = field(default_factory=list)
+    arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    release: threading.Event = field(default_factory=threading.Event)  # a hung collector until set
+    paths: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    rec = Receiver("")
+    rec.release.set()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            req = ExportMetricsServiceRequest()
+            req.ParseFromString(body)
+            rec.paths.append(self.path)
+            rec.requests.append(req)
+            rec.arrived.release()
+            rec.release.wait(30)
+            out = ExportMetricsServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    rec.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield rec
+    finally:
+        rec.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def fed_state() -> MetricState:
+    st = MetricState(Identity("gpu-node-05", rank=4), "trace")
+    ev = np.zeros(300, dtype=EVENT_DTYPE)
+    ev["source"], ev["op"], ev["pid"] = catalog.CUDA, 5, 77
+    ev["duration"] = np.arange(300) * 1000 + 500  # 0.5 µs ... 299.5 µs
+    ev["ts"] = np.arange(300) * 1_000_000
+    st.observe(ev)
+    return st
+
+
+def attrs(kvs: Any) -> dict[str, Any]:
+    out = {}
+    for kv in kvs:
+        v = kv.value
+        out[kv.key] = getattr(v, v.WhichOneof("value"))
+    return out
+
+
+def test_metrics_arrive_with_resource_attributes(receiver: Receiver) -> None:
+    st = fed_state()
+    env = {"K8S_POD_NAME": "trainer-0", "K8S_NAMESPACE": "ml", "K8S_NODE_NAME": "worker-7"}
+    pusher = OtlpPusher(st, otlp_exporter(receiver.url), interval_s=3600, resource=resource_for(st, env))
+    pusher.start()
+    pusher.enqueue()
+    assert receiver.arrived.acquire(timeout=30)
+    pusher.close(flush=False)
+    assert receiver.paths == ["/v1/metrics"]
+    (rm,) = receiver.requests[0].resource_metrics
+    res = attrs(rm.resource.attributes)
+    assert res["service.name"] == "ingero"
+    assert res["host.name"] == socket.gethostname()
+    assert res["ingero.node"] == "gpu-node-05" and res["ingero.rank"] == 4
+    assert res["k8s.pod.name"] == "trainer-0" and res["k8s.namespace.name"] == "ml"
+    assert res["k8s.node.name"] == "worker-7"
+    (sm,) = rm.scope_metrics
+    assert sm.scope.name == "ingero"
+    metrics = {m.name: m for m in sm.metrics}
+    ev = metrics["ingero_events"]
+    assert ev.sum.is_monotonic and ev.sum.aggregation_temporality == 2  # cumulative
+    (dp,) = ev.sum.data_points
+    assert attrs(dp.attributes) == {"node": "gpu-node-05", "rank": "4", "source": "CUDA", "op": "cudaStreamSync"}
+    assert dp.as_double == 300
+    assert dp.start_time_unix_nano == st.start_ns < dp.time_unix_nano
+    hist = metrics["ingero_call_duration_seconds"]
+    assert hist.unit == "s"
+    (hp,) = hist.histogram.data_points
+    assert list(hp.explicit_bounds) == list(r.DURATION_BUCKETS_S)
+    assert hp.count == 300 == sum(hp.bucket_counts)
+    durations = np.arange(300) * 1000 + 500
+    bounds = np.array(r.DURATION_BUCKETS_S) * 1e9
+    assert list(hp.bucket_counts) == np.bincount(np.searchsorted(bounds, durations), minlength=len(bounds) + 1).tolist()
+    assert hp.sum == pytest.approx(durations.sum() / 1e9)
+    assert hp.min == pytest.approx(0.5e-6) and hp.max == pytest.approx(299.5e-6)
+    assert {m.name for m in sm.metrics} >= {"ingero_agent_info", "ingero_gpu_idle_seconds", "ingero_offcpu_seconds"}
+
+
+def test_a_hung_collector_never_blocks_and_drops_are_counted(receiver: Receiver) -> None:
+    st = fed_state()
+    receiver.release.clear()  # the collector accepts requests and never answers (until released)
+    pusher = OtlpPusher(st, otlp_exporter(receiver.url, timeout_s=30), interval_s=3600, queue_max=2)
+    pusher.start()
+    pusher.enqueue()
+    assert receiver.arrived.acquire(timeout=30)  # the sender is now stuck inside the exporter
+    for _ in range(10):
+        pusher.enqueue()  # returns at once: the queue keeps the newest two
+    assert pusher.dropped == 8
+    dropped = [s for s in st.snapshot().samples if s.metric is r.EXPORT_DROPPED]
+    assert [(s.labels[-1], s.value) for s in dropped] == [("otlp", 8.0)]
+    # Recording goes on meanwhile: the state takes batches while the exporter hangs.
+    st.observe(np.zeros(5, dtype=EVENT_DTYPE))
+    receiver.release.set()
+    pusher.close(flush=False)
+    assert pusher.sent == 3  # the stuck one, then the two queued
+
+
+def test_a_dead_collector_counts_failures(receiver: Receiver) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    st = fed_state()
+    pusher = OtlpPusher(st, otlp_exporter(f"http://127.0.0.1:{port}", timeout_s=0.5), interval_s=3600, queue_max=4)
+    pusher.start()
+    pusher.enqueue()
+    pusher.close(flush=False)  # waits for the sender to give up on the one it holds
+    assert pusher.sent == 0 and pusher.dropped >= 1
+    assert not receiver.requests
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("http://otelcol:4318", "http://otelcol:4318/v1/metrics"),
+        ("otelcol:4318", "http://otelcol:4318/v1/metrics"),
+        ("https://c.example/custom/path", "https://c.example/custom/path"),
+    ],
+)
+def test_metrics_url(text: str, want: str) -> None:
+    assert metrics_url(text) == want
+
+
+def test_metrics_url_rejects_other_schemes() -> None:
+    with pytest.raises(UsageError):
+        metrics_url("grpc://otelcol:4317")
