@@ -16,12 +16,14 @@ import yaml
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from ingero.errors import UsageError
-from ingero.mcp import local_tools as lt
+from ingero.tools import local as lt
+from ingero.tools import registry
+from ingero.tools.registry import ToolEnv
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, make_pki
 
 INGERO = str(Path(sys.executable).with_name("ingero"))
 NODES = ("sample-gpu-node-01.db", "sample-gpu-node-02.db", "sample-gpu-node-03.db")
-TOOLS = {"overview", "chains", "sql", "stacks", "processes", "query_fleet"}
+TOOLS = set(registry.tools())
 
 
 @asynccontextmanager
@@ -59,7 +61,10 @@ def test_local_tools_over_stdio(tmp_path: Path, samples: Path) -> None:
         async with session(tmp_path, "--db", str(db), "--config", str(cfg)) as s:
             tools = {t.name: t for t in (await s.list_tools()).tools}
             assert set(tools) == TOOLS
+            assert {"get_trace_stats", "get_causal_chains", "run_sql", "get_stacks", "query_fleet"} <= TOOLS
             assert all(t.annotations and t.annotations.read_only_hint for t in tools.values())
+            for name, t in tools.items():  # the schema the registry derived, published as is
+                assert t.input_schema == registry.get(name).input_schema, name
             assert tools["query_fleet"].input_schema["properties"]["action"]["enum"] == [
                 "chains",
                 "sql",
@@ -68,24 +73,24 @@ def test_local_tools_over_stdio(tmp_path: Path, samples: Path) -> None:
                 "status",
             ]
 
-            err, ov = await call(s, "overview", {})
+            err, ov = await call(s, "get_trace_stats", {})
             assert not err and ov["events"] == 600 and ov["nodes"] == ["gpu-node-01", "gpu-node-02", "gpu-node-03"]
             assert ov["events_in_window_by_node"]["gpu-node-02"] == {"HOST": 62, "DRIVER": 40, "IO": 98}
             assert ov["top_ops_by_total_time"][0]["op"] in ("sched_switch", "block_write", "block_read")
 
-            err, ch = await call(s, "chains", {"severity": "high"})
+            err, ch = await call(s, "get_causal_chains", {"severity": "HIGH"})
             assert not err and ch["count"] == 2
             assert {c["id"] for c in ch["chains"]} == {
                 "gpu-node-01:drop-high-cuLaunchKernel",
                 "gpu-node-01:tail-high-cuMemAlloc",
             }
-            err, ch = await call(s, "chains", {"node": "gpu-node-03"})
+            err, ch = await call(s, "get_causal_chains", {"node": "gpu-node-03"})
             assert not err and [c["summary"][:10] for c in ch["chains"]] == ["cuMemAlloc"]
 
-            err, rows = await call(s, "sql", {"query": "SELECT node, count(*) AS n FROM events GROUP BY node"})
+            err, rows = await call(s, "run_sql", {"query": "SELECT node, count(*) AS n FROM events GROUP BY node"})
             assert not err and rows["rows"] == [["gpu-node-01", 200], ["gpu-node-02", 200], ["gpu-node-03", 200]]
 
-            err, st = await call(s, "stacks", {"op": "cuMemAlloc_v2"})
+            err, st = await call(s, "get_stacks", {"op": "cuMemAlloc_v2"})
             assert not err and (st["op"], st["calls"], len(st["stacks"])) == ("cuMemAlloc", 76, 1)
             assert "cudaMalloc+0x1f3 (libcudart.so.13)" in st["stacks"][0]["frames"]
             assert st["stacks"][0]["nodes"] == ["gpu-node-02", "gpu-node-03"]
@@ -98,21 +103,21 @@ def test_local_tools_over_stdio(tmp_path: Path, samples: Path) -> None:
 
             # bad input: a tool error each time, and the server keeps answering
             for tool, args, expect in [
-                ("sql", {"query": "DELETE FROM events"}, "read-only"),
-                ("sql", {"query": 5}, "valid string"),
-                ("sql", {"query": "SELECT nope FROM events"}, "no such column"),
-                ("overview", {"since": "soon"}, "not a duration"),
-                ("chains", {"severity": "urgent"}, "HIGH, MEDIUM, LOW"),
-                ("stacks", {"op": "cudaFrobnicate"}, "unknown op"),
-                ("processes", {"limit": 0}, "out of range"),
-                ("query_fleet", {"action": "status"}, "no fleet nodes"),
+                ("run_sql", {"query": "DELETE FROM events"}, "refused: DELETE statements are not allowed"),
+                ("run_sql", {"query": 5}, "valid string"),
+                ("run_sql", {"query": "SELECT nope FROM events"}, "validation: SQL error: no such column"),
+                ("get_trace_stats", {"since": "soon"}, "validation: since='soon' is not a duration"),
+                ("get_causal_chains", {"severity": "urgent"}, "'HIGH', 'MEDIUM' or 'LOW'"),
+                ("get_stacks", {"op": "cudaFrobnicate"}, "validation: unknown op"),
+                ("processes", {"limit": 0}, "greater than or equal to 1"),
+                ("query_fleet", {"action": "status"}, "validation: no fleet nodes"),
                 ("query_fleet", {"action": "reboot"}, "chains"),
                 ("no_such_tool", {}, "Unknown tool"),
             ]:
                 err, text = await call(s, tool, args)
                 assert err, (tool, args, text)
                 assert expect.lower() in text.lower(), (tool, text)
-            err, again = await call(s, "sql", {"query": "SELECT count(*) AS n FROM events"})
+            err, again = await call(s, "run_sql", {"query": "SELECT count(*) AS n FROM events"})
             assert not err and again["rows"] == [[600]]
 
             prompts = (await s.list_prompts()).prompts
@@ -120,7 +125,7 @@ def test_local_tools_over_stdio(tmp_path: Path, samples: Path) -> None:
             got = await s.get_prompt("investigate", {"symptom": "step time doubled on one node", "since": "10m"})
             text = got.messages[0].content.text  # type: ignore[union-attr]
             assert "step time doubled on one node" in text
-            assert 'overview(since="10m")' in text and "chains(" in text and "stacks(" in text
+            assert 'get_trace_stats(since="10m")' in text and "get_causal_chains(" in text and "get_stacks(" in text
 
     run(main)
 
@@ -225,7 +230,7 @@ def test_query_fleet_over_three_loopback_agents(tmp_path: Path, samples: Path, p
                         assert err and expect in text, (args, text)
                     else:  # the agents refuse the write: each node's refusal is its outcome
                         assert not err and text["answered"] == 0 and len(text["unreachable"]) == 4
-                err, text = await call(s, "overview", {})
+                err, text = await call(s, "get_trace_stats", {})
                 assert err and "no local database" in text
 
         run(main)
@@ -237,10 +242,10 @@ def test_local_tool_validation_units(samples: Path) -> None:
     with pytest.raises(UsageError, match="positive"):
         lt.check_since("0s")
     with pytest.raises(UsageError, match="out of range"):
-        lt.sql(samples / NODES[0], "SELECT 1", limit=5000)
+        lt.run_sql(ToolEnv(samples / NODES[0]), "SELECT 1", limit=5000)
     with pytest.raises(UsageError, match="empty"):
-        lt.sql(samples / NODES[0], "   ")
-    got = lt.stacks(samples / NODES[0], "cudaMalloc")
+        lt.run_sql(ToolEnv(samples / NODES[0]), "   ")
+    got = lt.get_stacks(ToolEnv(samples / NODES[0]), "cudaMalloc")
     assert got["calls"] == 0 and got["notes"] == ["no cudaMalloc events in the window"]
-    win = lt.processes(samples / NODES[2], since="1s")
+    win = lt.processes(ToolEnv(samples / NODES[2]), since="1s")
     assert "counts back" in (win["window"]["note"] or "")

@@ -193,6 +193,16 @@ def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
     return AgentAPI(ctx)
 
 
+def _with_tools(app: ASGIApp, settings: ServerSettings, tls_mode: str) -> ASGIApp:
+    """The tool registry's HTTP API (``/api/versions``, ``/api/v1/tools/...``, ``/api/v1/openapi.json``) in
+    front of the agent's endpoints, behind authentication → audit → rate limit (:mod:`ingero.tools.http`)."""
+    from ingero.tools.http import agent_tools_app
+    from ingero.tools.registry import ToolEnv
+
+    env = ToolEnv(db=settings.db_path.expanduser())
+    return agent_tools_app(app, env=env, token=settings.token or None, mtls=tls_mode == "mtls")
+
+
 async def serve_api(
     settings: ServerSettings,
     *,
@@ -204,6 +214,7 @@ async def serve_api(
     what the caller's own :func:`preflight` returned (then it is not run again)."""
     setup = tls_setup if tls_setup is not None else preflight(settings)
     app: ASGIApp = build_app(settings, setup.mode)
+    app = _with_tools(app, settings, setup.mode)
     if app_wrapper is not None:
         app = app_wrapper(app)
     sock = bind_socket(settings.host, settings.port, settings.backlog)

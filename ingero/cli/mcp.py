@@ -1,4 +1,4 @@
-"""``ingero mcp``: serve the Model Context Protocol on stdio for AI assistants."""
+"""``ingero mcp``: serve the tool registry over the Model Context Protocol (stdio, or Streamable HTTP)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,26 @@ import argparse
 
 from ingero.cli import common
 
+DEFAULT_HTTP_PORT = 8471
+
 EXAMPLES = """\
 examples:
-  ingero mcp --db cluster.db                               local tools on one database
-  ingero mcp --db trace.db --config ~/.config/ingero/ingero.yaml   plus query_fleet over fleet.nodes
-  ingero mcp --config configs/ingero.yaml                  fleet only (query_fleet)
+  ingero mcp --db cluster.db                               local tools on one database (stdio)
+  ingero mcp --db trace.db --config ~/.config/ingero/ingero.yaml   plus the fleet tools over fleet.nodes
+  ingero mcp --config configs/ingero.yaml                  fleet tools only
+  ingero mcp --db trace.db --http :8471 --token-file ~/.ingero/token
+                                                           Streamable HTTP on https://127.0.0.1:8471/mcp
+  ingero mcp --db trace.db --http 0.0.0.0:8471 --tls-cert c.pem --tls-key k.pem --client-ca ca.pem   mTLS
 
 Claude Desktop / any MCP client (stdio):
   {"mcpServers": {"ingero": {"command": "ingero", "args": ["mcp", "--db", "/data/cluster.db"]}}}
 
-Tools (read-only): overview, chains, sql, stacks, processes (on --db), query_fleet(action=chains|sql|ops|
-overview|status, since, sql) over the config's fleet.nodes (or --nodes). Prompt: investigate(symptom,
-since). The protocol speaks on stdout; diagnostics go to stderr.
+Tools (read-only; the same on MCP, the agent's /api/v1/tools and the dashboard): get_trace_stats,
+get_causal_chains, run_sql, get_stacks, processes, event_history (on --db), get_check, run_demo (this
+host), query_fleet, fleet_status, find_outlier_nodes (over fleet.nodes or --nodes). Prompt:
+investigate(symptom, since). On stdio the protocol speaks on stdout; diagnostics go to stderr.
+Over HTTP: TLS 1.3 (self-signed certificate unless --tls-cert), a bearer token (--token-file, $INGERO_TOKEN)
+and/or mutual TLS (--client-ca); listening beyond loopback needs one of them.
 """
 
 
@@ -25,21 +33,70 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     p = sub.add_parser(
         "mcp",
         parents=parents,
-        help="MCP server (stdio) so an AI assistant can query traces and the fleet",
-        description="Serve ingero's read-only tools over the Model Context Protocol (stdio transport).",
+        help="MCP server (stdio or HTTPS) so an AI assistant can query traces and the fleet",
+        description="Serve ingero's read-only tools over the Model Context Protocol (stdio or Streamable HTTP).",
         epilog=EXAMPLES,
         formatter_class=common.help_formatter(),
     )
     common.add_db_arg(p, help_extra=" for the local tools (default: agent.db in the config)")
     common.add_fleet_args(p)
+    add_https_args(p, "--http", "serve Streamable HTTP on HOST:PORT (':8471' is loopback) instead of stdio")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def add_https_args(p: argparse.ArgumentParser, flag: str, helptext: str) -> None:
+    """The listen / TLS / token flags of ``ingero mcp --http`` and ``ingero dashboard``."""
+    g = p.add_argument_group("https")
+    g.add_argument(flag, dest="listen", metavar="HOST:PORT", help=helptext)
+    g.add_argument("--tls-cert", metavar="PEM", help="server certificate (default: self-signed, made once)")
+    g.add_argument("--tls-key", metavar="PEM", help="its private key")
+    g.add_argument("--client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
+    g.add_argument(
+        "--token-file", metavar="PATH", help="require the bearer token held in this file (default: $INGERO_TOKEN)"
+    )
+    g.add_argument("--tls-dir", metavar="DIR", help="where the self-signed certificate lives (default ~/.ingero/tls)")
+    g.add_argument("--no-tls", action="store_true", help="plain HTTP on loopback (tests, local tinkering)")
+
+
+def listen_from(args: argparse.Namespace, default_port: int) -> object:
+    """A :class:`ingero.api.https.Listen` from the https flags (refuses unauthenticated remote serving)."""
     from pathlib import Path
 
+    from ingero.api.https import Listen
+    from ingero.cli.serve import parse_listen, token_from
+    from ingero.config import is_loopback
     from ingero.errors import UsageError
-    from ingero.mcp.server import McpSettings, run_stdio
+
+    text = args.listen or f"127.0.0.1:{default_port}"
+    host, port = parse_listen(f"127.0.0.1{text}" if text.startswith(":") else text)
+    token = token_from(argparse.Namespace(token_file=args.token_file, token=None), None)
+    if not is_loopback(host) and not token and not args.client_ca:
+        raise UsageError(
+            f"refusing to serve {host}:{port} without authentication", hint="add --token-file or --client-ca"
+        )
+
+    def path(v: str | None) -> Path | None:
+        return Path(v).expanduser() if v else None
+
+    return Listen(
+        host=host,
+        port=port,
+        tls_cert=path(args.tls_cert),
+        tls_key=path(args.tls_key),
+        client_ca=path(args.client_ca),
+        token=token,
+        no_tls=bool(args.no_tls),
+        tls_dir=path(args.tls_dir),
+    )
+
+
+def settings_from(args: argparse.Namespace) -> object:
+    """The tools' environment (database + fleet) shared by ``ingero mcp`` and ``ingero dashboard``."""
+    from pathlib import Path
+
+    from ingero.cli.fleet_cmds import settings_from_args
+    from ingero.errors import UsageError
+    from ingero.mcp.server import McpSettings
     from ingero.store.db import open_readonly
 
     cfg = common.config_from(args)
@@ -53,7 +110,39 @@ def run(args: argparse.Namespace) -> int:
             "nothing to serve: no database and no fleet nodes",
             hint="pass --db PATH, or a --config with fleet.nodes (or --nodes)",
         )
-    from ingero.cli.fleet_cmds import settings_from_args
+    return McpSettings(db=db, nodes=nodes, fleet=settings_from_args(args))
 
-    run_stdio(McpSettings(db=db, nodes=nodes, fleet=settings_from_args(args)))
+
+def run(args: argparse.Namespace) -> int:
+    from ingero.mcp.server import McpSettings, run_stdio
+
+    settings = settings_from(args)
+    assert isinstance(settings, McpSettings)
+    if args.listen is None:
+        run_stdio(settings)
+        return 0
+    return _run_http(args, settings)
+
+
+def _run_http(args: argparse.Namespace, settings: object) -> int:
+    import sys
+
+    import trio
+
+    from ingero.api.https import Listen
+    from ingero.mcp.server import McpSettings, serve_http
+
+    listen = listen_from(args, DEFAULT_HTTP_PORT)
+    assert isinstance(listen, Listen) and isinstance(settings, McpSettings)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve_http, settings, listen)
+            fp = f" (certificate sha256 {bound.fingerprint_sha256})" if bound.fingerprint_sha256 else ""
+            print(f"ingero mcp: Streamable HTTP at {bound.url} [{bound.tls_mode}]{fp}", file=sys.stderr, flush=True)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 130
     return 0

@@ -9,8 +9,9 @@ _SOURCE_IDS = ", ".join(f"{sid} {name}" for sid, name, _ in SOURCES)
 INSTRUCTIONS = f"""\
 ingero answers "why is my GPU job slow?" from eBPF traces: CUDA runtime/driver and NCCL calls plus host
 events (scheduler, block I/O, page allocation, process lifecycle, TCP), one SQLite database per node.
-Tools are read-only. Start with overview, then chains (causal chains = symptom -> host cause -> fix),
-then stacks/processes/sql to confirm. query_fleet asks every live agent at once (node column first;
+Tools are read-only. Start with get_trace_stats, then get_causal_chains (causal chains = symptom -> host
+cause -> fix), then get_stacks/processes/event_history/run_sql to confirm. query_fleet asks every live
+agent at once, find_outlier_nodes names the node unlike its peers (node column first;
 clock-skew warnings and unreachable nodes come first in its answer).
 Times: events.timestamp and duration are nanoseconds; sources {_SOURCE_IDS};
 join ops on (source, op) for names. 'since' is a duration such as 30s, 5m, 2h; on a
@@ -23,9 +24,9 @@ def investigate_prompt(symptom: str = "", since: str = "5m", fleet: bool = False
     what = symptom.strip() or "the GPU workload is slower than expected"
     fleet_steps = (
         f"""
-2b. This is a fleet: call query_fleet(action="status") to see which nodes answer and their clock skew,
+2b. This is a fleet: call fleet_status() to see which nodes answer and their clock skew,
     then query_fleet(action="chains", since="{since}") for every node's chains and the straggler
-    verdict. Name the straggler node (if any) and keep its clock-skew warning in mind when comparing
+    verdict, and find_outlier_nodes(since="{since}") for the figures behind it. Name the straggler node (if any) and keep its clock-skew warning in mind when comparing
     timestamps across nodes."""
         if fleet
         else ""
@@ -35,17 +36,17 @@ Investigate this GPU performance problem with the ingero tools: {what}
 
 Work step by step and show the numbers behind each conclusion.
 
-1. overview(since="{since}"): which nodes, how many events, the time span, the slowest ops by total time
+1. get_trace_stats(since="{since}"): which nodes, how many events, the time span, the slowest ops by total time
    (p50/p99 and tail ratio p99/p50) and how many causal chains of each severity exist. If it says the
    recording is not live, 'since' counted back from its last event.
-2. chains(since="{since}"): read the HIGH chains first. Each chain links a GPU symptom (e.g. "cudaStreamSync
+2. get_causal_chains(since="{since}"): read the HIGH chains first. Each chain links a GPU symptom (e.g. "cudaStreamSync
    p99 63x p50") to host evidence (sched_switch off-CPU time, block I/O, page allocation, TCP
    retransmits) and gives a fix. Note the node and process of each.{fleet_steps}
-3. For the op named by the strongest chain: stacks(op=..., since="{since}") to see which code path
+3. For the op named by the strongest chain: get_stacks(op=..., since="{since}") to see which code path
    calls it most and how slow each path is.
 4. processes(since="{since}"): is the GPU process itself busy, or is another process (a data loader,
    a checkpoint writer, a noisy neighbour) taking CPU or disk?
-5. Confirm with sql(): e.g. the off-CPU time of the GPU process per second, or block I/O latency over
+5. Confirm with run_sql() (or event_history() for the latest events): e.g. the off-CPU time of the GPU process per second, or block I/O latency over
    time: SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source
 6. Conclude: the root cause in one sentence, the evidence (numbers, node, pid, op), the fix to try
    first, and what would prove it worked (which number should drop, and to about what).

@@ -1,33 +1,40 @@
-"""``ingero mcp``: a Model Context Protocol server (official ``mcp`` SDK, ``MCPServer``, stdio transport).
+"""``ingero mcp``: the Model Context Protocol surface of the tool registry (official ``mcp`` SDK, ``MCPServer``).
 
-Tools (all read-only):
-  overview, chains, sql, stacks, processes  — on the local database (``--db``)
-  query_fleet(action=chains|sql|ops|overview|status, since, sql)  — fanned out to the fleet's agents
-Prompt:
-  investigate(symptom, since)  — walks an assistant from overview to root cause
+Every tool of :mod:`ingero.tools.registry` is registered here under its own name, with the schema the
+registry derived (the SDK's ``func_metadata`` over the same signature), answering the registry's
+compact JSON as text; the ``investigate`` prompt walks an assistant to a root cause. Two transports:
 
-The server runs on trio (anyio's trio backend), so ``query_fleet`` awaits the fleet client directly;
-database work runs in worker threads. Inputs are validated (the SDK checks types against each tool's
-schema; the tools check values), and every failure comes back as a tool error (``isError``) with a
-one-line message: the server never crashes on a bad call.
+* stdio (:func:`run_stdio`) — for Claude Desktop and any local MCP client;
+* Streamable HTTP (:func:`serve_http`) — ``ingero mcp --http :8471`` over TLS 1.3 with a bearer token
+  and/or mTLS, served by hypercorn's trio worker (:mod:`ingero.api.https`).
+
+The server runs on trio (anyio's trio backend), so fleet tools await the fleet client directly and
+database work runs in worker threads. Every failure comes back as a tool error (``isError``) whose text
+starts with the error kind (:mod:`ingero.tools.failures`): the server never crashes on a bad call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any
+
+import trio
 
 from ingero import __version__
 from ingero.config import NodeSpec
-from ingero.errors import IngeroError
 from ingero.fleet.settings import ClientSettings
-from ingero.mcp import local_tools as lt
 from ingero.mcp.prompt import INSTRUCTIONS, investigate_prompt
+from ingero.tools import registry
+from ingero.tools.failures import classify
+from ingero.tools.registry import Tool, ToolEnv
 
-T = TypeVar("T")
-Action = Literal["chains", "sql", "ops", "overview", "status"]
+if TYPE_CHECKING:
+    from ingero.api.https import Listen
+    from ingero.api.server import BoundServer
+
+MCP_PATH = "/mcp"
 
 
 @dataclass
@@ -36,12 +43,31 @@ class McpSettings:
     nodes: list[NodeSpec] = field(default_factory=list)
     fleet: ClientSettings = field(default_factory=ClientSettings)
 
+    def env(self) -> ToolEnv:
+        return ToolEnv(self.db, tuple(self.nodes), self.fleet)
+
+
+def _mcp_function(t: Tool, env: ToolEnv) -> Callable[..., Any]:
+    """An async function with the tool's signature (``env`` bound) answering its compact JSON."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    async def call(**kwargs: Any) -> str:
+        try:
+            return registry.encode_answer(await registry.call(t.name, kwargs, env))
+        except Exception as e:  # every failure is this call's error, in the registry's vocabulary
+            raise ToolError(classify(e, tool=t.name).mcp_text()) from None
+
+    sig = t.signature()
+    call.__signature__ = sig.replace(return_annotation=str)  # type: ignore[attr-defined]
+    call.__annotations__ = {p.name: p.annotation for p in sig.parameters.values()} | {"return": str}
+    call.__name__ = t.name
+    call.__doc__ = t.description
+    return call
+
 
 def build_server(settings: McpSettings) -> Any:
     """The configured ``MCPServer`` (typed Any: the SDK's generics add nothing here)."""
-    import anyio
     from mcp.server.mcpserver import MCPServer
-    from mcp.server.mcpserver.exceptions import ToolError
     from mcp.types import ToolAnnotations
 
     server = MCPServer(
@@ -51,74 +77,22 @@ def build_server(settings: McpSettings) -> Any:
         version=__version__,
         log_level="WARNING",
     )
-    ro = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True)
-    fleet_ro = ToolAnnotations(read_only_hint=True, destructive_hint=False, open_world_hint=True)
-
-    async def guarded(call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await call()
-        except IngeroError as e:
-            raise ToolError(e.one_line()) from None
-        except ToolError:
-            raise
-        except Exception as e:  # an unexpected failure is still just this call's error
-            raise ToolError(f"internal error: {type(e).__name__}: {' '.join(str(e).split())}") from None
-
-    async def local(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
-        db = settings.db
-        if db is None:
-            raise ToolError("no local database: start the server with 'ingero mcp --db PATH' (or use query_fleet)")
-
-        async def run() -> dict[str, Any]:
-            return await anyio.to_thread.run_sync(lambda: fn(db, **kwargs))
-
-        return await guarded(run)
-
-    @server.tool(annotations=ro)
-    async def overview(since: str | None = None) -> dict[str, Any]:
-        """What the trace database holds: nodes, time span, event mix per node, the slowest ops (p50/p99,
-        tail ratio) and causal-chain counts by severity. since: a duration (30s, 5m, 2h), optional."""
-        return await local(lt.overview, since=since)
-
-    @server.tool(annotations=ro)
-    async def chains(
-        since: str | None = None, severity: str | None = None, node: str | None = None, limit: int = 20
-    ) -> dict[str, Any]:
-        """Causal chains (GPU symptom -> host cause -> fix), most severe first: computed over the window
-        plus those stored in the database. severity: HIGH, MEDIUM or LOW; node: one node's only."""
-        return await local(lt.chains, since=since, severity=severity, node=node, limit=limit)
-
-    @server.tool(annotations=ro)
-    async def sql(query: str, limit: int = lt.DEFAULT_SQL_ROWS) -> dict[str, Any]:
-        """Run one read-only SQL statement (SQLite) on the trace database; writes, ATTACH and PRAGMA
-        writes are refused, queries stop after 2 s. Tables: events, stack_traces, causal_chains, sources,
-        ops, sessions, system_snapshots, process_names. limit: rows returned (1..1000)."""
-        return await local(lt.sql, query=query, limit=limit)
-
-    @server.tool(annotations=ro)
-    async def stacks(op: str, since: str | None = None, node: str | None = None, limit: int = 10) -> dict[str, Any]:
-        """Call stacks behind one op (e.g. cudaMalloc, cuLaunchKernel, cudaStreamSynchronize), most frequent
-        first, with calls, share, average and max latency and the resolved frames."""
-        return await local(lt.stacks, op=op, since=since, node=node, limit=limit)
-
-    @server.tool(annotations=ro)
-    async def processes(since: str | None = None, node: str | None = None, limit: int = 20) -> dict[str, Any]:
-        """Per-process breakdown: GPU API calls and time, off-CPU time (sched_switch), block I/O, busiest GPU
-        op — who is busy and who is waiting."""
-        return await local(lt.processes, since=since, node=node, limit=limit)
-
-    @server.tool(annotations=fleet_ro)
-    async def query_fleet(
-        action: Action, since: str | None = None, sql: str | None = None, limit: int = 200
-    ) -> dict[str, Any]:
-        """Ask every agent of the fleet at once (nodes from the config) and merge the answers under a 'node'
-        column. action: chains (causal chains + straggler verdict), sql (needs sql), ops (per-op latency),
-        overview, status (reachability, versions, clock skew). The answer starts with clock-skew warnings
-        and the nodes that did not answer."""
-        from ingero.mcp.fleet_tool import query_fleet as run_fleet
-
-        return await guarded(
-            lambda: run_fleet(settings.nodes, settings.fleet, action, since=since, sql=sql, limit=limit)
+    env = settings.env()
+    for t in registry.tools().values():
+        annotations = ToolAnnotations(
+            title=t.title,
+            read_only_hint=True,
+            destructive_hint=False,
+            idempotent_hint=t.scope != "fleet",
+            open_world_hint=t.scope == "fleet",
+        )
+        server.add_tool(
+            _mcp_function(t, env),
+            name=t.name,
+            title=t.title,
+            description=t.description,
+            annotations=annotations,
+            structured_output=False,
         )
 
     @server.prompt(title="Investigate a slow GPU job")
@@ -135,3 +109,31 @@ def run_stdio(settings: McpSettings) -> None:
 
     server = build_server(settings)
     anyio.run(server.run_stdio_async, backend="trio")
+
+
+def http_app(settings: McpSettings) -> Any:
+    """The Streamable HTTP ASGI app (stateless JSON responses: every request stands alone)."""
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    server = build_server(settings)
+    # TLS plus a bearer token or a client certificate authenticate callers; Host checks add nothing there
+    security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    return server.streamable_http_app(
+        streamable_http_path=MCP_PATH, json_response=True, stateless_http=True, transport_security=security
+    )
+
+
+async def serve_http(
+    settings: McpSettings,
+    listen: Listen,
+    *,
+    task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve MCP over Streamable HTTP at ``listen`` (a :class:`ingero.api.https.Listen`) until cancelled,
+    with the HTTP tools API on the same port, behind one guard (auth → audit → rate limit)."""
+    from ingero.api.https import serve_asgi
+    from ingero.tools.http import Auth, Guard, ToolsAPI
+
+    app = ToolsAPI(settings.env(), fallback=http_app(settings), title="ingero MCP server tools API")
+    guard = Guard(app, auth=Auth(token=listen.token, mtls=listen.client_ca is not None), surface="mcp")
+    await serve_asgi(guard, listen, path=MCP_PATH, task_status=task_status)

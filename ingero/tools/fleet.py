@@ -1,21 +1,28 @@
-"""The MCP ``query_fleet`` tool: one fan-out through the fleet client (:mod:`ingero.fleet`).
+"""The fleet tools: one fan-out each through the fleet client (:mod:`ingero.fleet`).
 
-Runs inside the MCP server's trio loop. Every answer starts with the clock-skew warnings and the
-nodes that did not answer (with their reasons), then the merged data with a ``node`` column first.
+``query_fleet`` (Ingero's name; actions chains, sql, ops, overview, status), ``fleet_status`` (ours:
+reachability, versions, clock skew) and ``find_outlier_nodes`` (the straggler verdict with every
+node's figures). They run on the caller's trio loop. Every answer starts with the clock-skew warnings
+and the nodes that did not answer (with their reasons), then the merged data with a ``node`` column
+first. Unreachable nodes are listed, never raised: partial answers are answers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field
 
 from ingero.config import NodeSpec
 from ingero.errors import UsageError
 from ingero.fleet.outcome import NodeOutcome
 from ingero.fleet.settings import ClientSettings
-from ingero.mcp.local_tools import MAX_SQL_ROWS, check_limit, check_since
+from ingero.tools.local import MAX_SQL_ROWS, Since, chain_dict, check_limit, check_since
+from ingero.tools.registry import ToolEnv, tool
 
-ACTIONS = ("chains", "sql", "ops", "overview", "status")
+Action = Literal["chains", "sql", "ops", "overview", "status"]
+ACTIONS: tuple[str, ...] = get_args(Action)
 OPS_COLUMNS = ["node", "source", "op", "count", "p50_us", "p95_us", "p99_us", "max_us", "tail_ratio", "total_ms"]
 OVERVIEW_COLUMNS = ["node", "events", "first_ns", "last_ns", "live", "high", "medium", "low", "top_op", "top_op_p99_us"]
 
@@ -33,7 +40,48 @@ def _header(outcomes: Sequence[NodeOutcome], settings: ClientSettings) -> dict[s
     }
 
 
+def _nodes(env: ToolEnv) -> Sequence[NodeSpec]:
+    if not env.nodes:
+        raise UsageError(
+            "no fleet nodes configured",
+            hint="list them under fleet.nodes in the config given to 'ingero mcp --config', or pass --nodes",
+        )
+    return env.nodes
+
+
+@tool("Ask the whole fleet", scope="fleet")
 async def query_fleet(
+    env: ToolEnv,
+    action: Action,
+    since: Since = None,
+    sql: Annotated[str | None, Field(description="the SELECT for action=sql")] = None,
+    limit: Annotated[int, Field(ge=1, le=MAX_SQL_ROWS, description=f"rows/chains per node (1..{MAX_SQL_ROWS})")] = 200,
+) -> dict[str, Any]:
+    """Ask every agent of the fleet at once (nodes from the config) and merge the answers under a 'node'
+    column. action: chains (causal chains + straggler verdict), sql (needs sql), ops (per-op latency
+    p50/p95/p99), overview, status (reachability, versions, clock skew). The answer starts with
+    clock-skew warnings and the nodes that did not answer."""
+    return await fleet_action(_nodes(env), env.fleet, action, since=since, sql=sql, limit=limit)
+
+
+@tool("Fleet status", scope="fleet")
+async def fleet_status(env: ToolEnv) -> dict[str, Any]:
+    """Every node: reachable or why not, version, rank, TLS mode, events, clock offset ± uncertainty."""
+    return await fleet_action(_nodes(env), env.fleet, "status")
+
+
+@tool("Outlier nodes", scope="fleet")
+async def find_outlier_nodes(env: ToolEnv, since: Since = None) -> dict[str, Any]:
+    """Which node is unlike its peers (the straggler verdict: robust z-scores across nodes of host events,
+    off-CPU and I/O time, GPU-API latency, per-op p99), with every node's figures and the reason."""
+    from ingero.fleet import operations as ops
+
+    since = check_since(since)
+    fleet = await ops.fleet_explain(_nodes(env), env.fleet, since=since)
+    return {**_header(fleet.outcomes, env.fleet), "straggler": fleet.verdict.as_dict()}
+
+
+async def fleet_action(
     nodes: Sequence[NodeSpec],
     settings: ClientSettings,
     action: str,
@@ -62,6 +110,7 @@ async def query_fleet(
         result = await ops.fleet_query(nodes, settings, sql, limit=limit, since=since)
         return {
             **_header(result.outcomes, settings),
+            "limit": limit,
             "columns": result.columns,
             "rows": result.rows,
             "rows_by_node": result.rows_by_node,
@@ -74,7 +123,8 @@ async def query_fleet(
         return {
             **_header(fleet.outcomes, settings),
             "straggler": fleet.verdict.as_dict(),
-            "chains": [c.as_dict() for c in fleet.chains[:limit]],
+            "limit": limit,
+            "chains": [chain_dict(c) for c in fleet.chains[:limit]],
             "windows": fleet.windows,
         }
     if action == "ops":

@@ -1,8 +1,10 @@
-"""The MCP server's tools over one local trace database: blocking functions returning JSON-able dicts.
+"""The tools over one local trace database (and this host): blocking functions returning JSON-able dicts.
 
 Each opens its own read-only connection (:func:`ingero.store.db.open_readonly`); free SQL goes
 through the SQL guard (:func:`ingero.store.guard.run_query`). Invalid input raises
-:class:`~ingero.errors.UsageError` with a one-line message the server turns into a tool error.
+:class:`~ingero.errors.UsageError` with a one-line message every surface turns into a ``validation``
+failure. Names follow Ingero's MCP tools (``get_trace_stats``, ``get_causal_chains``, ``run_sql``,
+``get_stacks``, ``get_check``, ``run_demo``, ``event_history``) plus our ``processes``.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from pydantic import Field
+
+from ingero.demo.scenarios import SCENARIOS
 from ingero.errors import UsageError
 from ingero.explain.model import SEVERITIES, Chain, sort_chains, stored_chains
 from ingero.store import guard
 from ingero.store.catalog import GPU_API_SOURCES, IO, SOURCE_NAMES, lookup_op, op_name
 from ingero.store.db import open_readonly, summarize, translate
 from ingero.store.window import Window, resolve_window
-from ingero.timeutil import fmt_duration, fmt_ts, parse_duration
+from ingero.timeutil import fmt_duration, parse_duration
+from ingero.tools.registry import ToolEnv, iso_us, tool
 
 MAX_SQL_ROWS = 1000
 DEFAULT_SQL_ROWS = 200
@@ -74,6 +80,31 @@ def _window(conn: sqlite3.Connection, since: str | None) -> Window:
     return resolve_window(conn, check_since(since))
 
 
+def window_dict(window: Window) -> dict[str, Any]:
+    """The window a tool used, its bounds in ISO-8601 (µs)."""
+    return {"start": iso_us(window.start_ns), "end": iso_us(window.end_ns), "note": window.note}
+
+
+def chain_dict(c: Chain) -> dict[str, Any]:
+    d = c.as_dict()
+    d["detected_at"] = iso_us(c.detected_at)
+    return d
+
+
+# argument types: each bound stated once, in the schema every surface publishes
+Since = Annotated[
+    str | None, Field(description="a duration such as 30s, 5m, 2h (on a finished recording: back from its end)")
+]
+Node = Annotated[str | None, Field(description="only this node's data")]
+Items = Annotated[int, Field(ge=1, le=MAX_ITEMS, description=f"at most this many items (1..{MAX_ITEMS})")]
+SqlRows = Annotated[int, Field(ge=1, le=MAX_SQL_ROWS, description=f"rows returned (1..{MAX_SQL_ROWS})")]
+Severity = Literal["HIGH", "MEDIUM", "LOW"]
+if TYPE_CHECKING:
+    DemoScenario = str
+else:  # the enum published in the schema is the scenario catalog itself
+    DemoScenario = Literal[tuple(SCENARIOS)]
+
+
 def _node_clause(node: str | None, column: str = "node") -> tuple[str, list[Any]]:
     return (f" AND {column} = ?", [node]) if node else ("", [])
 
@@ -81,10 +112,13 @@ def _node_clause(node: str | None, column: str = "node") -> tuple[str, list[Any]
 # --- tools -------------------------------------------------------------------------------------
 
 
-def overview(db: Path, since: str | None = None) -> dict[str, Any]:
-    """What is in the database: nodes, time range, event mix, slowest ops, chain counts."""
+@tool("Trace statistics", scope="local")
+def get_trace_stats(env: ToolEnv, since: Since = None) -> dict[str, Any]:
+    """What the trace database holds: nodes, time span, event mix per node, the slowest ops (p50/p95/p99,
+    tail ratio) and causal-chain counts by severity. Start here."""
     from ingero.explain.engine import explain
 
+    db = env.need_db()
     with _reader(db) as conn:
         s = summarize(conn, db)
         window = _window(conn, since)
@@ -101,32 +135,35 @@ def overview(db: Path, since: str | None = None) -> dict[str, Any]:
         counts[c.severity] = counts.get(c.severity, 0) + 1
     ops = sorted(report.ops, key=lambda o: o.total_ns, reverse=True)[:10]
     return {
-        "database": str(db),
+        "database": db.name,
         "layout": s.layout,
         "nodes": s.nodes or sorted(by_node),
         "events": s.events,
-        "first_event": fmt_ts(s.first_ns) if s.first_ns else None,
-        "last_event": fmt_ts(s.last_ns) if s.last_ns else None,
+        "first_event": iso_us(s.first_ns),
+        "last_event": iso_us(s.last_ns),
         "span": fmt_duration(s.last_ns - s.first_ns) if s.first_ns and s.last_ns else None,
         "live": s.live,
         "stored_chains": s.chains,
-        "window": window.as_dict(),
+        "window": window_dict(window),
         "events_in_window_by_node": by_node,
         "top_ops_by_total_time": [o.as_dict() for o in ops],
         "chain_counts": counts,
         "top_chains": [f"[{c.severity}] {c.node}: {c.summary}" for c in report.chains[:5]],
         "notes": report.notes,
-        "next_steps": "chains() for root causes; stacks(op) for the code behind a slow op; "
-        "processes() for who is busy; sql() for anything else",
+        "next_steps": "get_causal_chains() for root causes; get_stacks(op) for the code behind a slow op; "
+        "processes() for who is busy; run_sql() for anything else",
     }
 
 
-def chains(
-    db: Path, since: str | None = None, severity: str | None = None, node: str | None = None, limit: int = 20
+@tool("Causal chains", scope="local")
+def get_causal_chains(
+    env: ToolEnv, since: Since = None, severity: Severity | None = None, node: Node = None, limit: Items = 20
 ) -> dict[str, Any]:
-    """Causal chains: computed by the explain engine over the window, plus those stored in the database."""
+    """Causal chains (GPU symptom -> host cause -> fix), most severe first: computed by the explain engine
+    over the window, plus those stored in the database. severity: only HIGH, MEDIUM or LOW."""
     from ingero.explain.engine import explain
 
+    db = env.need_db()
     sev = check_severity(severity)
     check_limit(limit)
     with _reader(db) as conn:
@@ -140,21 +177,26 @@ def chains(
         c for c in sort_chains(list(found.values())) if (not sev or c.severity == sev) and (not node or c.node == node)
     ]
     return {
-        "window": window.as_dict(),
+        "window": window_dict(window),
         "count": len(picked),
-        "chains": [c.as_dict() for c in picked[:limit]],
+        "limit": limit,
+        "chains": [chain_dict(c) for c in picked[:limit]],
         "truncated": len(picked) > limit,
         "notes": report.notes,
     }
 
 
-def sql(db: Path, query: str, limit: int = DEFAULT_SQL_ROWS) -> dict[str, Any]:
-    """One read-only statement through the SQL guard."""
+@tool("Read-only SQL", scope="local")
+def run_sql(env: ToolEnv, query: str, limit: SqlRows = DEFAULT_SQL_ROWS) -> dict[str, Any]:
+    """Run one read-only SQL statement (SQLite) on the trace database; writes, ATTACH and PRAGMA writes
+    are refused, queries stop after 2 s. Tables: events, stack_traces, causal_chains, sources, ops,
+    sessions, system_snapshots, process_names. Timestamps and durations are nanoseconds."""
+    db = env.need_db()
     if not isinstance(query, str) or not query.strip():
         raise UsageError("sql is empty", hint="give one SELECT statement")
     check_limit(limit, "limit", MAX_SQL_ROWS)
     result = guard.run_query(db, query, limit=limit)
-    return result.as_dict()
+    return {**result.as_dict(), "limit": limit}
 
 
 def _frames(text: str | None) -> list[str]:
@@ -170,8 +212,11 @@ def _frames(text: str | None) -> list[str]:
     return out
 
 
-def stacks(db: Path, op: str, since: str | None = None, node: str | None = None, limit: int = 10) -> dict[str, Any]:
-    """Call stacks behind one op, most frequent first, with their latency."""
+@tool("Call stacks of an op", scope="local")
+def get_stacks(env: ToolEnv, op: str, since: Since = None, node: Node = None, limit: Items = 10) -> dict[str, Any]:
+    """Call stacks behind one op (e.g. cudaMalloc, cuLaunchKernel, cudaStreamSynchronize), most frequent
+    first, with calls, share, average and max latency and the resolved frames."""
+    db = env.need_db()
     if not isinstance(op, str) or not op.strip():
         raise UsageError("op is empty", hint="e.g. cudaMalloc, cuLaunchKernel, cudaStreamSynchronize")
     ref = lookup_op(op)
@@ -195,7 +240,8 @@ def stacks(db: Path, op: str, since: str | None = None, node: str | None = None,
             frames[h] = row[0] if row else ""
     return {
         "op": ref.name,
-        "window": window.as_dict(),
+        "window": window_dict(window),
+        "limit": limit,
         "calls": int(total or 0),
         "calls_with_stack": int(with_stack or 0),
         "stacks": [
@@ -214,8 +260,11 @@ def stacks(db: Path, op: str, since: str | None = None, node: str | None = None,
     }
 
 
-def processes(db: Path, since: str | None = None, node: str | None = None, limit: int = 20) -> dict[str, Any]:
-    """Per-process breakdown: GPU API time, off-CPU time, block I/O, busiest op."""
+@tool("Processes", scope="local")
+def processes(env: ToolEnv, since: Since = None, node: Node = None, limit: Items = 20) -> dict[str, Any]:
+    """Per-process breakdown: GPU API calls and time, off-CPU time (sched_switch), block I/O, busiest GPU
+    op — who is busy and who is waiting."""
+    db = env.need_db()
     check_limit(limit)
     gpu = ",".join(str(s) for s in GPU_API_SOURCES)
     sched = lookup_op("sched_switch")
@@ -263,11 +312,11 @@ def processes(db: Path, since: str | None = None, node: str | None = None, limit
                     if best
                     else None
                 ),
-                "first_event": fmt_ts(first),
-                "last_event": fmt_ts(last),
+                "first_event": iso_us(first),
+                "last_event": iso_us(last),
             }
         )
-    return {"window": window.as_dict(), "processes": out, "truncated": len(out) >= limit}
+    return {"window": window_dict(window), "limit": limit, "processes": out, "truncated": len(out) >= limit}
 
 
 def _names(conn: sqlite3.Connection) -> dict[tuple[str, int], str]:
@@ -283,3 +332,73 @@ def _names(conn: sqlite3.Connection) -> dict[tuple[str, int], str]:
         except sqlite3.OperationalError:
             continue
     return names
+
+
+@tool("Can this host trace?", scope="host")
+def get_check(env: ToolEnv) -> dict[str, Any]:
+    """Whether this machine can trace: kernel, BTF, headers, tracefs, uprobes, bcc, privileges, GPU
+    libraries and driver, each with the fix when it fails (the checks of 'ingero check')."""
+    from ingero.trace.check import ready, run_checks
+
+    results = run_checks()
+    return {"ready": ready(results), "checks": [r.as_dict() for r in results]}
+
+
+@tool("Run a demo scenario", scope="host")
+def run_demo(env: ToolEnv, scenario: DemoScenario = "incident") -> dict[str, Any]:
+    """Synthesise one demo scenario into a temporary database, explain it and return what explain found
+    (the chains it must produce, the event count, the story). Deterministic; nothing is kept."""
+    import tempfile
+
+    from ingero.demo.runner import run_scenario
+
+    with tempfile.TemporaryDirectory(prefix="ingero-demo-") as tmp:
+        run = run_scenario(scenario, Path(tmp) / f"{scenario}.db")
+    return {
+        "scenario": scenario,
+        "title": run.scenario.title,
+        "story": run.scenario.story,
+        "expect": run.scenario.expect,
+        "events": run.events,
+        "chains": [chain_dict(c) for c in run.report.chains[:MAX_ITEMS]],
+        "notes": run.report.notes,
+    }
+
+
+@tool("Event history", scope="local")
+def event_history(
+    env: ToolEnv,
+    since: Since = None,
+    node: Node = None,
+    op: Annotated[str | None, Field(description="only this op (e.g. cuLaunchKernel, sched_switch)")] = None,
+    limit: Annotated[int, Field(ge=1, le=MAX_SQL_ROWS, description=f"latest events (1..{MAX_SQL_ROWS})")] = 200,
+) -> dict[str, Any]:
+    """The latest events in the window, newest first: time (ISO-8601 µs), node, pid, tid, source, op,
+    duration (µs) — a timeline of ops and host events per node."""
+    db = env.need_db()
+    node_sql, node_params = _node_clause(node)
+    op_sql, op_params = "", []
+    if op:
+        ref = lookup_op(op)
+        op_sql, op_params = " AND source = ? AND op = ?", [ref.source, ref.op]
+    with _reader(db) as conn:
+        window = _window(conn, since)
+        where, params = window.clause("timestamp")
+        rows = conn.execute(
+            f"SELECT timestamp, node, pid, tid, source, op, duration FROM events WHERE {where}{node_sql}{op_sql} "
+            "ORDER BY timestamp DESC, id LIMIT ?",
+            [*params, *node_params, *op_params, limit + 1],
+        ).fetchall()
+    return {
+        "window": window_dict(window),
+        "limit": limit,
+        "truncated": len(rows) > limit,
+        "columns": EVENT_COLUMNS,
+        "rows": [
+            [iso_us(ts), n, pid, tid, SOURCE_NAMES.get(src, str(src)), op_name(src, o), round((dur or 0) / 1000, 3)]
+            for ts, n, pid, tid, src, o, dur in rows[:limit]
+        ],
+    }
+
+
+EVENT_COLUMNS = ["time", "node", "pid", "tid", "source", "op", "duration_us"]

@@ -1,0 +1,101 @@
+"""Serving any ingero ASGI app besides the agent (MCP Streamable HTTP, the dashboard) over HTTPS: hypercorn's trio
+worker on a socket we bind ourselves, TLS 1.3 only, mTLS when a client CA is given.
+
+The socket, the hypercorn configuration and the SSL contexts are the agent's own
+(:mod:`ingero.api.server`, :mod:`ingero.tls.context`): one way to listen for every ingero server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import trio
+
+from ingero.api.server import BoundServer, _HypercornConfig, _is_wildcard, _url, bind_socket
+from ingero.config import is_loopback
+from ingero.errors import UsageError
+from ingero.tls import context
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where and how to listen: address, TLS material (self-signed when none is given), auth."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    client_ca: Path | None = None
+    token: str | None = None
+    no_tls: bool = False
+    tls_dir: Path | None = None
+    common_name: str = "ingero"
+    backlog: int = 128
+
+    @property
+    def tls_mode(self) -> str:
+        return "plaintext" if self.no_tls else ("mtls" if self.client_ca else "tls")
+
+
+def ssl_context(listen: Listen) -> tuple[Any, str | None]:
+    """(SSLContext or None for plaintext, certificate fingerprint)."""
+    if listen.no_tls:
+        if listen.tls_cert or listen.client_ca:
+            raise UsageError("--no-tls conflicts with --tls-cert/--client-ca", hint="drop one of them")
+        if not is_loopback(listen.host):
+            raise UsageError(
+                f"refusing plain HTTP on {listen.host}: tokens and traces would cross the network unencrypted",
+                hint="listen on 127.0.0.1 or drop --no-tls",
+            )
+        return None, None
+    if (listen.tls_cert is None) != (listen.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together", hint="give both, or neither for a self-signed one")
+    if listen.tls_cert is not None and listen.tls_key is not None:
+        cert, key = listen.tls_cert.expanduser(), listen.tls_key.expanduser()
+    else:
+        extra = [] if _is_wildcard(listen.host) else [listen.host]
+        auto = context.ensure_auto_cert(listen.tls_dir, common_name=listen.common_name, extra_names=extra)
+        cert, key = auto.cert, auto.key
+    ctx = context.server_ssl_context(cert, key, listen.client_ca.expanduser() if listen.client_ca else None)
+    return ctx, context.cert_fingerprint(cert)
+
+
+async def serve_asgi(
+    app: Any,
+    listen: Listen,
+    *,
+    path: str = "/",
+    task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` until cancelled; ``task_status.started`` gets the bound address (``url`` ends in ``path``)."""
+    from hypercorn.config import Sockets
+    from hypercorn.trio.run import worker_serve
+    from hypercorn.utils import wrap_app
+
+    ctx, fingerprint = ssl_context(listen)
+    sock = bind_socket(listen.host, listen.port, listen.backlog)
+    try:
+        host, port = sock.getsockname()[:2]
+        shown = listen.host.strip("[]") or host
+        bound = BoundServer(
+            host=shown,
+            port=port,
+            url=_url("https" if ctx else "http", shown, port) + path,
+            tls_mode=listen.tls_mode,
+            fingerprint_sha256=fingerprint,
+        )
+        config = _HypercornConfig(ctx)
+        config.read_timeout = None  # an MCP stream or a dashboard refresh may stay open
+        sockets = Sockets(secure_sockets=[sock] if ctx else [], insecure_sockets=[] if ctx else [sock], quic_sockets=[])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                partial(
+                    worker_serve, wrap_app(cast(Any, app), config.wsgi_max_body_size, "asgi"), config, sockets=sockets
+                )
+            )
+            task_status.started(bound)
+    finally:
+        sock.close()

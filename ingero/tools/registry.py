@@ -1,0 +1,185 @@
+"""The one tool registry: each tool is one typed Python function, registered once with :func:`tool`.
+
+A tool is ``fn(env: ToolEnv, **typed_arguments) -> dict`` (sync functions do blocking database work and
+run in a worker thread; async ones await the fleet client). Its JSON schema is derived once, from the
+type hints, by the MCP SDK's own machinery (``func_metadata``: a pydantic model of the arguments); the
+same model validates the arguments on every surface:
+
+* MCP (stdio and Streamable HTTP) — :mod:`ingero.mcp.server` registers each tool with the SDK;
+* the HTTP+JSON tools API — :mod:`ingero.tools.http` (``POST /api/v1/tools/<name>``) on the agent and
+  the dashboard;
+* the OpenAPI document — :mod:`ingero.tools.openapi`.
+
+Every surface answers with :func:`encode_answer` (compact JSON, the same bytes everywhere) and maps
+failures with :func:`ingero.tools.failures.classify` (one error vocabulary).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ingero.config import NodeSpec
+from ingero.errors import ToolNotFoundError, UsageError
+from ingero.fleet.settings import ClientSettings
+
+if TYPE_CHECKING:
+    from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
+
+Scope = Literal["local", "fleet", "host"]
+ToolFn = Callable[..., dict[str, Any] | Awaitable[dict[str, Any]]]
+SyncRunner = Callable[[Callable[[], dict[str, Any]]], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class ToolEnv:
+    """What a tool may read: one local database and/or the fleet's nodes (with the client settings)."""
+
+    db: Path | None = None
+    nodes: tuple[NodeSpec, ...] = ()
+    fleet: ClientSettings = field(default_factory=ClientSettings)
+
+    def need_db(self) -> Path:
+        if self.db is None:
+            raise UsageError(
+                "no local database on this server",
+                hint="start it with --db PATH (ingero mcp / dashboard), or use query_fleet",
+            )
+        return self.db
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: ToolFn
+    scope: Scope
+    title: str
+    meta: FuncMetadata
+    alias_of: str | None = None
+
+    @property
+    def description(self) -> str:
+        return inspect.cleandoc(self.fn.__doc__ or self.title)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+    @property
+    def input_schema(self) -> dict[str, Any]:
+        schema: dict[str, Any] = self.meta.arg_model.model_json_schema(by_alias=True)
+        return schema
+
+    def signature(self) -> inspect.Signature:
+        """The function's signature without ``env``: what a caller passes."""
+        sig = inspect.signature(self.fn, eval_str=True)
+        return sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "env"])
+
+    def validate(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Arguments checked against the schema (raises pydantic's ValidationError)."""
+        unknown = sorted(set(args) - set(self.meta.arg_model.model_fields))
+        if unknown:
+            raise UsageError(
+                f"{self.name}: unknown argument {unknown[0]!r}",
+                hint="arguments: " + (", ".join(self.meta.arg_model.model_fields) or "none"),
+            )
+        return self.meta.validate_arguments(dict(args))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "title": self.title,
+            "scope": self.scope,
+            "alias_of": self.alias_of,
+            "description": self.description,
+            "input_schema": self.input_schema,
+        }
+
+
+_TOOLS: dict[str, Tool] = {}
+
+
+def tool(title: str, *, scope: Scope, name: str | None = None) -> Callable[[ToolFn], ToolFn]:
+    """Register ``fn`` as a tool (its schema derived here, once)."""
+
+    def register(fn: ToolFn) -> ToolFn:
+        from mcp.server.mcpserver.utilities.func_metadata import func_metadata
+
+        key = name or fn.__name__
+        if key in _TOOLS:
+            raise ValueError(f"tool {key!r} registered twice")
+        _TOOLS[key] = Tool(key, fn, scope, title, func_metadata(fn, skip_names=["env"], structured_output=False))
+        return fn
+
+    return register
+
+
+def alias(name: str, of: str, title: str) -> None:
+    """``name`` answers exactly like ``of`` (our older names kept where they add something)."""
+    target = _TOOLS[of]
+    _TOOLS[name] = Tool(name, target.fn, target.scope, title, target.meta, alias_of=of)
+
+
+def tools() -> dict[str, Tool]:
+    """Every registered tool, by name (importing the tool modules registers them)."""
+    import ingero.tools.fleet
+    import ingero.tools.local  # noqa: F401  (registration happens at import)
+
+    return dict(_TOOLS)
+
+
+def get(name: str) -> Tool:
+    found = tools().get(name)
+    if found is None:
+        raise ToolNotFoundError(f"unknown tool {name!r}", hint="tools: " + ", ".join(sorted(tools())))
+    return found
+
+
+async def call(
+    name: str, args: Mapping[str, Any], env: ToolEnv, *, run_sync: SyncRunner | None = None
+) -> dict[str, Any]:
+    """Validate ``args`` and run tool ``name``; raises IngeroError / pydantic ValidationError on failure."""
+    t = get(name)
+    kwargs = t.validate(args)
+    if t.is_async:
+        result = t.fn(env, **kwargs)
+        assert inspect.isawaitable(result)
+        return await result
+    if run_sync is None:
+        import anyio
+
+        return await anyio.to_thread.run_sync(lambda: t.fn(env, **kwargs))  # type: ignore[arg-type,return-value]
+    return await run_sync(lambda: t.fn(env, **kwargs))  # type: ignore[arg-type,return-value]
+
+
+def encode_answer(doc: Mapping[str, Any]) -> str:
+    """Compact JSON (no pretty-printing), the same text on every surface; NaN/Inf become null."""
+    try:
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_finite(doc), ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, Mapping):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
+
+
+def iso_us(ns: int | None) -> str | None:
+    """Unix ns → ``2026-04-03T12:18:43.111234Z`` (ISO-8601, UTC, microseconds): every tool's timestamps."""
+    if not ns:
+        return None
+    from datetime import UTC, datetime, timedelta
+
+    dt = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=ns // 1000)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
