@@ -34,6 +34,7 @@ import trio
 
 from ingero.api.server import BoundServer, ServerSettings, serve_api
 from ingero.identity import Identity
+from ingero.store.budget import QueryBudget
 from ingero.store.writer import StoreWriter
 from ingero.tls.context import client_ssl_context
 
@@ -92,7 +93,11 @@ def agent(db: Path, tls_dir: Path) -> Iterator[BoundServer]:
             async with trio.open_nursery() as n:
                 stop.append(n.cancel_scope)
                 s = ServerSettings(
-                    db_path=db, identity=Identity("bench-node"), port=0, tls_dir=tls_dir, max_timeout_ms=60_000
+                    db_path=db,
+                    identity=Identity("bench-node"),
+                    port=0,
+                    tls_dir=tls_dir,
+                    budget=QueryBudget(max_timeout_ms=60_000),
                 )
                 ready.put(await n.start(serve_api, s))
         except BaseException as e:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import trio
 
-from ingero.api.app import ASGIApp
+from ingero.api.app import AgentAPI, ASGIApp
 from ingero.api.server import BoundServer, ServerSettings, serve_api
 from ingero.identity import Identity
 from ingero.tls.context import client_ssl_context
@@ -52,7 +52,7 @@ def settings(db: Path, tls_dir: Path, **kw: Any) -> ServerSettings:
 @dataclass
 class Running:
     bound: BoundServer
-    app: Any  # the AgentAPI instance (as handed to app_wrapper)
+    app: Any  # the AgentAPI instance (found inside whatever middleware wraps it)
     client: httpx.AsyncClient
 
     async def get(self, path: str, **kw: Any) -> httpx.Response:
@@ -94,8 +94,17 @@ async def running(
         if verify is not None:
             kw["verify"] = verify
         async with client_for(bound, s, **kw) as client:
-            yield Running(bound, seen[0], client)
+            yield Running(bound, agent_api(seen[0]), client)
         nursery.cancel_scope.cancel()
+
+
+def agent_api(app: Any) -> AgentAPI:
+    """The AgentAPI inside middleware layers (each keeps the app it wraps as ``.app``)."""
+    for _ in range(10):
+        if isinstance(app, AgentAPI):
+            return app
+        app = app.app
+    raise AssertionError("no AgentAPI inside the served app")
 
 
 def assert_error_shape(r: httpx.Response, status: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import trio
 from ingero.api.app import ASGIApp, Receive, Scope, Send
 from ingero.api.server import BoundServer, serve_api
 from ingero.identity import Identity
+from ingero.store.budget import QueryBudget
 from ingero.tls.context import client_ssl_context
 from tests.agent_servers import RUNAWAY, running, settings
 from tests.conftest import SEED_QUERY, write_db
@@ -55,7 +56,7 @@ def test_replayed_recording_reports_its_recorded_ranks(tmp_path: Path) -> None:
 
 
 def test_query_seed_limits_and_filters(samples: Path, tmp_path: Path) -> None:
-    s = settings(samples / "sample-cluster.db", tmp_path / "tls", max_rows=50, max_timeout_ms=400)
+    s = settings(samples / "sample-cluster.db", tmp_path / "tls", budget=QueryBudget(max_rows=50, max_timeout_ms=400))
 
     async def q(srv: Any, **body: Any) -> dict[str, Any]:
         r = await srv.post("/api/v1/query", json=body)
@@ -125,7 +126,7 @@ def test_ops_chains_overview(samples: Path, tmp_path: Path) -> None:
 
 def test_slow_query_never_delays_time_or_health(samples: Path, tmp_path: Path) -> None:
     """While a runaway query holds a worker, /time and /health answer; then the query times out."""
-    s = settings(samples / "sample-gpu-node-01.db", tmp_path / "tls", max_timeout_ms=1500)
+    s = settings(samples / "sample-gpu-node-01.db", tmp_path / "tls", budget=QueryBudget(max_timeout_ms=1500))
     entered = trio.Event()
 
     def spy(app: ASGIApp) -> ASGIApp:
@@ -207,7 +208,7 @@ def test_many_agents_in_one_nursery_and_clean_shutdown(tmp_path: Path) -> None:
 
 def test_client_hanging_up_cancels_its_query(samples: Path, tmp_path: Path) -> None:
     """A runaway query allowed 60 s stops as soon as its client goes away, freeing the worker."""
-    s = settings(samples / "sample-gpu-node-01.db", tmp_path / "tls", max_timeout_ms=60_000)
+    s = settings(samples / "sample-gpu-node-01.db", tmp_path / "tls", budget=QueryBudget(max_timeout_ms=60_000))
 
     async def main() -> None:
         async with running(s) as srv:

@@ -92,6 +92,16 @@ def test_serve_with_token_from_the_environment_and_sigint(tmp_path: Path) -> Non
         (["--db", "{db}", "--tls-cert", "{db}", "--tls-key", "{db}"], 2, "cannot load"),
         (["--db", "{db}", "--allow-plaintext-remote"], 2, "only makes sense with --no-tls"),
         (["--db", "{db}", "--max-rows", "0"], 2, "--max-rows"),
+        (["--db", "{db}", "--max-rows", "10001"], 2, "--max-rows is at most 10000"),
+        (["--db", "{db}", "--max-timeout-ms", "60001"], 2, "--max-timeout-ms is at most 60000"),
+        # safe auth defaults: beyond loopback, some authentication or the risk named
+        (["--db", "{db}", "--listen", "0.0.0.0:0"], 2, "without authentication"),
+        (["--db", "{db}", "--listen", "[::]:0"], 2, "--insecure-no-auth"),
+        (["--db", "{db}", "--token", ""], 2, "--token is empty"),
+        (["--db", "{db}", "--token-file", "{empty}"], 2, "is empty"),
+        (["--db", "{db}", "--token-file", "/nonexistent/token"], 2, "No such file"),
+        (["--db", "{db}", "--token-file", "{token}", "--token", "x"], 2, "conflict"),
+        (["--db", "{db}", "--token-file", "{token}", "--insecure-no-auth"], 2, "conflicts"),
     ],
 )
 def test_serve_refuses_bad_settings_in_one_line(
@@ -103,9 +113,54 @@ def test_serve_refuses_bad_settings_in_one_line(
     words: str,
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("INGERO_TOKEN", raising=False)
     db = str(SAMPLES / "sample-gpu-node-01.db")
-    argv = [a.replace("{db}", db) for a in args]
+    (tmp_path / "empty").write_text(" \n")
+    (tmp_path / "token").write_text("s3cret\n")
+    files = {"{db}": db, "{empty}": str(tmp_path / "empty"), "{token}": str(tmp_path / "token")}
+    argv = [files.get(a, a) for a in args]
     listen = [] if "--listen" in argv else ["--listen", "127.0.0.1:0"]
     assert main(["serve", *listen, *argv]) == code
     err = capsys.readouterr().err
     assert err.startswith("ingero: error: ") and words in err and err.count("\n") == 1
+
+
+def test_empty_token_from_the_environment_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("INGERO_TOKEN", "")
+    assert main(["serve", "--db", str(SAMPLES / "sample-gpu-node-01.db"), "--listen", "127.0.0.1:0"]) == 2
+    assert "$INGERO_TOKEN is empty" in capsys.readouterr().err
+
+
+def test_token_file_keeps_the_token_out_of_ps_and_guards_a_wildcard_listener(tmp_path: Path) -> None:
+    """--token-file: the token is required on every request, and the process's command line (what
+    'ps' shows) never holds it; with a token, listening on 0.0.0.0 is allowed."""
+    token = "tok-" + os.urandom(8).hex()
+    (tmp_path / "token").write_text(token + "\n")
+    db = SAMPLES / "sample-gpu-node-01.db"
+    args = ("--db", str(db), "--token-file", str(tmp_path / "token"), "--listen", "0.0.0.0:0")
+    with serve(tmp_path, *args) as (proc, err, ready):
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"--token-file" in cmdline and token.encode() not in cmdline
+        assert "auth=token" in err and "warning" not in err
+        cert = tmp_path / "home" / ".ingero" / "tls" / "server-cert.pem"
+        url = f"https://127.0.0.1:{ready['port']}"
+        with httpx.Client(verify=client_ssl_context(ca_cert=cert), base_url=url) as c:
+            assert c.get("/api/v1/info").status_code == 401
+            r = c.get("/api/v1/info", headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 200 and r.json()["auth"] == "token"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_insecure_no_auth_serves_a_wildcard_listener_with_a_warning(tmp_path: Path) -> None:
+    db = SAMPLES / "sample-gpu-node-01.db"
+    with serve(tmp_path, "--db", str(db), "--listen", "0.0.0.0:0", "--insecure-no-auth") as (proc, err, ready):
+        assert "--insecure-no-auth" in err and "auth=none" in err
+        cert = tmp_path / "home" / ".ingero" / "tls" / "server-cert.pem"
+        with httpx.Client(verify=client_ssl_context(ca_cert=cert), base_url=f"https://127.0.0.1:{ready['port']}") as c:
+            assert c.get("/api/v1/health").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -11,6 +11,7 @@ import trio
 
 from ingero.identity import Identity
 from ingero.store import guard
+from ingero.store.budget import QueryBudget
 from ingero.store.writer import StoreWriter
 from tests.agent_servers import running, settings
 
@@ -122,7 +123,7 @@ def test_hostile_corpus_gets_nothing_through(sample_copy: Path, tmp_path: Path) 
     assert len(cases) >= 40
     db = sample_copy / "sample-gpu-node-01.db"
     before = fingerprint(sample_copy)
-    s = settings(db, tmp_path / "tls", max_timeout_ms=300)
+    s = settings(db, tmp_path / "tls", budget=QueryBudget(max_timeout_ms=300))
     outcomes: list[tuple[str, int, str]] = []
 
     async def main() -> None:

@@ -199,7 +199,15 @@ def test_plaintext_only_when_asked_and_loopback_unless_the_risk_is_named(samples
             await serve_api(settings(db, tmp_path / "tls", no_tls=True, host="0.0.0.0"))
         async with trio.open_nursery() as n:
             bound: BoundServer = await n.start(
-                serve_api, settings(db, tmp_path / "tls", no_tls=True, host="0.0.0.0", allow_plaintext_remote=True)
+                serve_api,
+                settings(
+                    db,
+                    tmp_path / "tls",
+                    no_tls=True,
+                    host="0.0.0.0",
+                    allow_plaintext_remote=True,
+                    insecure_no_auth=True,
+                ),
             )
             assert bound.tls_mode == "plaintext" and bound.port > 0
             async with httpx.AsyncClient() as c:

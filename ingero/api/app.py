@@ -6,13 +6,16 @@ Routes (``/api/v1``): ``GET health``, ``GET info``, ``GET time``, ``POST query``
 :attr:`~ingero.errors.IngeroError.http_status` (anything else is a logged 500 with a generic line).
 
 Order of checks for every request: bearer token (when configured; constant-time compare), route
-(404), method (405), query parameters, body (size cap, UTF-8, JSON, field types), then the work.
-``/time`` and ``/health`` answer on the loop; everything that reads the database runs in worker
-threads (:mod:`ingero.api.workers`), so they never wait behind a query.
+(404), method (405), query parameters, body (size cap, checked as it arrives: a body over the cap is
+refused with 413 as soon as the cap is passed, never read to its end; UTF-8, JSON, field types), then
+the work. ``/time`` and ``/health`` answer on the loop; everything that reads the database is admitted
+into worker threads (:mod:`ingero.api.workers`: fair per client, a short lane for cheap work, 503 with
+``Retry-After`` when saturated), so they never wait behind a query.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import json
 import logging
@@ -28,6 +31,7 @@ import trio
 from ingero import __version__
 from ingero.api import collectives, endpoints
 from ingero.api.endpoints import AgentContext, encode, ok
+from ingero.api.workers import META, SHORT, client_identity
 from ingero.errors import (
     AuthError,
     BodyTooLargeError,
@@ -47,7 +51,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PREFIX = "/api/v1/"
 MAX_BODY_BYTES = 1024 * 1024  # a query body; SQL text itself is capped at 100 000 characters
-DRAIN_LIMIT = 64 * 1024 * 1024  # read (and drop) at most this much of an oversized body before answering
+# After a 413 has been sent, what is still arriving is discarded for at most this long and
+# this much, so that a client that writes its whole body before reading sees the answer (lingering close).
+LINGER_BYTES = 16 * 1024 * 1024
+LINGER_S = 2.0
+
+_CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("ingero_api_client", default="peer:unknown")
 
 
 class _Disconnected(Exception):
@@ -89,6 +98,7 @@ class AgentAPI:
             return
         received_ns = time.time_ns()
         headers: list[tuple[bytes, bytes]] = []
+        linger = False
         try:
             status, body, headers = 200, await self._dispatch(scope, receive, received_ns), []
         except _Disconnected:
@@ -97,11 +107,15 @@ class AgentAPI:
             status, body = e.http_status, error_body(e.http_status, e.one_line())
             if isinstance(e, AuthError):
                 headers = [(b"www-authenticate", b'Bearer realm="ingero"')]
+            elif isinstance(retry_after := getattr(e, "retry_after_s", None), int):  # 503 busy, 429 limited
+                headers = [(b"retry-after", str(retry_after).encode())]
             elif isinstance(e, MethodNotAllowedError):
                 allowed = ", ".join(sorted(self.routes.get(_route_name(scope["path"]), {})))
                 headers = [(b"allow", allowed.encode())]
-            elif isinstance(e, BodyTooLargeError) and scope.get("http_version", "1.1").startswith("1"):
-                headers = [(b"connection", b"close")]  # (connection-specific headers are illegal in HTTP/2)
+            elif isinstance(e, BodyTooLargeError):
+                linger = True
+                if scope.get("http_version", "1.1").startswith("1"):  # (connection headers are illegal in HTTP/2)
+                    headers = [(b"connection", b"close")]
         except Exception:
             log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
             status = 500
@@ -115,10 +129,17 @@ class AgentAPI:
                     (b"content-length", str(len(body)).encode()),
                     (b"cache-control", b"no-store"),
                     (b"x-content-type-options", b"nosniff"),
+                    # NTP t2/t3 on every answer: the fleet client's clock-skew sample rides the query
+                    (b"x-ingero-receive-ns", str(received_ns).encode()),
+                    (b"x-ingero-transmit-ns", str(time.time_ns()).encode()),
                     *headers,
                 ],
             }
         )
+        if linger:  # the whole answer now (content-length), the end of the message after the discard
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await _discard_rest(receive)
+            body = b""
         await send({"type": "http.response.body", "body": body})
 
     async def _dispatch(self, scope: Scope, receive: Receive, received_ns: int) -> bytes:
@@ -134,6 +155,7 @@ class AgentAPI:
         if method not in methods:
             raise MethodNotAllowedError(f"{method} is not allowed on {path}; use {' or '.join(sorted(methods))}")
         handler, known, heavy = methods[method]
+        _CLIENT.set(client_identity(scope))
         req = Request(_params(scope, known), received_ns)
         if method == "POST":
             req.body = await _read_body(receive, headers)
@@ -202,10 +224,12 @@ class AgentAPI:
     async def _in_worker(
         self, fn: Callable[[threading.Event], bytes], budget_ms: int | None = None, *, meta: bool = False
     ) -> bytes:
-        """Run ``fn`` in a worker thread within ``budget_ms`` (default: the analysis budget)."""
-        budget_s = (budget_ms or self.ctx.analysis_timeout_ms) / 1000
-        pool = self.ctx.meta_workers if meta else self.ctx.workers
-        return await pool.run(fn, wait_s=budget_s, hard_s=budget_s * 1.25 + 1.0)
+        """Run ``fn`` in a worker thread within ``budget_ms`` of its own time (default: the analysis
+        budget); the time it waits for admission is not counted."""
+        budget_s = (budget_ms or self.ctx.budget.analysis_timeout_ms) / 1000
+        return await self.ctx.workers.run(
+            fn, client=_CLIENT.get(), hard_s=budget_s * 1.25 + 1.0, lane=META if meta else SHORT
+        )
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -234,8 +258,10 @@ def _params(scope: Scope, known: tuple[str, ...]) -> dict[str, str]:
 
 
 async def _read_body(receive: Receive, headers: Mapping[bytes, bytes]) -> bytes:
+    """The body, refused (413, connection closed) the moment it is known to pass the cap: from its
+    declared length, or from the chunk that passes it — the rest is never read."""
     declared = headers.get(b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT:
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise BodyTooLargeError(f"request body of {int(declared)} bytes is over the {MAX_BODY_BYTES}-byte limit")
     chunks: list[bytes] = []
     size = 0
@@ -247,13 +273,11 @@ async def _read_body(receive: Receive, headers: Mapping[bytes, bytes]) -> bytes:
             continue
         part: bytes = msg.get("body", b"")
         size += len(part)
-        if size <= MAX_BODY_BYTES:
-            chunks.append(part)
-        if not msg.get("more_body", False) or size > DRAIN_LIMIT:
-            break
-    if size > MAX_BODY_BYTES:
-        raise BodyTooLargeError(f"request body of {size} bytes is over the {MAX_BODY_BYTES}-byte limit")
-    return b"".join(chunks)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLargeError(f"request body is over the {MAX_BODY_BYTES}-byte limit")
+        chunks.append(part)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _json_body(body: bytes) -> Any:
@@ -271,6 +295,17 @@ def _json_body(body: bytes) -> Any:
         raise RequestError("request body JSON is nested too deeply") from None
     except ValueError as e:  # e.g. an integer literal with thousands of digits
         raise RequestError(f"request body is not usable JSON: {e}") from None
+
+
+async def _discard_rest(receive: Receive) -> None:
+    """Drop what is still arriving of a refused body, bounded in bytes and time (see LINGER_BYTES)."""
+    dropped = 0
+    with trio.move_on_after(LINGER_S):
+        while dropped <= LINGER_BYTES:
+            msg = await receive()
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                return
+            dropped += len(msg.get("body", b""))
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

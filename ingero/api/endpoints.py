@@ -12,7 +12,6 @@ import json
 import math
 import sqlite3
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,10 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ingero import API_VERSION, __version__
-from ingero.api.workers import Workers
+from ingero.api.workers import Admission, Job
 from ingero.errors import QueryTimeoutError, StoreError, UsageError
 from ingero.identity import Identity
 from ingero.store import guard
+from ingero.store.budget import Deadline, QueryBudget, errorname
 from ingero.store.catalog import lookup_op
 from ingero.store.db import DbSummary, event_filter_sql, open_readonly, summarize, translate
 from ingero.store.window import Window, resolve_window
@@ -43,17 +43,16 @@ class AgentContext:
     identity: Identity
     tls_mode: str  # "mtls" | "tls" | "plaintext"
     token: str | None
-    max_rows: int
-    default_rows: int
-    max_timeout_ms: int
-    max_response_bytes: int
-    analysis_timeout_ms: int  # explain / ops / overview / info
-    workers: Workers
-    meta_workers: Workers  # /info's own
+    budget: QueryBudget  # every row/time/size limit
+    workers: Admission  # the lanes of worker threads (short, heavy, meta)
 
     @property
     def node(self) -> str:
         return self.identity.node
+
+    @property
+    def analysis_timeout_ms(self) -> int:
+        return self.budget.analysis_timeout_ms
 
     @property
     def auth_mode(self) -> str:
@@ -90,21 +89,19 @@ def ok(ctx: AgentContext, **fields: Any) -> dict[str, Any]:
 
 @contextmanager
 def reader(ctx: AgentContext, cancel: threading.Event) -> Iterator[sqlite3.Connection]:
-    """A read-only connection whose statements stop at the analysis deadline or when ``cancel`` is set."""
-    budget = ctx.analysis_timeout_ms
+    """A read-only connection whose statements stop at the analysis deadline or when ``cancel`` is set
+    (a :class:`~ingero.api.workers.Job` also moves to the heavy lane once past its quantum)."""
+    budget = ctx.budget.analysis_timeout_ms
     conn = open_readonly(ctx.db_path, legacy_node=ctx.node, check_same_thread=False)
-    deadline = time.monotonic() + budget / 1000
-
-    def stopped() -> bool:
-        return cancel.is_set() or time.monotonic() > deadline
-
-    conn.set_progress_handler(lambda: 1 if stopped() else 0, 10_000)
+    deadline = Deadline(budget, cancel, cancel.checkpoint if isinstance(cancel, Job) else None)
+    deadline.install(conn, 10_000)
     try:
         conn.execute("PRAGMA query_only = 1")
         yield conn
     except (sqlite3.Error, StoreError) as e:
-        # the explain engine translates sqlite3 errors itself: "interrupted" may arrive as a StoreError
-        if "interrupted" in str(e) and stopped():
+        # an interrupt may arrive translated (a StoreError) from code that translates sqlite3 errors itself
+        interrupted = errorname(e) == "SQLITE_INTERRUPT" or isinstance(e, StoreError)
+        if interrupted and deadline.expired():
             raise QueryTimeoutError(
                 f"analysis stopped at its {budget} ms limit", hint="ask for a shorter window (since=5m)"
             ) from None
@@ -170,24 +167,23 @@ def info(ctx: AgentContext, cancel: threading.Event) -> bytes:
 
 def query_timeout_ms(ctx: AgentContext, body: Mapping[str, Any]) -> int:
     """The query's budget: what it asked for, at most (and by default) the server's maximum."""
-    return min(int(body.get("timeout_ms") or ctx.max_timeout_ms), ctx.max_timeout_ms)
+    return ctx.budget.timeout_ms(body.get("timeout_ms"))
 
 
 def query(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -> bytes:
-    limit = min(int(body.get("limit") or ctx.default_rows), ctx.max_rows)
     flt, window = None, None
     if any(body.get(k) is not None for k in (*WINDOW_PARAMS, "pid", "op")):
         flt, window = _event_filter(ctx, body, cancel)
     result = guard.run_query(
         ctx.db_path,
         body["sql"],
-        limit=limit,
-        timeout_ms=query_timeout_ms(ctx, body),
-        max_bytes=ctx.max_response_bytes,
-        max_limit=ctx.max_rows,
+        limit=body.get("limit"),
+        timeout_ms=body.get("timeout_ms"),
+        budget=ctx.budget,
         legacy_node=ctx.node,
         event_filter=flt,
         cancel=cancel,
+        checkpoint=cancel.checkpoint if isinstance(cancel, Job) else None,
     )
     doc = ok(ctx, **result.as_dict())
     if window is not None:

@@ -15,7 +15,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -28,11 +28,11 @@ from hypercorn.utils import wrap_app
 
 from ingero.api.app import AgentAPI, ASGIApp
 from ingero.api.endpoints import AgentContext
-from ingero.api.workers import Workers
+from ingero.api.workers import Admission, AdmissionLimits
 from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.identity import Identity
-from ingero.store import guard
+from ingero.store.budget import QueryBudget
 from ingero.store.db import open_readonly
 from ingero.tls import context
 
@@ -51,11 +51,9 @@ class ServerSettings:
     token: str | None = None
     no_tls: bool = False
     allow_plaintext_remote: bool = False
-    max_rows: int = guard.MAX_LIMIT
-    max_timeout_ms: int = guard.DEFAULT_TIMEOUT_MS
-    max_response_bytes: int = guard.MAX_RESPONSE_BYTES
-    analysis_timeout_ms: int = 30_000
-    query_workers: int = 4
+    insecure_no_auth: bool = False  # serve beyond loopback with neither a client CA nor a token
+    budget: QueryBudget = field(default_factory=QueryBudget)
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     tls_dir: Path | None = None  # where the self-signed certificate lives (default ~/.ingero/tls)
     backlog: int = 128
 
@@ -109,6 +107,20 @@ def _is_wildcard(host: str) -> bool:
     return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
+def check_auth(settings: ServerSettings) -> None:
+    """Refuse to serve beyond loopback without any authentication (client CA or token), unless the
+    operator said ``--insecure-no-auth`` by name; an empty token is always an error."""
+    s = settings
+    if s.token is not None and not s.token.strip():
+        raise UsageError("the bearer token is empty", hint="put a token in --token-file, or drop the token setting")
+    if is_loopback(s.host) or s.token or s.client_ca or s.insecure_no_auth:
+        return
+    raise UsageError(
+        f"refusing to serve {s.host} without authentication: anyone who can reach it could read this node's traces",
+        hint="add --client-ca (mutual TLS) or --token-file, listen on 127.0.0.1, or say --insecure-no-auth",
+    )
+
+
 def prepare_tls(settings: ServerSettings) -> TLSSetup:
     s = settings
     if s.no_tls:
@@ -119,6 +131,8 @@ def prepare_tls(settings: ServerSettings) -> TLSSetup:
                 f"refusing plain HTTP on {s.host}: traces and tokens would cross the network unencrypted",
                 hint="listen on 127.0.0.1, drop --no-tls, or add --allow-plaintext-remote to accept the risk",
             )
+    check_auth(s)
+    if s.no_tls:
         return TLSSetup(None, "plaintext", None, None)
     if (s.tls_cert is None) != (s.tls_key is None):
         raise UsageError(
@@ -182,13 +196,8 @@ def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
         identity=settings.identity,
         tls_mode=tls_mode,
         token=settings.token or None,
-        max_rows=min(settings.max_rows, guard.MAX_LIMIT),
-        default_rows=min(guard.DEFAULT_LIMIT, settings.max_rows),
-        max_timeout_ms=min(settings.max_timeout_ms, guard.MAX_TIMEOUT_MS),
-        max_response_bytes=settings.max_response_bytes,
-        analysis_timeout_ms=settings.analysis_timeout_ms,
-        workers=Workers(settings.query_workers, "query"),
-        meta_workers=Workers(2, "info"),
+        budget=settings.budget,
+        workers=Admission(settings.admission),
     )
     return AgentAPI(ctx)
 

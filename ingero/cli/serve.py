@@ -18,7 +18,7 @@ DEFAULT_LISTEN = "127.0.0.1:8080"
 EXAMPLES = """\
 examples:
   ingero serve --db trace.db                                   https on 127.0.0.1:8080, self-signed cert
-  ingero serve --db trace.db --listen 0.0.0.0:8443 --token "$(cat /etc/ingero/token)"
+  ingero serve --db trace.db --listen 0.0.0.0:8443 --token-file /etc/ingero/token
   ingero serve --db tests/data/ingero-samples/sample-gpu-node-01.db --listen 127.0.0.1:0 --ready-file /tmp/agent.json
   ingero serve --db trace.db --listen 0.0.0.0:8443 --node gpu-node-01 \\
       --tls-cert ~/.ingero/pki/node-gpu-node-01.pem --tls-key ~/.ingero/pki/node-gpu-node-01-key.pem \\
@@ -33,8 +33,12 @@ then, from the laptop:
 
 Without --tls-cert/--tls-key the agent makes (once) a self-signed ECDSA P-256 certificate in
 ~/.ingero/tls/ (mode 0600) covering this host's names and addresses, and prints its SHA-256
-fingerprint. Only TLS 1.3 is spoken. --client-ca turns on mutual TLS; --token (or $INGERO_TOKEN)
-requires 'Authorization: Bearer <token>' on every request. --ready-file gets
+fingerprint. Only TLS 1.3 is spoken. --client-ca turns on mutual TLS; --token-file (or $INGERO_TOKEN,
+or agent.token) requires 'Authorization: Bearer <token>' on every request; the token never needs to be
+on the command line, where 'ps' shows it. Listening beyond loopback with neither --client-ca nor a
+token is refused unless --insecure-no-auth is given. Queries are admitted fairly per client: cheap
+ones are never stuck behind heavy ones; when saturated the agent answers 503 with Retry-After.
+--ready-file gets
 {"host","port","url","pid","tls","fingerprint_sha256","node"} once listening (use port 0 for a free
 port). SIGINT/SIGTERM stop the agent cleanly. Endpoints: docs/API.md.
 """
@@ -69,7 +73,17 @@ def add_server_args(p: argparse.ArgumentParser, g: argparse._ArgumentGroup) -> N
     g.add_argument("--tls-cert", metavar="PEM", help="server certificate (default: agent.tls_cert, else self-signed)")
     g.add_argument("--tls-key", metavar="PEM", help="its private key")
     g.add_argument("--client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
-    g.add_argument("--token", metavar="TOKEN", help="require this bearer token (default: $INGERO_TOKEN or agent.token)")
+    g.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="require the bearer token held in this file (default: $INGERO_TOKEN, then agent.token)",
+    )
+    g.add_argument("--token", metavar="TOKEN", help="the bearer token itself (visible in 'ps': prefer --token-file)")
+    g.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve a non-loopback address with neither --client-ca nor a token (anyone reaching it reads the traces)",
+    )
     g.add_argument("--tls-dir", metavar="DIR", help="where the self-signed certificate lives (default ~/.ingero/tls)")
     g.add_argument("--no-tls", action="store_true", help="plain HTTP (loopback only unless --allow-plaintext-remote)")
     g.add_argument(
@@ -83,21 +97,34 @@ def add_limit_args(g: argparse._ArgumentGroup, *, hidden: bool = False) -> None:
     def helptext(text: str) -> str:
         return argparse.SUPPRESS if hidden else text
 
+    from ingero.api.workers import AdmissionLimits
+    from ingero.store import budget
+
     g.add_argument(
         "--max-rows",
         type=int,
         metavar="N",
-        default=10_000,
-        help=helptext("row cap a query may ask for (default 10000)"),
+        default=budget.MAX_ROWS,
+        help=helptext(f"row cap a query may ask for (default and most {budget.MAX_ROWS})"),
     )
     g.add_argument(
         "--max-timeout-ms",
         type=int,
         metavar="MS",
-        default=2000,
-        help=helptext("longest a query may run (default 2000)"),
+        default=budget.DEFAULT_TIMEOUT_MS,
+        help=helptext(
+            f"longest a query may run, not counting its wait for a worker "
+            f"(default {budget.DEFAULT_TIMEOUT_MS}, at most {budget.MAX_TIMEOUT_MS})"
+        ),
     )
-    g.add_argument("--workers", type=int, metavar="N", default=4, help=helptext("queries run at once (default 4)"))
+    short = AdmissionLimits().short_slots
+    g.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        default=short,
+        help=helptext(f"queries run at once in the short lane (default {short}; the heavy lane gets half)"),
+    )
 
 
 def warn_about_exposure(settings: ServerSettings) -> None:
@@ -109,8 +136,8 @@ def warn_about_exposure(settings: ServerSettings) -> None:
         warn("serving plain HTTP: queries, answers and the token cross the wire unencrypted")
     elif not is_loopback(settings.host) and not settings.token and not settings.client_ca:
         warn(
-            f"anyone who can reach {settings.host}:{settings.port} can read this node's traces; "
-            "add --client-ca (mutual TLS) or --token"
+            f"--insecure-no-auth: anyone who can reach {settings.host}:{settings.port} can read this node's traces; "
+            "add --client-ca (mutual TLS) or --token-file"
         )
 
 
@@ -128,26 +155,59 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, 0 if zero else port
 
 
+def token_from(args: argparse.Namespace, configured: str | None) -> str | None:
+    """The bearer token: --token-file > --token > $INGERO_TOKEN > agent.token; None when there is none.
+    A token that is given but empty (an empty file, ``--token ""``) is an error, never "no auth"."""
+    from ingero.errors import UsageError
+
+    if args.token_file and args.token is not None:
+        raise UsageError("--token and --token-file conflict", hint="keep --token-file (ps does not show it)")
+    if args.token_file:
+        path = Path(args.token_file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else "not readable UTF-8 text"
+            raise UsageError(f"--token-file {path}: {reason}") from None
+        source, token = f"--token-file {path}", text.strip()
+    elif args.token is not None:
+        source, token = "--token", args.token.strip()
+    elif "INGERO_TOKEN" in os.environ:
+        source, token = "$INGERO_TOKEN", os.environ["INGERO_TOKEN"].strip()
+    elif configured is not None:
+        source, token = "agent.token", configured.strip()
+    else:
+        return None
+    if not token:
+        raise UsageError(f"{source} is empty", hint="give a non-empty token, or no token setting at all")
+    if any(c.isspace() for c in token):
+        raise UsageError(f"{source} holds whitespace inside the token", hint="a token is one word")
+    return token
+
+
 def settings_from(args: argparse.Namespace) -> ServerSettings:
     from ingero.api.server import ServerSettings
+    from ingero.api.workers import AdmissionLimits
     from ingero.errors import UsageError
+    from ingero.store.budget import QueryBudget
 
     cfg = common.config_from(args).agent
     host, port = parse_listen(args.listen or cfg.listen or DEFAULT_LISTEN)
-    token = args.token or os.environ.get("INGERO_TOKEN") or cfg.token or None
+    token = token_from(args, cfg.token)
     cert, key = args.tls_cert or cfg.tls_cert, args.tls_key or cfg.tls_key
     client_ca = args.client_ca or cfg.client_ca
     if args.no_tls and (args.tls_cert or args.tls_key or args.client_ca):
         raise UsageError("--no-tls conflicts with --tls-cert/--tls-key/--client-ca", hint="drop one of them")
     if args.allow_plaintext_remote and not args.no_tls:
         raise UsageError("--allow-plaintext-remote only makes sense with --no-tls")
-    for flag, value in (
-        ("--max-rows", args.max_rows),
-        ("--max-timeout-ms", args.max_timeout_ms),
-        ("--workers", args.workers),
-    ):
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.insecure_no_auth and (token or client_ca):
+        raise UsageError("--insecure-no-auth conflicts with a token or --client-ca", hint="drop one of them")
+    try:
+        budget = QueryBudget(max_rows=args.max_rows, max_timeout_ms=args.max_timeout_ms)
+    except UsageError as e:
+        raise UsageError("--" + e.message, hint=e.hint) from None
+    if args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
     return ServerSettings(
         db_path=common.db_path_from(args),
         identity=common.identity_from(args),
@@ -159,9 +219,9 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         token=token,
         no_tls=args.no_tls,
         allow_plaintext_remote=args.allow_plaintext_remote,
-        max_rows=args.max_rows,
-        max_timeout_ms=args.max_timeout_ms,
-        query_workers=args.workers,
+        insecure_no_auth=args.insecure_no_auth,
+        budget=budget,
+        admission=AdmissionLimits.for_workers(args.workers),
         tls_dir=Path(args.tls_dir).expanduser() if args.tls_dir else None,
     )
 

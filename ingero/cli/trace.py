@@ -128,7 +128,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
     listen = None
     if args.listen:
         listen = serve.settings_from(args)
-    elif args.no_tls or args.tls_cert or args.client_ca or args.token:
+    elif args.no_tls or args.tls_cert or args.client_ca or args.token or args.token_file or args.insecure_no_auth:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
     raw_db = args.db or common.config_from(args).agent.db or common.DEFAULT_DB
     return TraceOptions(

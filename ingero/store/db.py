@@ -7,7 +7,7 @@
   fleet SQL such as ``SELECT node, ... FROM events`` runs on them unchanged.
 * :func:`open_writable` creates or migrates the schema, turns on WAL and the writer's pragmas.
 
-sqlite3 errors are translated to :mod:`ingero.errors` here, once.
+sqlite3 errors are translated to :mod:`ingero.errors` here, once, by ``sqlite_errorname``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ingero.errors import DatabaseNotFoundError, NotADatabaseError, StoreError
+from ingero.store.budget import errorname
 from ingero.store.schema import Layout, inspect_layout, migrate
 from ingero.timeutil import NS_PER_S, now_ns
 
@@ -40,17 +41,17 @@ def _check_path(path: str | Path) -> Path:
 
 
 def translate(e: sqlite3.Error, path: str | Path) -> StoreError:
-    """sqlite3 error → one-line StoreError naming the file."""
-    msg = str(e)
-    if isinstance(e, sqlite3.DatabaseError) and "file is not a database" in msg:
+    """sqlite3 error → one-line StoreError naming the file, classified by SQLite's error name."""
+    name = errorname(e)
+    if name == "SQLITE_NOTADB":
         return NotADatabaseError(f"{path} is not a SQLite database", hint="check the path")
-    if "unable to open" in msg:
-        return StoreError(f"cannot open {path}: {msg}", hint="check the file's permissions")
-    if "locked" in msg or "busy" in msg:
-        return StoreError(f"{path} is locked by another writer: {msg}")
-    if "readonly" in msg or "read-only" in msg:
-        return StoreError(f"{path} is read-only: {msg}", hint="check the file's permissions")
-    return StoreError(f"{path}: {msg}")
+    if name == "SQLITE_CANTOPEN":
+        return StoreError(f"cannot open {path}: {e}", hint="check the file's permissions")
+    if name in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+        return StoreError(f"{path} is locked by another writer: {e}")
+    if name == "SQLITE_READONLY":
+        return StoreError(f"{path} is read-only: {e}", hint="check the file's permissions")
+    return StoreError(f"{path}: {e}")
 
 
 def open_readonly(

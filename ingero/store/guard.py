@@ -7,9 +7,13 @@ Layers, each sufficient on its own for what it covers:
 2. an authorizer allows reads only: no writes, schema changes, ATTACH/DETACH, transactions,
    pragma writes, ``load_extension`` or file-reading functions; ``SQLITE_LIMIT_ATTACHED`` is 0;
 3. exactly one statement (``sqlite3`` refuses several; the tail may only hold comments);
-4. a deadline enforced by the progress handler (default 2 s; a caller may ask for less);
-5. a row cap (default 1000, at most 10 000) reported as ``truncated``, a response byte cap, and
-   ``SQLITE_LIMIT_LENGTH`` so no single value (``zeroblob(1e9)``) can be materialised.
+4. a deadline enforced by the progress handler (:class:`~ingero.store.budget.Deadline`);
+5. a row cap reported as ``truncated``, a response byte cap, and ``SQLITE_LIMIT_LENGTH`` so no single
+   value (``zeroblob(1e9)``) can be materialised.
+
+Every limit comes from one :class:`~ingero.store.budget.QueryBudget` (defaults: 1000 rows, at most
+10 000; 2 s). Nothing that names the database file is readable (``database_list`` is refused), so
+remote clients never learn where it lives. SQLite errors are classified by ``sqlite_errorname``.
 
 The progress handler only runs between VM instructions, so a single built-in call that is quadratic
 in its inputs could run for minutes out of its reach: on guarded connections ``instr``, ``replace``,
@@ -29,7 +33,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +44,30 @@ from ingero.errors import (
     QueryTooLargeError,
     UsageError,
 )
+from ingero.store.budget import (
+    DEFAULT_ROWS,
+    DEFAULT_TIMEOUT_MS,
+    MAX_RESPONSE_BYTES,
+    MAX_ROWS,
+    MAX_TIMEOUT_MS,
+    Checkpoint,
+    Deadline,
+    QueryBudget,
+    errorname,
+)
 from ingero.store.db import open_readonly, translate
 from ingero.store.guard_functions import SafeFunctions
 
-DEFAULT_LIMIT = 1000
-MAX_LIMIT = 10_000
-DEFAULT_TIMEOUT_MS = 2000
-MAX_TIMEOUT_MS = 60_000
-MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+# the budget's names under their historical spellings (callers outside the API use these)
+DEFAULT_LIMIT = DEFAULT_ROWS
+MAX_LIMIT = MAX_ROWS
+__all__ = ["DEFAULT_LIMIT", "DEFAULT_TIMEOUT_MS", "MAX_LIMIT", "MAX_RESPONSE_BYTES", "MAX_TIMEOUT_MS", "QueryBudget"]
 MAX_VALUE_BYTES = 1024 * 1024
 MAX_SQL_CHARS = 100_000
 MAX_PATTERN_CHARS = 200  # LIKE/GLOB pattern length (SQLite's default is 50 000)
-PROGRESS_EVERY = 2000  # VM instructions between deadline checks
 
 # Pragmas that only read, allowed as statements (without a value) and as table-valued functions.
+# (database_list is not one of them: it shows the database's file path.)
 READ_PRAGMAS = frozenset(
     {
         "table_info",
@@ -65,7 +79,6 @@ READ_PRAGMAS = frozenset(
         "foreign_key_list",
         "collation_list",
         "function_list",
-        "database_list",
         "user_version",
         "schema_version",
         "page_count",
@@ -200,12 +213,8 @@ class _Authorizer:
         return sqlite3.SQLITE_DENY
 
 
-def clamp_limit(limit: int | None) -> int:
-    if limit is None:
-        return DEFAULT_LIMIT
-    if limit < 1:
-        raise UsageError(f"limit must be at least 1, got {limit}")
-    return min(limit, MAX_LIMIT)
+# a local caller's budget: the operator's ceiling is the hard one (the agent passes its own budget)
+LOCAL_BUDGET = QueryBudget(max_timeout_ms=MAX_TIMEOUT_MS)
 
 
 def run_query(
@@ -213,23 +222,31 @@ def run_query(
     sql: str,
     *,
     params: Sequence[Any] = (),
-    limit: int | None = DEFAULT_LIMIT,
+    limit: int | None = None,
     timeout_ms: int | None = DEFAULT_TIMEOUT_MS,
-    max_bytes: int = MAX_RESPONSE_BYTES,
-    max_limit: int = MAX_LIMIT,
+    budget: QueryBudget = LOCAL_BUDGET,
+    max_bytes: int | None = None,
+    max_limit: int | None = None,
     legacy_node: str | None = None,
     event_filter: str | None = None,
     cancel: threading.Event | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> QueryResult:
     """Run ``sql`` read-only against ``db_path`` with every guard on. Thread-safe (own connection).
 
-    ``cancel``, when set from another thread, stops the query at its next progress check.
+    ``limit``/``timeout_ms`` are what the query asked for; ``budget`` caps them (``max_bytes`` and
+    ``max_limit`` are older spellings of its ``max_response_bytes``/``max_rows``). ``cancel``, when
+    set from another thread, stops the query at its next progress check; ``checkpoint`` runs there
+    too and may pause it (see :class:`~ingero.store.budget.Deadline`).
     """
-    row_cap = min(clamp_limit(limit), max_limit)
-    budget_ms = DEFAULT_TIMEOUT_MS if timeout_ms is None else timeout_ms
-    if budget_ms <= 0:
-        raise UsageError(f"timeout_ms must be positive, got {budget_ms}")
-    budget_ms = min(budget_ms, MAX_TIMEOUT_MS)
+    if max_bytes is not None or max_limit is not None:
+        budget = replace(
+            budget,
+            max_response_bytes=max_bytes or budget.max_response_bytes,
+            max_rows=min(max_limit or budget.max_rows, MAX_ROWS),
+        )
+    row_cap = budget.rows(limit)
+    budget_ms = budget.timeout_ms(timeout_ms)
     _precheck(sql)
 
     started = time.perf_counter()
@@ -237,7 +254,8 @@ def run_query(
     funcs = SafeFunctions(MAX_VALUE_BYTES)
     try:
         _lock_down(conn, funcs)
-        return _execute(conn, sql, params, row_cap, budget_ms, max_bytes, started, db_path, cancel, funcs)
+        deadline = Deadline(budget_ms, cancel, checkpoint)
+        return _execute(conn, sql, params, row_cap, deadline, budget.max_response_bytes, started, db_path, funcs)
     finally:
         funcs.close()
         conn.close()
@@ -253,12 +271,24 @@ def _precheck(sql: str) -> None:
         raise QueryRejectedError("empty query", hint="try: SELECT * FROM events LIMIT 10")
     if "\x00" in sql:
         raise QueryRejectedError("NUL character in SQL")
+    if _several_statements(sql):
+        raise QueryRejectedError("exactly one SQL statement is allowed", hint="remove everything after the first ';'")
     m = _WRITE_WORDS.match(head)
     if m:
         raise QueryRejectedError(
             f"{m.group(1).upper()} statements are not allowed: queries are read-only",
             hint="use SELECT (or WITH ... SELECT)",
         )
+
+
+def _several_statements(sql: str) -> bool:
+    """True when something other than comments follows the first complete statement."""
+    at = sql.find(";")
+    while at >= 0:
+        if sqlite3.complete_statement(sql[: at + 1]):
+            return bool(_strip_comments(sql[at + 1 :]).strip(" \t\r\n;"))
+        at = sql.find(";", at + 1)
+    return False
 
 
 def _strip_comments(sql: str) -> str:
@@ -290,20 +320,17 @@ def _execute(
     sql: str,
     params: Sequence[Any],
     row_cap: int,
-    budget_ms: int,
+    deadline: Deadline,
     max_bytes: int,
     started: float,
     db_path: str | Path,
-    cancel: threading.Event | None,
     funcs: SafeFunctions,
 ) -> QueryResult:
     for name in {m.group(1).lower() for m in _TABLE_FUNC_RE.finditer(sql)} & TABLE_FUNCTIONS:
         conn.execute(f"SELECT * FROM {name} LIMIT 0").fetchall()  # name is from our allowlist
     auth = _Authorizer()
     conn.set_authorizer(auth)
-    deadline = time.monotonic() + budget_ms / 1000.0
-    stop = cancel or threading.Event()
-    conn.set_progress_handler(lambda: 1 if stop.is_set() or time.monotonic() > deadline else 0, PROGRESS_EVERY)
+    deadline.install(conn)
 
     try:
         cur = conn.execute(sql, tuple(params))
@@ -322,14 +349,10 @@ def _execute(
                 truncated_reason = "bytes"
                 break
             rows.append(row)
-    except sqlite3.ProgrammingError as e:
-        if "one statement" in str(e):
-            raise QueryRejectedError(
-                "exactly one SQL statement is allowed", hint="remove everything after the first ';'"
-            ) from None
+    except sqlite3.ProgrammingError as e:  # raised by the sqlite3 module itself (e.g. unbound '?')
         raise QueryError(f"SQL error: {e}") from None
     except sqlite3.DatabaseError as e:
-        raise _classify(e, auth, funcs, budget_ms, db_path, stop is cancel and stop.is_set()) from None
+        raise _classify(e, auth, funcs, deadline, db_path) from None
     if conn.total_changes:  # belt and braces: nothing may ever change
         raise QueryRejectedError("statement attempted to modify the database")
     if not columns and not rows:
@@ -351,30 +374,28 @@ def _classify(
     e: sqlite3.DatabaseError,
     auth: _Authorizer,
     funcs: SafeFunctions,
-    budget_ms: int,
+    deadline: Deadline,
     db_path: str | Path,
-    cancelled: bool,
 ) -> Exception:
-    msg = str(e)
-    if auth.denied or "not authorized" in msg:
+    """Map a SQLite error to the exception tree by its error name (never by its message)."""
+    name = errorname(e)
+    if auth.denied or name == "SQLITE_AUTH":
         return QueryRejectedError(auth.denied or "statement not allowed (read-only)")
     if funcs.error:
         return QueryTooLargeError(funcs.error)
-    if "interrupted" in msg:
-        if cancelled:
+    if name == "SQLITE_INTERRUPT":
+        if deadline.cancelled:
             return QueryTimeoutError("query cancelled (the request went away or the agent is stopping)")
         return QueryTimeoutError(
-            f"query stopped at its {budget_ms} ms time limit",
+            f"query stopped at its {deadline.budget_ms} ms time limit",
             hint="narrow it (WHERE timestamp > ..., fewer joins) or ask for a larger timeout_ms",
         )
-    if "too big" in msg or "too large" in msg:
-        return QueryTooLargeError(f"a value exceeds the {MAX_VALUE_BYTES}-byte cap: {msg}")
-    if "LIKE or GLOB pattern too complex" in msg:
-        return QueryTooLargeError(f"LIKE/GLOB patterns are limited to {MAX_PATTERN_CHARS} characters")
-    if "attempt to write" in msg or "readonly" in msg:
+    if name == "SQLITE_TOOBIG":
+        return QueryTooLargeError(f"a value exceeds the {MAX_VALUE_BYTES}-byte cap: {e}")
+    if name == "SQLITE_READONLY":
         return QueryRejectedError("statement attempted to write: queries are read-only")
     if isinstance(e, sqlite3.OperationalError | sqlite3.IntegrityError | sqlite3.DataError):
-        return QueryError(f"SQL error: {msg}")
+        return QueryError(f"SQL error: {e}")
     return translate(e, db_path)
 
 
