@@ -155,6 +155,20 @@ class BodyTooLargeError(RequestError):
     http_status = 413
 
 
+class ToolNotFoundError(NotFoundError):
+    """No tool of that name in the registry (:mod:`ingero.tools`)."""
+
+
+class RateLimitedError(IngeroError):
+    """A client called faster than its token bucket allows: retry after ``retry_after_s``."""
+
+    http_status = 429
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, hint: str | None = None) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message, hint=hint)
+
+
 class AgentBusyError(IngeroError):
     """The agent is saturated (every worker taken, the wait queue full): retry after ``retry_after_s``."""
 
