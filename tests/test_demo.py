@@ -29,7 +29,9 @@ def the_chain(r: DemoRun) -> Chain:
 def test_incident_high_chain_names_sched_storm_and_cpu_pinning(tmp_path: Path) -> None:
     c = the_chain(run(tmp_path, "incident"))
     assert (c.severity, c.family, c.cuda_op) == ("HIGH", "tail/cpu", "cudaStreamSync")
-    assert "sched_switch storm" in c.root_cause and "stress-ng" in c.root_cause
+    # measured overlap on the same thread, and the preemptor named from sched_switch arg1
+    assert "off-CPU" in c.root_cause and "preempted by pid 5150 (stress-ng" in c.root_cause
+    assert c.evidence["overlap_involuntary"] > 0.4 and c.evidence["preempted_by"] == ["pid 5150 (stress-ng --cpu 16)"]
     assert "taskset" in c.recommendations[0]
     assert 6 <= c.tail_ratio <= 10  # "~8x"
     assert [t.layer for t in c.timeline] == ["SYSTEM", "HOST", "HOST", "CUDA"]
@@ -120,7 +122,7 @@ def test_cli_lists_scenarios_and_runs_one(capsys: pytest.CaptureFixture[str], tm
     code, out, _ = cli(capsys, "demo")
     assert code == 0 and all(name in out for name in SCENARIOS)
     code, out, err = cli(capsys, "demo", "incident")
-    assert code == 0 and "[HIGH]" in out and "sched_switch storm" in out and "taskset" in out
+    assert code == 0 and "[HIGH]" in out and "preempted by pid 5150" in out and "taskset" in out
     assert "database removed" in err
     db = tmp_path / "kept.db"
     code, out, _ = cli(capsys, "demo", "periodic-spike", "--json", "--db", str(db))

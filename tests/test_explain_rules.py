@@ -88,7 +88,7 @@ def stall(prob: float, lo_ms: float, hi_ms: float, *, sched: bool, window: tuple
         if in_window(t, window) and rec.rng.random() < prob:
             off = float(rec.rng.uniform(lo_ms, hi_ms)) * NS_PER_MS
             if sched:
-                rec.sched(t + 1e-4, 100, off)
+                rec.sched(t + 1e-4, 100, off, by=900)
             return off
         return 0.0
 
@@ -99,12 +99,13 @@ def test_tail_with_sched_switch_storm_is_cpu_contention(tmp_path: Path) -> None:
     r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=True)))
     c = only(r, "tail/cpu", "cudaStreamSync")
     assert c.severity == "HIGH" and c.origin == "computed" and c.id == "node-a:tail-cpu-cudaStreamSync"
-    assert "sched_switch storm" in c.root_cause and "(pid 100, python3 train.py)" in c.root_cause
+    assert "off-CPU" in c.root_cause and "(pid 100, python3 train.py)" in c.root_cause
     assert any("taskset" in r for r in c.recommendations)
-    assert [t.layer for t in c.timeline] == ["HOST", "CUDA"]
+    assert [t.layer for t in c.timeline] == ["HOST", "HOST", "CUDA"]
     assert c.tail_ratio >= 3 and c.cuda_p99_us > 3 * c.cuda_p50_us
     ev = c.evidence
-    assert ev["sched_switch"] >= 100 and ev["offcpu_share"] > 0.1 and ev["baseline_offcpu_share"] < 0.01
+    assert ev["overlap_involuntary"] > 0.5 and ev["overlap_voluntary"] == 0 and ev["prev_state"] == "recorded"
+    assert ev["lost_share"] > 0.05 and ev["preempted_by"] == ["pid 900"]
     # the window the evidence came from is the disturbance, give or take a bucket
     assert BASE + 8 * 10**9 <= ev["window_start_ns"] <= BASE + 11 * 10**9
     assert BASE + 17 * 10**9 <= ev["window_end_ns"] <= BASE + 20 * 10**9
@@ -118,7 +119,7 @@ def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path
         if in_window(t) and rec.rng.random() < 0.3:
             off = float(rec.rng.uniform(20, 40)) * NS_PER_MS
             preemptor = 777 if i % 5 else 4242  # the hog most of the time, a kworker sometimes
-            rec.ev(t + 1e-4, 100, HOST, 1, off, arg1=preemptor)
+            rec.sched(t + 1e-4, 100, off, by=preemptor)
             return off
         return 0.0
 
@@ -133,10 +134,15 @@ def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path
     assert next(t.op for t in c.timeline if t.layer == "HOST") == "preemption"
 
 
-def _io(write: bool, n: int = 400) -> Callable[[Recorder], None]:
+def _io(write: bool, n: int = 400, pid: int = 281, forked: bool = True) -> Callable[[Recorder], None]:
+    """Block I/O by ``pid``: a worker the trainer forked (part of the traced tree) or, with
+    ``forked=False``, an unrelated process (context, never a cause)."""
+
     def add(rec: Recorder) -> None:
+        if forked:
+            rec.ev(0.05, 100, HOST, 7, 0, arg1=pid)
         for t in sorted(rec.rng.uniform(*WINDOW, n)):
-            rec.block_io(float(t), 281, write, rec.jitter(6 * NS_PER_MS, 0.3), 256)
+            rec.block_io(float(t), pid, write, rec.jitter(6 * NS_PER_MS, 0.3), 256)
 
     return add
 
@@ -159,6 +165,13 @@ def test_tail_with_write_heavy_io_advises_async_checkpointing(tmp_path: Path) ->
     assert c.evidence["block_io_mb"] == pytest.approx(400 * 256 * 512 / 2**20, rel=0.01)
 
 
+def test_block_io_of_other_processes_is_context_never_a_cause(tmp_path: Path) -> None:
+    """The same writes, issued by a process the trainer did not fork (another job, the agent itself)."""
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=_io(write=True, forked=False)))
+    assert not [c for c in r.chains if "io" in c.family], [(c.family, c.severity) for c in r.chains]
+    assert any("400 block I/O ops by processes outside" in n for n in r.notes), r.notes
+
+
 def test_tail_with_large_page_allocations_is_memory_pressure(tmp_path: Path) -> None:
     def pages(rec: Recorder) -> None:
         for t in sorted(rec.rng.uniform(*WINDOW, 48)):
@@ -173,7 +186,7 @@ def test_tail_with_large_page_allocations_is_memory_pressure(tmp_path: Path) -> 
 def test_tail_with_tcp_retransmits_blames_the_network(tmp_path: Path) -> None:
     def retrans(rec: Recorder) -> None:
         for t in sorted(rec.rng.uniform(*WINDOW, 40)):
-            rec.ev(float(t), 0, TCP, 1, 0)
+            rec.ev(float(t), 100, TCP, 1, 0)  # the trainer's own connection
 
     r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=retrans))
     c = only(r, "tail/network", "cudaStreamSync")
@@ -182,10 +195,22 @@ def test_tail_with_tcp_retransmits_blames_the_network(tmp_path: Path) -> None:
     assert [x.family for x in r.chains] == ["tail/network"]
 
 
+def test_host_wide_tcp_retransmits_are_context(tmp_path: Path) -> None:
+    """Retransmits in softirq (pid 0) have no owner in the traced processes: said, never blamed."""
+
+    def retrans(rec: Recorder) -> None:
+        for t in sorted(rec.rng.uniform(*WINDOW, 150)):
+            rec.ev(float(t), 0, TCP, 1, 0)
+
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=retrans))
+    assert not [c for c in r.chains if "network" in c.family], [(c.family, c.severity) for c in r.chains]
+    assert any("150 TCP retransmits with no owner" in n for n in r.notes), r.notes
+
+
 def test_tcp_retransmit_burst_alone_makes_its_own_chain(tmp_path: Path) -> None:
     def retrans(rec: Recorder) -> None:
         for t in sorted(rec.rng.uniform(12.0, 15.0, 150)):
-            rec.ev(float(t), 0, TCP, 1, 0)
+            rec.ev(float(t), 100, TCP, 1, 0)
 
     r = report_of(build(tmp_path / "t.db", extra=retrans))
     c = only(r, "network")
@@ -193,28 +218,31 @@ def test_tcp_retransmit_burst_alone_makes_its_own_chain(tmp_path: Path) -> None:
     assert c.id == "node-a:tcp-retransmit" and c.timeline[0].layer == "NET"
 
 
-def test_snapshots_raise_severity(tmp_path: Path) -> None:
-    hook = stall(0.05, 10, 16, sched=True)
-    calm = report_of(build(tmp_path / "calm.db", hook))
-    c = only(calm, "tail/cpu", "cudaStreamSync")
-    assert c.severity == "MEDIUM" and 0.02 <= c.evidence["offcpu_share"] < 0.10
+def test_severity_comes_from_time_lost_with_an_absolute_floor(tmp_path: Path) -> None:
+    """A short job with a dozen preemptions inside slow calls: measured, a real share of wall time, but
+    too little time lost in absolute terms for HIGH — even with the CPU at 97% in the snapshots
+    (host-wide context, not a cause)."""
+    hook = stall(0.1, 10, 11, sched=True, window=(1.0, 2.0))
 
     def hot(rec: Recorder) -> None:
-        rec.snapshots_every(0.0, 30.0, lambda s: 97.0 if in_window(s) else 40.0)
+        rec.snapshots_every(0.0, 3.0, lambda s: 97.0)
 
-    r = report_of(build(tmp_path / "hot.db", hook, extra=hot))
+    r = report_of(build(tmp_path / "hot.db", hook, extra=hot, seconds=3.0))
     c = only(r, "tail/cpu", "cudaStreamSync")
-    assert c.severity == "HIGH" and c.evidence["cpu_max_pct"] > 90
-    assert c.timeline[0].layer == "SYSTEM" and c.timeline[0].detail.startswith("CPU 9")
+    assert c.severity != "HIGH" and 0 < c.evidence["lost_ms"] < 500, c.evidence
+    assert c.evidence["overlap_involuntary"] > 0.3
 
-    def swap(rec: Recorder) -> None:
-        for s in range(30):
-            rec.snapshot(float(s), 40.0, 97.0 if in_window(s) else 60.0, 900, 2048 if in_window(s) else 0)
 
-    r = report_of(build(tmp_path / "swap.db", hook, extra=swap))
-    c = only(r, "tail/cpu", "cudaStreamSync")
-    assert c.severity == "HIGH" and {"memory", "swap"} <= {t.op for t in c.timeline if t.layer == "SYSTEM"}
-    assert any("Swap in use (2048 MB)" in x for x in c.recommendations)
+def test_snapshots_alone_make_no_chain(tmp_path: Path) -> None:
+    def hot(rec: Recorder) -> None:
+        rec.snapshots_every(0.0, 30.0, lambda s: 99.0 if in_window(s) else 40.0)
+        for s_ in range(30):
+            rec.snapshot(float(s_) + 0.5, 40.0, 97.0 if in_window(s_) else 60.0, 900, 0)
+
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=hot))
+    assert not [c for c in r.chains if c.family.startswith("tail/") and c.severity != "LOW"], [
+        (c.family, c.severity) for c in r.chains
+    ]
 
 
 def test_throughput_drop_with_cpu_contention(tmp_path: Path) -> None:
@@ -224,7 +252,7 @@ def test_throughput_drop_with_cpu_contention(tmp_path: Path) -> None:
         share = 0.4 if 12.0 <= t < 24.0 else 1.0
         rec.ev(t, 100, CUDA, 3, rec.jitter(8000, 0.1))
         t += rec.jitter(2 * NS_PER_MS, 0.1) / 1e9 / share
-    rec.background(12.0, 24.0, 100, 120, 5 * NS_PER_MS)
+    rec.background(12.0, 24.0, 100, 120, 5 * NS_PER_MS, by=900)
     rec.write(tmp_path / "d.db")
     r = report_of(tmp_path / "d.db")
     c = only(r, "drop/cpu", "cudaLaunchKernel")
@@ -265,7 +293,7 @@ def test_many_similar_windows_make_one_chain_per_op_and_family(tmp_path: Path) -
     def storms(rec: Recorder, t: float, _i: int) -> float:
         if (t % 5.0) < 1.0 and rec.rng.random() < 0.4:  # a one-second storm every 5 s, 12 times
             off = float(rec.rng.uniform(20, 40)) * NS_PER_MS
-            rec.sched(t + 1e-4, 100, off)
+            rec.sched(t + 1e-4, 100, off, by=900)
             return off
         return 0.0
 

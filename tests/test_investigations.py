@@ -89,7 +89,7 @@ def test_straggler_is_unmistakable_from_host_and_op_figures() -> None:
     launch_p99 = {n: op_stats(conn, node=n, op=(DRIVER, 1))[0].p99_ns for n in hosts}
     conn.close()
     straggler, peers = hosts["gpu-node-01"], [hosts["gpu-node-02"], hosts["gpu-node-03"]]
-    assert straggler.host_events >= 800 and straggler.host_avg_ns >= 12e6
+    assert straggler.host_events >= 800 and straggler.host_avg_ns >= 11e6
     for p in peers:
         assert p.host_events < straggler.host_events / 3 and p.host_avg_ns < 3e6
         assert p.block_writes < straggler.block_writes / 3
@@ -107,10 +107,13 @@ def test_explain_finds_the_straggler_and_nothing_on_peers() -> None:
             assert all(c.severity == "LOW" for c in report.chains) and stored == []
             continue
         high = {c.cuda_op: c for c in report.chains if c.severity == "HIGH"}
-        assert set(high) == {"cudaStreamSync", "cuLaunchKernel"}
-        assert all(c.family == "tail/cpu" for c in high.values())
+        assert set(high) == {"cudaStreamSync"}
         sync = high["cudaStreamSync"]
-        assert "sched_switch storm" in sync.root_cause and "preprocess.py" in sync.root_cause
+        assert sync.family == "tail/cpu" and sync.evidence["overlap_involuntary"] > 0.5
+        assert "preempted by pid 3350 (python3 preprocess.py" in sync.root_cause
+        # the launch tail is preemption too, but it loses little time: LOW
+        launch = next(c for c in report.chains if c.cuda_op == "cuLaunchKernel")
+        assert (launch.family, launch.severity) == ("tail/cpu", "LOW")
         assert any("taskset" in r for r in sync.recommendations)
         assert any("checkpoint" in r for r in sync.recommendations)  # rank 0's checkpoint writes
         assert {c.id for c in stored} == {c.id for c in report.chains}  # what --chains shows
@@ -121,7 +124,7 @@ def test_explain_on_the_cluster_file_keeps_nodes_apart(capsys: pytest.CaptureFix
     out, err = capsys.readouterr()
     assert code == 0
     assert {"gpu-node-01", "gpu-node-02", "gpu-node-03"} <= {line.strip() for line in out.splitlines()}
-    assert out.count("[HIGH]") == 2 and "gpu-node-02  " not in out.split("causal chains")[1]
+    assert out.count("[HIGH]") == 1 and "gpu-node-02  " not in out.split("causal chains")[1]
     # the nodes recorded at the same time; system_snapshots.node keeps each snapshot with its node
     assert "snapshot(s) left out" not in err
     code = main(["explain", "--db", str(INVESTIGATIONS / CLUSTER_FILE), "--chains"])

@@ -2,9 +2,10 @@
 
 Three nodes run the same data-parallel job (ranks 0, 1, 2 of world size 3) for 90 s from
 2026-04-14T10:00:00Z. ``gpu-node-01`` (rank 0) is the straggler: from t=20 s a preprocessing job with
-16 workers competes for its CPUs (hundreds of sched_switch events, ~20 ms off-CPU each, CPU > 90 %)
-and, being rank 0, it writes a checkpoint every 30 s (bursts of block writes). Its cudaStreamSync and
-cuLaunchKernel tails follow from both. ``gpu-node-02`` and ``-03`` see ordinary background noise.
+16 workers competes for its CPUs (it preempts the trainer: hundreds of involuntary off-CPU periods, ~20 ms each, CPU > 90 %)
+and, being rank 0, it writes a checkpoint every 30 s (bursts of block writes issued by the trainer). Its cudaStreamSync and
+cuLaunchKernel tails follow from both. ``gpu-node-02`` and ``-03`` see ordinary background noise (short preemptions, voluntary futex/poll
+sleeps, journald writes by a kworker — context, never a cause).
 
 ``generate(out_dir)`` writes ``sample-gpu-node-0{1,2,3}.db`` and ``sample-cluster.db`` (the three nodes
 written one after another into one file, each through its own :class:`StoreWriter` identity), with the
@@ -90,7 +91,7 @@ def build_node(spec: NodeSpec) -> Recorder:
             dur = rec.jitter(14 * NS_PER_US, 0.15)
             if contended and rng.random() < 0.06:  # preempted mid-launch for a time slice
                 off = float(rng.uniform(0.4, 1.4)) * NS_PER_MS
-                rec.sched(t + 80e-6 + k * 30e-6, pid, off)
+                rec.sched(t + 80e-6 + k * 30e-6, pid, off, by=3350)
                 dur += off
             rec.ev(t + 80e-6 + k * 30e-6, pid, DRIVER, 1, dur, stack=launch if k == 0 else 0)
         if it % 25 == 0:
@@ -100,13 +101,13 @@ def build_node(spec: NodeSpec) -> Recorder:
             # the preprocessing workers take the CPU: off-CPU gaps in the host work
             for _ in range(int(rng.poisson(1.0))):
                 off = float(rng.uniform(12, 40)) * NS_PER_MS
-                rec.sched(t + 0.001 + float(rng.uniform(0, host_work)), pid, off)
+                rec.sched(t + 0.001 + float(rng.uniform(0, host_work)), pid, off, by=3350)
                 host_work += off / 1e9
         t_sync = t + 250e-6 + host_work
         sync = rec.jitter(8 * NS_PER_MS, 0.05)
         if contended and rng.random() < 0.22:
             off = float(rng.uniform(15, 45)) * NS_PER_MS
-            rec.sched(t_sync, pid, off)
+            rec.sched(t_sync, pid, off, by=3350)
             sync += off
         if ckpt and rng.random() < 0.6:
             sync += float(rng.uniform(10, 30)) * NS_PER_MS  # the save's page-cache flush stalls the loop
@@ -125,13 +126,14 @@ def build_node(spec: NodeSpec) -> Recorder:
 
 def _host_noise(rec: Recorder, spec: NodeSpec) -> None:
     rng, pid = rec.rng, spec.trainer
-    rec.background(0.0, SECONDS, pid, 2.0, 1.5 * NS_PER_MS)  # ordinary preemption
+    rec.background(0.0, SECONDS, pid, 2.0, 1.5 * NS_PER_MS, by=281)  # ordinary preemption
+    rec.background(0.0, SECONDS, pid, 2.0, 0.4 * NS_PER_MS, state=1)  # futex / poll sleeps of its own
     for t in sorted(rng.uniform(0, SECONDS, 45)):  # logging / journald writes
         rec.block_io(float(t), 281, True, rec.jitter(2.5 * NS_PER_MS, 0.25), 8)
     if spec.straggler:
-        for c in CHECKPOINTS:  # rank 0 saves a checkpoint: ~1 MB block writes for ~2.5 s
+        for c in CHECKPOINTS:  # rank 0 saves a checkpoint (torch.save + fsync): ~1 MB block writes for ~2.5 s
             for t in sorted(rng.uniform(c, c + 2.5, 50)):
-                rec.block_io(float(t), 281, True, rec.jitter(4.5 * NS_PER_MS, 0.35), 2048)
+                rec.block_io(float(t), pid, True, rec.jitter(4.5 * NS_PER_MS, 0.35), 2048)
 
 
 def generate(out_dir: str | Path) -> dict[str, Path]:

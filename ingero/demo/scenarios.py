@@ -60,13 +60,13 @@ def incident(base_ns: int, seed: int) -> Recorder:
         sync = rec.jitter(5 * NS_PER_MS, 0.06)
         if storm[0] <= t < storm[1] and rng.random() < 0.35:
             off = float(rng.uniform(12, 38)) * NS_PER_MS
-            rec.sched(t + 250e-6, pid, off)  # preempted while waiting: the sync returns that much later
+            rec.sched(t + 250e-6, pid, off, by=5150)  # preempted while waiting: the sync returns that much later
             sync += off
         rec.ev(t + 250e-6, pid, CUDA, 5, sync)
         t += 250e-6 + sync / 1e9 + rec.jitter(1.2 * NS_PER_MS) / 1e9
         i += 1
     rec.background(0.0, 30.0, pid, 2, 40 * NS_PER_US)
-    rec.background(storm[0], storm[1], pid, 40, 2 * NS_PER_MS)
+    rec.background(storm[0], storm[1], pid, 40, 2 * NS_PER_MS, by=5150)
     rec.snapshots_every(0.0, 30.0, lambda s: 97.5 if storm[0] <= s < storm[1] else 38.0)
     return rec
 
@@ -175,7 +175,7 @@ def cpu_contention(base_ns: int, seed: int) -> Recorder:
         rec.ev(t, pid, CUDA, 5, sync)
         t += sync / 1e9
     rec.background(0.0, 30.0, pid, 2, 40 * NS_PER_US)
-    rec.background(hog, 30.0, pid, 150, 3.6 * NS_PER_MS)  # 150 preemptions/s x 3.6 ms ≈ 54 % off-CPU
+    rec.background(hog, 30.0, pid, 150, 3.6 * NS_PER_MS, by=6100)  # 150 preemptions/s x 3.6 ms ≈ 54 % off-CPU
     rec.snapshots_every(0.0, 30.0, lambda s: 99.0 if s >= hog else 45.0)
     return rec
 
@@ -213,7 +213,7 @@ SCENARIOS: dict[str, Scenario] = {
             "incident",
             "CPU spike + sched_switch storm stalls cudaStreamSynchronize",
             "stress-ng starts on the training node; for 8 s the trainer is preempted hundreds of times",
-            "HIGH tail/cpu on cudaStreamSync: root cause the sched_switch storm, fix CPU pinning (taskset)",
+            "HIGH tail/cpu on cudaStreamSync: GPU thread preempted by stress-ng during its slow calls (measured overlap), fix CPU pinning (taskset)",
             incident,
             30.0,
         ),

@@ -97,16 +97,31 @@ class Recorder:
     def jitter(self, mean: float, rel: float = 0.1) -> float:
         return float(max(mean * 0.2, self.rng.normal(mean, mean * rel)))
 
-    def sched(self, t_s: float, pid: int, offcpu_ns: float) -> None:
-        self.ev(t_s, pid, HOST, 1, offcpu_ns, arg1=pid)
+    def sched(
+        self, t_s: float, pid: int, offcpu_ns: float, *, state: int = 0, by: int = 0, tid: int | None = None
+    ) -> None:
+        """Thread ``tid`` (default: the main thread) leaves the CPU at ``t_s`` for ``offcpu_ns``.
+
+        Written as ingero's tracer does: one sched_switch row when it is back on a CPU (ts = back,
+        duration = time off it), arg0 = prev_state (0 = preempted while runnable, 1 = asleep by itself,
+        2 = uninterruptible I/O), arg1 = the tid that ran before it (``by``: the preemptor).
+        """
+        self.ev(t_s + offcpu_ns / NS_PER_S, pid, HOST, 1, offcpu_ns, tid=tid, arg0=state, arg1=by)
+
+    def sleep(self, t_s: float, pid: int, ns: float, *, waker: int = 0, tid: int | None = None) -> None:
+        """A voluntary sleep (futex, poll, usleep) of ``ns``, woken by ``waker`` (a tgid; 0: a timer)."""
+        self.ev(t_s + ns / NS_PER_S, pid, HOST, 2, ns, tid=tid, arg0=waker, arg1=waker)
+        self.sched(t_s, pid, ns, state=1, by=0, tid=tid)
 
     def block_io(self, t_s: float, pid: int, write: bool, dur_ns: float, sectors: int) -> None:
         self.ev(t_s, pid, IO, 2 if write else 1, dur_ns, arg0=sectors, arg1=int(self.rng.integers(1 << 20, 1 << 30)))
 
-    def background(self, t0: float, t1: float, pid: int, per_s: float, offcpu_ns: float) -> None:
-        """Ordinary preemption of ``pid``: ``per_s`` short sched_switch events per second."""
+    def background(
+        self, t0: float, t1: float, pid: int, per_s: float, offcpu_ns: float, *, state: int = 0, by: int = 0
+    ) -> None:
+        """Ordinary scheduling of ``pid``: ``per_s`` short off-CPU periods per second."""
         for t in np.sort(self.rng.uniform(t0, t1, int(per_s * (t1 - t0)))):
-            self.sched(float(t), pid, self.jitter(offcpu_ns, 0.4))
+            self.sched(float(t), pid, self.jitter(offcpu_ns, 0.4), state=state, by=by)
 
     def snapshots_every(self, t0: float, t1: float, cpu: Callable[[float], float], mem: float = 42.0) -> None:
         total_mb = 64_000

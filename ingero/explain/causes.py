@@ -28,6 +28,11 @@ PAGE_BYTES = GIB  # page allocations corroborating a stall
 LIFT = 1.5  # evidence must be this much denser in the episode than in the baseline
 STRONG_SHARE = 0.10  # a tenth of the episode lost to the cause → HIGH
 WEAK_SHARE = 0.02
+MIN_OVERLAP = 0.10  # the GPU thread off-CPU (involuntarily) this share of its slow-call time → CPU contention
+STRONG_OVERLAP = 0.30
+# Severity from time lost (excess over the steady baseline): share of wall time AND an absolute floor.
+HIGH_SHARE, HIGH_LOST_NS = 0.03, 500 * NS_PER_MS
+MEDIUM_SHARE, MEDIUM_LOST_NS = 0.01, 100 * NS_PER_MS
 
 PIN = "Pin the training process to dedicated cores with taskset (e.g. taskset -c 4-15 python train.py) and keep other work off those cores"
 NICE = "Run background jobs at low priority: nice -n 19 / ionice -c3 (logrotate, cron, backups, preprocessing)"
@@ -76,19 +81,31 @@ def io_family(ev: Evidence) -> str:
 
 
 def assess(ep: Evidence, base: Evidence | None, op_p99_ns: float) -> list[Cause]:
-    """Corroborated causes in an episode, strongest first."""
+    """Corroborated causes in an episode, strongest first.
+
+    CPU contention needs measured overlap: on a tail episode, the GPU thread's involuntary off-CPU time
+    inside its own slow calls (``slow_inv_ns``) as a share of their time; on a throughput drop, its
+    involuntary off-CPU share of the window above the baseline. Voluntary sleeps never count; off-CPU
+    time of unknown kind (recordings without prev_state) makes the ``offcpu`` family, said as unknown.
+    """
     out: list[Cause] = []
-    b_off = base.offcpu_frac if base else 0.0
-    if (
-        ep.sched_n >= MIN_SCHED
-        and ep.offcpu_frac >= 0.01
-        and _lift_ok(ep.sched_n, ep, base, base.sched_n if base else 0, ep.offcpu_ns, base.offcpu_ns if base else 0)
-    ):
+    if ep.slow_ns > 0:
+        inv = ep.slow_inv_ns / ep.slow_ns
+        unk = ep.slow_unk_ns / ep.slow_ns
+        if inv >= MIN_OVERLAP:
+            out.append(Cause("cpu", inv, inv >= STRONG_OVERLAP))
+        elif unk >= MIN_OVERLAP:
+            out.append(Cause("offcpu", unk, False))
+    else:
+        b_off = base.offcpu_frac if base else 0.0
         score = ep.offcpu_frac - b_off
-        if score > 0:
-            out.append(Cause("cpu", score, score >= STRONG_SHARE))
-    elif ep.cpu_max is not None and ep.cpu_max > 90:
-        out.append(Cause("cpu", 0.03, False))
+        if score >= MIN_OVERLAP and ep.offcpu_frac >= LIFT * b_off:
+            out.append(Cause("cpu", score, score >= STRONG_OVERLAP))
+        else:
+            b_unk = base.frac(base.unknown_ns) if base else 0.0
+            u = ep.frac(ep.unknown_ns) - b_unk
+            if u >= MIN_OVERLAP and ep.frac(ep.unknown_ns) >= LIFT * b_unk:
+                out.append(Cause("offcpu", u, False))
     b_io = base.io_frac if base else 0.0
     if (
         ep.io_n >= MIN_IO
@@ -104,7 +121,7 @@ def assess(ep: Evidence, base: Evidence | None, op_p99_ns: float) -> list[Cause]
     ):
         rate = ep.page_bytes / GIB / max(ep.span_ns / NS_PER_S, 1e-9)
         out.append(Cause("memory", min(1.0, rate / 4), ep.page_bytes >= 4 * GIB))
-    elif (ep.mem_max is not None and ep.mem_max > 95) or (ep.swap_max or 0) > 0:
+    elif (ep.swap_max or 0) > 0 and (base is None or not (base.swap_max or 0)):
         out.append(Cause("memory", 0.03, False))
     if ep.tcp_n > MIN_TCP and _lift_ok(ep.tcp_n, ep, base, base.tcp_n if base else 0):
         out.append(Cause("network", min(1.0, ep.tcp_n / 50), ep.tcp_n > 50))
@@ -118,23 +135,39 @@ def assess(ep: Evidence, base: Evidence | None, op_p99_ns: float) -> list[Cause]
     return out
 
 
+def severity_of_loss(lost_ns: float, wall_ns: float, family: str = "") -> str:
+    """Severity from time lost: the excess over the op's steady baseline, as a share of wall time, with
+    an absolute floor (ten slow calls of 2 ms are not HIGH). Off-CPU time of unknown kind is never more
+    than LOW: nobody can say whether the thread was preempted or waiting."""
+    share = lost_ns / wall_ns if wall_ns > 0 else 0.0
+    if family == "offcpu":
+        return "LOW"
+    if lost_ns >= HIGH_LOST_NS and share >= HIGH_SHARE:
+        return "HIGH"
+    if lost_ns >= MEDIUM_LOST_NS and share >= MEDIUM_SHARE:
+        return "MEDIUM"
+    return "LOW"
+
+
 def severity(causes: list[Cause], ep: Evidence, ratio: float) -> str:
+    """Severity of an episode from its measured time lost (``ep.excess_ns``) over its span."""
     if not causes:
         return "LOW"
-    if ep.pressure or any(c.strong for c in causes):
-        return "HIGH"
-    if causes[0].score < WEAK_SHARE and ratio < 5:
-        return "LOW"
-    return "MEDIUM"
+    return severity_of_loss(ep.excess_ns, ep.span_ns, causes[0].family)
 
 
 def phrase(c: Cause, ep: Evidence) -> str:
     """Short form for summaries: '847 sched_switch events (12.1s off-CPU)'."""
     if c.family == "cpu":
-        if ep.sched_n >= MIN_SCHED:
-            what = "sched_switch storm" if c.strong else "CPU preemption"
-            return f"{what}: {ep.sched_n} context switches ({fmt_duration(round_ms(ep.offcpu_ns))} off-CPU)"
-        return f"CPU {ep.cpu_max:.0f}%"
+        if ep.slow_ns:
+            return (
+                f"CPU preemption: GPU thread off-CPU {100 * ep.slow_inv_ns / ep.slow_ns:.0f}% of its slow-call time "
+                f"({fmt_duration(round_ms(ep.slow_inv_ns))} involuntary)"
+            )
+        return f"CPU preemption: GPU thread involuntarily off-CPU {100 * ep.offcpu_frac:.0f}% of the window"
+    if c.family == "offcpu":
+        share = ep.slow_unk_ns / ep.slow_ns if ep.slow_ns else ep.frac(ep.unknown_ns)
+        return f"GPU thread off-CPU {100 * share:.0f}% of the time (preempted or waiting: unknown)"
     if c.family.startswith("io"):
         kind = {"io-write": "write-heavy", "io-read": "read-heavy"}.get(c.family, "heavy")
         return f"{kind} block I/O ({ep.io_n} ops, {ep.io_writes} writes, {ep.io_reads} reads)"
@@ -155,17 +188,28 @@ def root_cause(c: Cause, ep: Evidence, subject: str, culprits: list[Culprit]) ->
     """One sentence naming the cause, with its numbers. ``subject`` names the affected process(es)."""
     pct = f"{100 * ep.offcpu_frac:.0f}%"
     if c.family == "cpu":
-        started = [c.name for c in culprits if not c.preemptions]
-        who = "; " + "; ".join(c.clause() for c in culprits if c.preemptions) if len(started) < len(culprits) else ""
+        started = [c.name for c in culprits if not c.preemptions and not c.ns]
+        named = [c for c in culprits if c.preemptions or c.ns]
+        who = "; preempted by " + "; ".join(x.clause() for x in named) if named else ""
         if started:
             who += f"; {', '.join(started)} started just before"
-        if ep.sched_n >= MIN_SCHED:
-            storm = "sched_switch storm" if c.strong else "CPU preemption"
+        if ep.slow_ns:
             return (
-                f"CPU contention — a {storm} ({ep.sched_n} context switches) kept {subject} off-CPU for "
-                f"{fmt_duration(round_ms(ep.offcpu_ns))} ({pct} of the window){who}"
+                f"CPU contention — the GPU thread of {subject} was off-CPU {100 * ep.slow_inv_ns / ep.slow_ns:.0f}% "
+                f"of its slow-call time ({fmt_duration(round_ms(ep.slow_inv_ns))} preempted or runnable in the run "
+                f"queue, measured on the same thread){who}"
             )
-        return f"CPU saturation — CPU at {ep.cpu_max:.0f}% while {subject} waited{who}"
+        return (
+            f"CPU contention — the GPU thread of {subject} was involuntarily off-CPU {pct} of the window "
+            f"({fmt_duration(round_ms(ep.offcpu_ns))}, measured on the same thread){who}"
+        )
+    if c.family == "offcpu":
+        share = ep.slow_unk_ns / ep.slow_ns if ep.slow_ns else ep.frac(ep.unknown_ns)
+        return (
+            f"off-CPU time of unknown kind — the GPU thread of {subject} was off-CPU {100 * share:.0f}% of the time; "
+            "this recording has no prev_state, so whether it was preempted (CPU contention) or waiting "
+            "(sleep, I/O, a lock) is unknown"
+        )
     if c.family == "io-write":
         return (
             f"write-heavy block I/O (checkpoint saves) — {ep.io_writes} writes ({ep.io_bytes / MIB:.1f} MB, "
@@ -201,6 +245,10 @@ def recommendations(causes: list[Cause], ep: Evidence) -> list[str]:
     for c in causes:
         if c.family == "cpu":
             recs += [PIN, NICE]
+        elif c.family == "offcpu":
+            recs.append(
+                "Record with ingero trace (it stores prev_state and the preempting task) to tell preemption from waiting"
+            )
         elif c.family.startswith("io"):
             recs.append({"io-write": CHECKPOINT, "io-read": DATALOADER}.get(c.family, MIXED_IO))
             if ep.io_max_ns > 20 * NS_PER_MS:
@@ -235,19 +283,26 @@ def timeline(causes: list[Cause], ep: Evidence, culprits: list[Culprit]) -> list
         out.append(TimelineEntry("SYSTEM", "swap", f"swap {ep.swap_max:.0f} MB in use"))
     families = {c.family for c in causes}
     for c in culprits:
-        if c.preemptions:
+        if c.ns:
+            out.append(TimelineEntry("HOST", "preemption", f"{c.name} ran in its place for {c.ns / 1e6:.0f} ms"))
+        elif c.preemptions:
             out.append(TimelineEntry("HOST", "preemption", f"{c.name} ran in its place {c.preemptions} times"))
         else:
             out.append(TimelineEntry("HOST", "process_exec", f"{c.name} started"))
-    if "cpu" in families and ep.sched_n:
+    if "cpu" in families:
+        inv = ep.slow_inv_ns if ep.slow_ns else ep.offcpu_ns
         out.append(
             TimelineEntry(
                 "HOST",
                 "sched_switch",
-                f"{ep.sched_n} context switches ({fmt_duration(round_ms(ep.offcpu_ns))} off-CPU)",
-                int(ep.offcpu_ns // 1000),
+                f"GPU thread involuntarily off-CPU {fmt_duration(round_ms(inv))}"
+                + (f" of {fmt_duration(round_ms(ep.slow_ns))} in slow calls" if ep.slow_ns else "")
+                + (f" (+{fmt_duration(round_ms(ep.slow_vol_ns))} asleep by itself)" if ep.slow_vol_ns else ""),
+                int(inv // 1000),
             )
         )
+    if "offcpu" in families:
+        out.append(TimelineEntry("HOST", "sched_switch", "off-CPU, kind unknown (no prev_state recorded)"))
     if "memory" in families and ep.page_bytes:
         out.append(TimelineEntry("HOST", "mm_page_alloc", f"{ep.page_n} allocations ({ep.page_bytes / GIB:.1f} GB)"))
     if families & {"io", "io-read", "io-write"}:

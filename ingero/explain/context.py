@@ -10,6 +10,7 @@ import numpy as np
 from ingero.explain.evidence import Grid, HostSeries
 from ingero.explain.frame import I64, Frame
 from ingero.explain.model import Chain, TimelineEntry
+from ingero.explain.offcpu import INVOL, OffCpu
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import DRIVER, HOST
 from ingero.timeutil import NS_PER_S
@@ -25,8 +26,11 @@ class Culprit:
 
     name: str  # "pid 5150 (stress-ng --cpu 16)"
     preemptions: int = 0  # 0: named because it started just before the trouble
+    ns: int = 0  # measured: time it ran in the GPU thread's place inside the slow calls
 
     def clause(self) -> str:
+        if self.ns:
+            return f"{self.name} ran in its place for {self.ns / 1e6:.0f} ms of it"
         if self.preemptions:
             return f"{self.name} ran in its place {self.preemptions} times"
         return f"{self.name} started just before"
@@ -40,6 +44,7 @@ class OpRows:
     ts_ns: I64
     dur: I64
     pid: I64
+    tid: I64
 
 
 @dataclass
@@ -54,10 +59,35 @@ class Context:
     ops: list[OpStats]  # GPU API ops of this context
     pid: int | None = None  # set in per-process mode
     notes: list[str] = field(default_factory=list)
+    offcpu: OffCpu | None = None  # per-thread off-CPU intervals of the node
+    tree: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # GPU processes + forked children
+
+    @property
+    def off(self) -> OffCpu:
+        if self.offcpu is None:
+            self.offcpu = OffCpu(self.frame.args)
+        return self.offcpu
 
     def rows(self, st: OpStats) -> OpRows:
         m = (self.gpu.source == st.source) & (self.gpu.op == st.op)
-        return OpRows(st, self.gpu.ts_ns[m], self.gpu.dur[m], self.gpu.pid[m])
+        tid = self.gpu.tid[m] if self.gpu.tid.size == self.gpu.pid.size else self.gpu.pid[m]
+        return OpRows(st, self.gpu.ts_ns[m], self.gpu.dur[m], self.gpu.pid[m], tid)
+
+    def preemptors(self, tids: I64, a: I64, b: I64, limit: int = 3) -> list[Culprit]:
+        """Who ran in the GPU threads' place during the calls [a, b): measured involuntary off-CPU time
+        per preemptor (ingero's sched_switch arg1), largest first; the traced threads themselves and
+        the idle task are left out."""
+        by = self.off.by_who(INVOL, tids, a, b)
+        total = sum(by.values())
+        out: list[Culprit] = []
+        own = set(np.unique(tids).tolist())
+        for who, ns in sorted(by.items(), key=lambda x: -x[1]):
+            if who in own or who == 0 or ns < PREEMPTOR_SHARE * total:
+                continue
+            out.append(Culprit(self.proc(who), 1, ns))
+            if len(out) == limit:
+                break
+        return out
 
     def proc(self, pid: int) -> str:
         name = self.names.get(pid)

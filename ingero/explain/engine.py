@@ -24,7 +24,9 @@ from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
 from ingero.explain.model import Chain, sort_chains
+from ingero.explain.offcpu import OffCpu
 from ingero.explain.stats import HostSummary, OpStats, host_summary_from_columns, stats_from_columns
+from ingero.store.catalog import HOST
 from ingero.store.window import Window
 
 EMPTY_HOST = HostSummary(0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)
@@ -93,7 +95,7 @@ def explain(
     if not frames:
         notes.append("no events in the window" + (f" for node {node}" if node else ""))
     report = ExplainReport(
-        chains=sort_chains(dedup(chains)),
+        chains=cap_per_node(sort_chains(dedup(chains)), notes),
         ops=ops,
         host=hosts[next(iter(hosts))] if len(hosts) == 1 else _sum_hosts(list(hosts.values())),
         window=window,
@@ -132,15 +134,19 @@ def _explain_node(
     if gpu.size == 0:
         notes.append(f"{fr.node}: no CUDA/driver/NCCL events in the window — nothing to explain on the GPU side")
     traced = np.asarray([pid], dtype=np.int64) if pid is not None else gpu_pids
+    off = OffCpu(fr.args)
+    tree = process_tree(fr, traced)
     node_ctx = Context(
         node=fr.node,
         frame=fr,
         gpu=gpu,
         grid=grid,
-        series=HostSeries(fr, grid, traced, snaps),
+        series=HostSeries(fr, grid, traced, snaps, off, tree=tree),
         traced=traced,
         names=names,
         ops=[o for o in all_ops if o.source in GPU_SOURCES],
+        offcpu=off,
+        tree=tree,
     )
     chains = rules_events.oom_chains(node_ctx) + rules_events.tcp_chains(node_ctx)
     chains += rules_events.contention_chains(node_ctx)
@@ -152,17 +158,20 @@ def _explain_node(
             ops += _ops(own, node=fr.node, pid=p)
             pgpu = gpu.select(gpu.pid == p)
             one = np.asarray([p], dtype=np.int64)
+            ptree = process_tree(fr, one)
             contexts.append(
                 Context(
                     node=fr.node,
                     frame=fr,
                     gpu=pgpu,
                     grid=grid,
-                    series=HostSeries(fr, grid, one, snaps),
+                    series=HostSeries(fr, grid, one, snaps, off, tree=ptree),
                     traced=one,
                     names=names,
                     ops=_ops(pgpu, node=fr.node, pid=p),
                     pid=p,
+                    offcpu=off,
+                    tree=ptree,
                 )
             )
     else:
@@ -182,7 +191,47 @@ def _explain_node(
                     f"{fr.node}{who}: {st.name} p99 is {st.tail_ratio:.1f}x p50 but nothing on the host corroborates "
                     "it in the same windows (a GPU-side or in-process cause)"
                 )
+        notes += ctx.notes
+    notes += context_notes(node_ctx)
     return chains, ops, host, notes
+
+
+def process_tree(fr: Frame, roots: np.ndarray) -> np.ndarray:
+    """The traced processes and every process they forked (process_fork: pid = parent, arg1 = child),
+    transitively: the only processes whose I/O and network activity can be a cause."""
+    a = fr.args
+    m = (a.source == HOST) & (a.op == 7)
+    parent, child = a.pid[m], a.arg1[m]
+    tree = set(int(p) for p in roots.tolist())
+    grew = True
+    while grew and parent.size:
+        new = {int(c) for p, c in zip(parent.tolist(), child.tolist(), strict=True) if p in tree and c not in tree}
+        tree |= new
+        grew = bool(new)
+    return np.asarray(sorted(tree), dtype=np.int64)
+
+
+def context_notes(ctx: Context) -> list[str]:
+    """Host-wide evidence outside the traced process tree: said, never blamed."""
+    s = ctx.series
+    out = []
+    io_other, tcp_other = int(s.io_other_n.sum()), int(s.tcp_other_n.sum())
+    if io_other:
+        out.append(
+            f"{ctx.node}: context: {io_other} block I/O ops by processes outside the traced GPU processes "
+            "(not counted as a cause)"
+        )
+    if tcp_other:
+        out.append(
+            f"{ctx.node}: context: {tcp_other} TCP retransmits with no owner in the traced processes "
+            "(softirq or other processes; not counted as a cause)"
+        )
+    if ctx.off.has_rows and not ctx.off.has_state:
+        out.append(
+            f"{ctx.node}: sched_switch rows carry no prev_state (an Ingero recording): off-CPU time is of unknown "
+            "kind — preempted or waiting cannot be told apart"
+        )
+    return out
 
 
 def _ops(fr: Frame, *, node: str, pid: int | None = None) -> list[OpStats]:
@@ -194,6 +243,21 @@ def _ops(fr: Frame, *, node: str, pid: int | None = None) -> list[OpStats]:
 
 
 RULE_RANK = {"tail": 0, "drop": 1}
+MAX_CHAINS = 6  # per node: a real trace reads as a few chains, most important first
+
+
+def cap_per_node(chains: list[Chain], notes: list[str]) -> list[Chain]:
+    """At most MAX_CHAINS per node (chains are sorted, most important first); the rest are counted."""
+    seen: dict[str, int] = {}
+    out: list[Chain] = []
+    for c in chains:
+        seen[c.node] = seen.get(c.node, 0) + 1
+        if seen[c.node] <= MAX_CHAINS:
+            out.append(c)
+    for node, n in seen.items():
+        if n > MAX_CHAINS:
+            notes.append(f"{node}: {n - MAX_CHAINS} lesser chain(s) left out (at most {MAX_CHAINS} per node)")
+    return out
 
 
 def dedup(chains: list[Chain]) -> list[Chain]:

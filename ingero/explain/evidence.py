@@ -1,5 +1,8 @@
 """Host-side evidence on a time grid: what happened on the host while a GPU op misbehaved.
 
+(explain v2: the GPU threads' off-CPU time comes from their own intervals, :mod:`ingero.explain.offcpu`,
+and only the traced process tree's I/O counts; the grid is for rates and episode windows.)
+
 A node's window is cut into buckets (about one second; fewer, wider ones on long recordings). Each
 kind of host evidence becomes a per-bucket series (sched_switch count and off-CPU time of the traced
 processes, block I/O count/time/peak/bytes with reads and writes apart, page-allocation bytes, TCP
@@ -18,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.explain.frame import I64, Frame
+from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, OffCpu, is_runnable
 from ingero.store.catalog import HOST, IO, NET, TCP
 from ingero.timeutil import NS_PER_MS, NS_PER_S
 
@@ -25,7 +29,6 @@ F64 = npt.NDArray[np.float64]
 BoolArr = npt.NDArray[np.bool_]
 
 MAX_BUCKETS = 100_000
-OFFCPU_CAP_NS = NS_PER_S  # one sched_switch counts at most 1 s off-CPU (longer = a voluntary sleep)
 SECTOR_BYTES = 512  # block I/O arg0 is a sector count (Ingero's convention)
 
 
@@ -130,6 +133,17 @@ class Evidence:
     tcp_n: int = 0
     net_n: int = 0
     net_bytes: int = 0
+    vol_ns: int = 0  # the GPU threads' voluntary sleeps (waiting, not contention)
+    unknown_ns: int = 0  # off-CPU time of unknown kind (recordings without prev_state)
+    io_other_n: int = 0  # block I/O of processes outside the traced tree (context)
+    tcp_other_n: int = 0  # TCP retransmits with no owner in the traced tree (context)
+    # measured on the slow calls themselves (tail episodes): their time, and the GPU thread's off-CPU
+    # time inside them by kind
+    slow_ns: int = 0
+    slow_inv_ns: int = 0
+    slow_vol_ns: int = 0
+    slow_unk_ns: int = 0
+    excess_ns: int = 0  # time lost: the slow calls' excess over the op's steady p50
     cpu_max: float | None = None
     mem_max: float | None = None
     swap_max: float | None = None
@@ -171,16 +185,47 @@ def _peak(arr: F64, sel: slice | BoolArr, fn: str) -> float | None:
 
 
 class HostSeries:
-    """Per-bucket host evidence of one node for a set of traced processes (the GPU callers)."""
+    """Per-bucket host evidence of one node for a set of traced processes (the GPU callers).
 
-    def __init__(self, frame: Frame, grid: Grid, traced_pids: I64, snapshots: Snapshots) -> None:
+    Off-CPU time is the GPU threads' own *involuntary* off-CPU time (preempted, or runnable in the run
+    queue), spread over the buckets it covers (:mod:`ingero.explain.offcpu`); voluntary sleeps are kept
+    apart (``vol``). Block I/O, TCP retransmits and socket I/O count only when issued by the traced
+    process tree (``tree``: the GPU processes and the children they forked); the rest of the host's
+    activity (other processes, softirq retransmits with no owner, the agent itself) is context
+    (``io_other_n``, ``tcp_other_n``), never a cause.
+    """
+
+    def __init__(
+        self,
+        frame: Frame,
+        grid: Grid,
+        traced_pids: I64,
+        snapshots: Snapshots,
+        offcpu: OffCpu | None = None,
+        tids: I64 | None = None,
+        tree: I64 | None = None,
+    ) -> None:
         self.grid = grid
         self.snap = snapshots
-        sched = frame.is_op(HOST, 1) & np.isin(frame.pid, traced_pids)
-        idx = grid.index(frame.ts_ns[sched])
-        self.sched_n = _sum(grid, idx)
-        self.offcpu = _sum(grid, idx, np.minimum(frame.dur[sched], OFFCPU_CAP_NS))
-        io = frame.source == IO
+        offcpu = offcpu or OffCpu(frame.args)
+        if tids is None:
+            tids = np.unique(frame.tid[frame.gpu_mask() & np.isin(frame.pid, traced_pids)])
+        tree = traced_pids if tree is None else tree
+        edges = grid.start_ns + np.arange(grid.n + 1, dtype=np.int64) * grid.width_ns
+        sched = frame.is_op(HOST, 1) & np.isin(frame.tid, tids)
+        a = frame.args
+        inv = (a.source == HOST) & (a.op == 1) & np.isin(a.tid, tids) & (a.arg1 != a.tid) & is_runnable(a.arg0)
+        self.sched_n = (
+            _sum(grid, grid.index(a.ts_ns[inv])) if offcpu.has_state else _sum(grid, grid.index(frame.ts_ns[sched]))
+        )
+        self.offcpu = offcpu.per_bucket(INVOL, tids, edges)
+        self.vol = offcpu.per_bucket(VOL, tids, edges)
+        self.unknown = offcpu.per_bucket(UNKNOWN, tids, edges)
+        mine = np.isin(frame.pid, tree)
+        io_all = frame.source == IO
+        self.io_other_n = _sum(grid, grid.index(frame.ts_ns[io_all & ~mine]))
+        self.tcp_other_n = _sum(grid, grid.index(frame.ts_ns[(frame.source == TCP) & ~mine]))
+        io = io_all & mine
         idx = grid.index(frame.ts_ns[io])
         self.io_n = _sum(grid, idx)
         self.io_ns = _sum(grid, idx, frame.dur[io])
@@ -189,14 +234,15 @@ class HostSeries:
         self.io_reads = _sum(grid, idx, (frame.op[io] == 1).astype(np.float64))
         self.io_writes = _sum(grid, idx, (frame.op[io] == 2).astype(np.float64))
         args = frame.args
-        aio = args.source == IO
+        amine = np.isin(args.pid, tree)
+        aio = (args.source == IO) & amine
         self.io_bytes = _sum(grid, grid.index(args.ts_ns[aio]), args.arg0[aio].astype(np.float64) * SECTOR_BYTES)
         page = (args.source == HOST) & (args.op == 3)
         pidx = grid.index(args.ts_ns[page])
         self.page_n = _sum(grid, pidx)
         self.page_bytes = _sum(grid, pidx, args.arg0[page].astype(np.float64))
-        self.tcp_n = _sum(grid, grid.index(frame.ts_ns[frame.source == TCP]))
-        net = args.source == NET
+        self.tcp_n = _sum(grid, grid.index(frame.ts_ns[(frame.source == TCP) & mine]))
+        net = (args.source == NET) & amine
         nidx = grid.index(args.ts_ns[net])
         self.net_n = _sum(grid, nidx)
         self.net_bytes = _sum(grid, nidx, np.abs(args.arg0[net]).astype(np.float64))
@@ -215,6 +261,10 @@ class HostSeries:
                 "tcp_n",
                 "net_n",
                 "net_bytes",
+                "vol",
+                "unknown",
+                "io_other_n",
+                "tcp_other_n",
             )
         }
 
@@ -243,6 +293,10 @@ class HostSeries:
             tcp_n=r("tcp_n", b0, b1),
             net_n=r("net_n", b0, b1),
             net_bytes=r("net_bytes", b0, b1),
+            vol_ns=r("vol", b0, b1),
+            unknown_ns=r("unknown", b0, b1),
+            io_other_n=r("io_other_n", b0, b1),
+            tcp_other_n=r("tcp_other_n", b0, b1),
             cpu_max=_peak(self.snap.cpu, sl, "max"),
             mem_max=_peak(self.snap.mem, sl, "max"),
             swap_max=_peak(self.snap.swap, sl, "max"),
@@ -275,6 +329,10 @@ class HostSeries:
             tcp_n=s(self.tcp_n),
             net_n=s(self.net_n),
             net_bytes=s(self.net_bytes),
+            vol_ns=s(self.vol),
+            unknown_ns=s(self.unknown),
+            io_other_n=s(self.io_other_n),
+            tcp_other_n=s(self.tcp_other_n),
             cpu_max=_peak(self.snap.cpu, mask, "max"),
             mem_max=_peak(self.snap.mem, mask, "max"),
             swap_max=_peak(self.snap.swap, mask, "max"),

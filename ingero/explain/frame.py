@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ingero.store.catalog import CUDA, DRIVER, HOST, IO, NCCL, NET
+from ingero.store.catalog import CUDA, DRIVER, HOST, IO, NCCL, NET, TCP
 from ingero.store.db import node_names
 from ingero.store.window import Window
 
@@ -40,13 +40,14 @@ NODES_PER_QUERY = 127  # node index 127 = "not in the list" (found and loaded in
 CHUNK_ROWS = 2_000_000  # rows per group_concat string (keeps each string well under SQLite's 1 GB limit)
 
 # Rows whose arguments some rule reads: block I/O (sectors), socket I/O (bytes), page allocations
-# (bytes), OOM kills and process starts (who), synchronous memcpy (bytes, direction), and sched_switch
-# rows that name the task which ran in the thread's place (ingero's tracer: arg1 = preemptor tid;
-# Ingero's own rows carry the pid itself there and are left out).
+# (bytes), OOM kills, process starts and forks (who), copies (bytes, direction), allocations and frees
+# (bytes, pointer), kernel launches (the kernel function: ingero's tracer records it in arg0), and the
+# scheduler rows the per-thread off-CPU intervals are built from (sched_switch: arg0 = prev_state,
+# arg1 = the preemptor's tid — Ingero's own rows carry the thread itself there; sched_wakeup: the waker).
 ARG_ROWS_SQL = (
-    f"(source = {IO} OR source = {NET} OR (source = {HOST} AND op IN (3, 4, 5, 7, 12))"
-    f" OR (source = {HOST} AND op = 1 AND arg1 != 0 AND arg1 != pid)"
-    f" OR (source = {CUDA} AND op IN (4, 7)) OR (source = {DRIVER} AND op IN (2, 3)))"
+    f"(source = {IO} OR source = {NET} OR source = {TCP} OR (source = {HOST} AND op IN (1, 2, 3, 4, 5, 6, 7, 12))"
+    f" OR (source = {CUDA} AND op IN (1, 2, 4, 7)) OR (source = {DRIVER} AND op IN (2, 3, 5))"
+    f" OR (((source = {CUDA} AND op = 3) OR (source = {DRIVER} AND op = 1)) AND arg0 != 0))"
 )
 
 
@@ -66,15 +67,24 @@ class ArgRows:
     ts_ns: I64
     arg0: I64
     arg1: I64
+    tid: I64
+    dur: I64
 
     @classmethod
     def empty(cls) -> ArgRows:
         z = np.zeros(0, dtype=np.int64)
-        return cls(z, z, z, z, z, z)
+        return cls(z, z, z, z, z, z, z, z)
 
     def select(self, mask: npt.NDArray[np.bool_]) -> ArgRows:
         return ArgRows(
-            self.source[mask], self.op[mask], self.pid[mask], self.ts_ns[mask], self.arg0[mask], self.arg1[mask]
+            self.source[mask],
+            self.op[mask],
+            self.pid[mask],
+            self.ts_ns[mask],
+            self.arg0[mask],
+            self.arg1[mask],
+            self.tid[mask],
+            self.dur[mask],
         )
 
     def of(self, source: int, ops: Sequence[int] | None = None) -> ArgRows:
@@ -95,6 +105,7 @@ class Frame:
     ts_ns: I64
     pid: I64
     failed: npt.NDArray[np.bool_]  # ret_code != 0
+    tid: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # thread ids (= pid when unknown)
     args: ArgRows = field(default_factory=ArgRows.empty)
     gpu_ids: dict[int, set[int]] = field(default_factory=dict)  # pid -> GPU ids it used
 
@@ -133,6 +144,7 @@ class Frame:
             self.ts_ns[mask],
             self.pid[mask],
             self.failed[mask],
+            self.tid[mask] if self.tid.size == self.pid.size else self.pid[mask],
             self.args,
             self.gpu_ids,
         )
@@ -243,31 +255,38 @@ def _load_batch(
     sql = (
         f"SELECT group_concat(({case} << 56) | ((source & 15) << 52) | ((op & 255) << 44)"
         f" | ((ret_code != 0) << 43) | min(max(duration, 0), {MAX_DUR})),"
-        f" group_concat((((timestamp - ?) / ?) << {PID_BITS}) | (pid & {(1 << PID_BITS) - 1}))"
+        f" group_concat((((timestamp - ?) / ?) << {PID_BITS}) | (pid & {(1 << PID_BITS) - 1})),"
+        f" group_concat(coalesce(tid, pid) - pid)"
         f" FROM events WHERE {where}"
     )
     a_parts: list[I64] = []
     b_parts: list[I64] = []
+    t_parts: list[I64] = []
     for sl in slices:
         # one slice = the whole window: no extra range (it would steer SQLite to the index, ~30% slower)
         sw, sp = sl.clause("timestamp") if len(slices) > 1 else ("1", [])
-        a_txt, b_txt = conn.execute(sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]).fetchone()
+        a_txt, b_txt, t_txt = conn.execute(sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]).fetchone()
         a_parts.append(_parse(a_txt))
         b_parts.append(_parse(b_txt))
+        t_parts.append(_parse(t_txt))
     a = np.concatenate(a_parts) if a_parts else np.zeros(0, dtype=np.int64)
     b = np.concatenate(b_parts) if b_parts else np.zeros(0, dtype=np.int64)
+    dt = np.concatenate(t_parts) if t_parts else np.zeros(0, dtype=np.int64)
+    if dt.size != a.size:  # tid NULL somewhere (not written by a tracer): threads unknown
+        dt = np.zeros(a.size, dtype=np.int64)
     idx = a >> 56
     missing = bool(np.any(idx == NODES_PER_QUERY))
     out: dict[str, Frame] = {}
     if idx.size and not (idx[0] == idx).all():  # several nodes: group their rows
         order = np.argsort(idx, kind="stable")
-        a, b, idx = a[order], b[order], idx[order]
+        a, b, dt, idx = a[order], b[order], dt[order], idx[order]
     bounds = np.searchsorted(idx, np.arange(len(names) + 1))
     for i, name in enumerate(names):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         if hi <= lo:
             continue
         aa, bb = a[lo:hi], b[lo:hi]
+        pid = bb & ((1 << PID_BITS) - 1)
         out[name] = Frame(
             node=name,
             source=(aa >> 52) & 0xF,
@@ -275,7 +294,8 @@ def _load_batch(
             dur=aa & MAX_DUR,
             failed=((aa >> 43) & 1).astype(bool),
             ts_ns=t0 + (bb >> PID_BITS) * ts_div,
-            pid=bb & ((1 << PID_BITS) - 1),
+            pid=pid,
+            tid=pid + dt[lo:hi],
         )
     return out, missing
 
@@ -292,13 +312,14 @@ def _attach_args(
     case, case_params = _node_case(names, trusted)
     row = conn.execute(
         f"SELECT group_concat(({case} << 56) | (source << 52) | (op << 44) | (pid & {(1 << 44) - 1})),"
-        f" group_concat(timestamp), group_concat(arg0), group_concat(arg1)"
+        f" group_concat(timestamp), group_concat(arg0), group_concat(arg1),"
+        f" group_concat(coalesce(tid, pid) - pid), group_concat(max(duration, 0))"
         f" FROM events WHERE {where} AND {ARG_ROWS_SQL}",
         [*case_params, *params],
     ).fetchone()
     a = _parse(row[0])
     if a.size:
-        ts, arg0, arg1 = _parse(row[1]), _parse(row[2]), _parse(row[3])
+        ts, arg0, arg1, dtid, dur = (_parse(row[k]) for k in range(1, 6))
         idx = a >> 56
         for i, name in enumerate(names):
             fr = frames.get(name)
@@ -306,13 +327,16 @@ def _attach_args(
                 continue
             m = idx == i
             am = a[m]
+            pid = am & ((1 << 44) - 1)
             fr.args = ArgRows(
                 source=(am >> 52) & 0xF,
                 op=(am >> 44) & 0xFF,
-                pid=am & ((1 << 44) - 1),
+                pid=pid,
                 ts_ns=ts[m],
                 arg0=arg0[m],
                 arg1=arg1[m],
+                tid=pid + dtid[m],
+                dur=dur[m],
             )
     if not any(np.unique(fr.pid[fr.gpu_mask()]).size > 1 for fr in frames.values()):
         return

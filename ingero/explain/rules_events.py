@@ -104,7 +104,10 @@ def oom_chains(ctx: Context) -> list[Chain]:
 
 
 def tcp_chains(ctx: Context) -> list[Chain]:
-    ts = np.sort(ctx.frame.ts_ns[ctx.frame.source == TCP])
+    """Retransmit bursts of the traced process tree. Softirq retransmits (pid 0) and other processes'
+    have no owner among the GPU processes: they are context (a note), never a chain."""
+    mine = np.isin(ctx.frame.pid, ctx.tree) if ctx.tree.size else np.isin(ctx.frame.pid, ctx.traced)
+    ts = np.sort(ctx.frame.ts_ns[(ctx.frame.source == TCP) & mine])
     n = int(ts.size)
     if n <= TCP_CHAIN:
         return []

@@ -13,16 +13,17 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from ingero.explain import causes as cz
-from ingero.explain.context import Context, OpRows, layer_of, us
+from ingero.explain.context import Context, Culprit, OpRows, layer_of, us
 from ingero.explain.evidence import Evidence, runs
 from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
+from ingero.explain.offcpu import INVOL, UNKNOWN, VOL
 from ingero.explain.stats import OpStats
+from ingero.store.catalog import NCCL
 from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
 
 TAIL_RATIO = 3.0
@@ -85,37 +86,74 @@ def _evidence_dict(ep: Evidence, base: Evidence | None) -> dict[str, object]:
     return d
 
 
+@dataclass
+class _Episode:
+    b0: int
+    b1: int
+    found: list[cz.Cause]
+    ep: Evidence
+    in_ep: np.ndarray  # the op's slow calls in this episode's window
+    lost_ns: int
+
+
 def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
-    """Chains for corroborated tails, and the ops whose tails nothing on the host explains."""
+    """Chains for corroborated tails, and the ops whose tails nothing on the host explains.
+
+    Each slow call is intersected with its own thread's off-CPU intervals (involuntary, voluntary,
+    unknown): CPU contention is named only with measured overlap. Time spent inside an NCCL collective
+    is waiting for peers, never CPU contention. Severity comes from the time lost to the cause across
+    all its episodes (excess over p50, bounded by the measured overlap for CPU contention).
+    """
     chains: list[Chain] = []
     unexplained: list[OpStats] = []
+    wall = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
     for st in ctx.ops:
         if st.count < MIN_CALLS or st.p50_ns <= 0 or st.tail_ratio < TAIL_RATIO:
             continue
         rows = ctx.rows(st)
+        end_ns = rows.ts_ns + rows.dur
+        inv = ctx.off.covered(INVOL, rows.tid, rows.ts_ns, end_ns)
+        vol = ctx.off.covered(VOL, rows.tid, rows.ts_ns, end_ns)
+        unk = ctx.off.covered(UNKNOWN, rows.tid, rows.ts_ns, end_ns)
+        excess = np.clip(rows.dur - st.p50_ns, 0, None).astype(np.int64)
+        collective = st.source == NCCL
         slow = rows.dur >= TAIL_RATIO * st.p50_ns
         episodes = runs(_mask(ctx, rows.ts_ns[slow]), max_gap=2)  # runs ± one bucket that touch merge
         active = _mask(ctx, rows.ts_ns)
         dilated = _mask(ctx, rows.ts_ns[slow], dilate=1)
         base = ctx.series.over_mask(active & ~dilated)
-        best: dict[str, tuple[tuple[int, float], int, int, list[cz.Cause], Evidence, str]] = {}
-        counts: Counter[str] = Counter()
+        g = ctx.grid
+        by_family: dict[str, list[_Episode]] = {}
         for b0, b1 in episodes:
             ep = ctx.series.over_range(b0 - 1, b1 + 1)
+            w0, w1 = g.start_of(max(0, b0 - 1)), g.end_of(min(g.n - 1, b1 + 1))
+            in_ep = slow & (rows.ts_ns >= w0) & (rows.ts_ns < w1)
+            ep.slow_ns = int(rows.dur[in_ep].sum())
+            ep.slow_inv_ns = int(inv[in_ep].sum())
+            ep.slow_vol_ns = int(vol[in_ep].sum())
+            ep.slow_unk_ns = int(unk[in_ep].sum())
             found = cz.assess(ep, base, st.p99_ns)
+            if collective:  # inside a collective the thread waits for its peers
+                found = [c for c in found if c.family not in ("cpu", "offcpu")]
             if not found:
                 continue
-            sev = cz.severity(found, ep, st.tail_ratio)
             fam = found[0].family
-            counts[fam] += 1
-            key = (SEVERITY_RANK[sev], -found[0].score)
-            if fam not in best or key < best[fam][0]:
-                best[fam] = (key, b0, b1, found, ep, sev)
-        if not best:
+            if fam == "cpu":
+                lost = int(np.minimum(excess, inv)[in_ep].sum())
+            elif fam == "offcpu":
+                lost = int(np.minimum(excess, unk)[in_ep].sum())
+            else:
+                lost = int(excess[in_ep].sum())
+            ep.excess_ns = lost
+            by_family.setdefault(fam, []).append(_Episode(b0, b1, found, ep, in_ep, lost))
+        if not by_family:
             unexplained.append(st)
             continue
-        for fam, (_key, b0, b1, found, ep, sev) in best.items():
-            chains.append(_tail_chain(ctx, st, rows, slow, fam, b0, b1, found, ep, base, sev, counts[fam]))
+        for fam, eps in by_family.items():
+            lost = sum(e.lost_ns for e in eps)
+            best = max(eps, key=lambda e: e.lost_ns)
+            sev = cz.severity_of_loss(lost, wall, fam)
+            chains.append(_tail_chain(ctx, st, rows, slow, fam, best, sev, len(eps), lost, wall, base))
     return chains, unexplained
 
 
@@ -125,35 +163,36 @@ def _tail_chain(
     rows: OpRows,
     slow: np.ndarray,
     fam: str,
-    b0: int,
-    b1: int,
-    found: list[cz.Cause],
-    ep: Evidence,
-    base: Evidence | None,
+    e: _Episode,
     sev: str,
     n_episodes: int,
+    lost: int,
+    wall: int,
+    base: Evidence | None,
 ) -> Chain:
     g = ctx.grid
+    b0, b1, found, ep = e.b0, e.b1, e.found, e.ep
     start = max(g.start_of(max(0, b0 - 1)), ctx.frame.first_ns)
     end = min(g.end_of(min(g.n - 1, b1 + 1)), ctx.frame.last_ns + 1)
-    in_ep = (rows.ts_ns >= start) & (rows.ts_ns < end)
-    ep_slow = slow & in_ep
+    ep_slow = e.in_ep
     worst = int(rows.dur[ep_slow].max(initial=0))
-    culprits = ctx.culprits(start, end) if found[0].family == "cpu" else []
+    culprits: list[Culprit] = []
+    if fam == "cpu":
+        culprits = ctx.preemptors(rows.tid[ep_slow], rows.ts_ns[ep_slow], rows.ts_ns[ep_slow] + rows.dur[ep_slow])
+        culprits = culprits or ctx.culprits(start, end)
     subject = ctx.subject(rows.pid)
     words = " + ".join(cz.phrase(c, ep) for c in found[:3])
     summary = f"{st.name} p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50) — {words}"
     base_txt = ""
-    if base is not None and found[0].family == "cpu":
-        base_txt = f" (elsewhere: {100 * base.offcpu_frac:.1f}% off-CPU)"
-    elif base is not None and found[0].family.startswith("io"):
+    if base is not None and fam.startswith("io"):
         base_txt = f" (elsewhere: {base.per_s(base.io_n):.1f} I/O ops/s)"
     explanation = (
         f"{st.name} ran {st.count} times: p50 {_fmt(st.p50_ns)}, p99 {_fmt(st.p99_ns)}, max {_fmt(st.max_ns)}. "
         f"{int(slow.sum())} calls took ≥ {TAIL_RATIO:.0f}x p50; {int(ep_slow.sum())} of them (up to {_fmt(worst)}) "
         f"fell in {fmt_ts(start)} – {fmt_ts(end)}, where the host shows {words}{base_txt}. "
         + (f"The same cause recurs in {n_episodes} separate windows. " if n_episodes > 1 else "")
-        + _mechanism(found[0].family, st.name)
+        + f"Time lost to it: {_short(lost)} ({100 * lost / wall:.1f}% of wall time). "
+        + _mechanism(fam, st.name)
     )
     tl = cz.timeline(found, ep, culprits)
     tl.append(
@@ -178,6 +217,14 @@ def _tail_chain(
         "episodes": n_episodes,
         "causes": [c.family for c in found],
         "score": round(found[0].score, 4),
+        "lost_ms": round(lost / 1e6, 1),
+        "lost_share": round(lost / wall, 4),
+        "slow_call_ms": round(ep.slow_ns / 1e6, 1),
+        "overlap_involuntary": round(ep.slow_inv_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
+        "overlap_voluntary": round(ep.slow_vol_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
+        "overlap_unknown": round(ep.slow_unk_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
+        "prev_state": "recorded" if ctx.off.has_state else ("unknown" if ctx.off.has_rows else "no sched rows"),
+        "preempted_by": [c.name for c in culprits if c.ns],
         **_evidence_dict(ep, base),
     }
     return ctx.chain(
@@ -197,8 +244,11 @@ def _tail_chain(
 
 def _mechanism(family: str, op: str) -> str:
     return {
-        "cpu": f"While the calling thread is off-CPU it cannot issue or return from {op}, so the call's "
-        "measured time includes the wait for a CPU.",
+        "cpu": f"While the calling thread is preempted it cannot issue or return from {op}, so the call's "
+        "measured time includes the wait for a CPU; the overlap is measured on the same thread, and its "
+        "voluntary sleeps (futex, poll, I/O) are not counted.",
+        "offcpu": f"The thread calling {op} was off the CPU during these calls; without prev_state the "
+        "recording cannot tell preemption from waiting.",
         "io-write": f"Checkpoint writes saturate the disk and the page cache flush steals CPU and memory bandwidth "
         f"from the process calling {op}.",
         "io-read": f"The input pipeline waits on disk reads, so the process reaches {op} late and the GPU starves.",
@@ -277,9 +327,14 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
         ep = ctx.series.over_range(lo + a, lo + b)
         found = cz.assess(ep, base, st.p99_ns)
         if not found:
+            ctx.notes.append(
+                f"{ctx.node}: {st.name} ops/s fell {100 * fall:.0f}% at {fmt_ts(g.start_of(lo + a))} "
+                f"({base_rate:.0f} → {ep_rate:.0f}/s for {_short((b - a + 1) * g.width_ns)}), no host cause recorded"
+            )
             continue
         n_eps += 1
-        sev = "HIGH" if fall >= 0.6 or ep.pressure or found[0].strong else cz.severity(found, ep, 10.0)
+        ep.excess_ns = round(fall * (b - a + 1) * g.width_ns)  # the window's share of work not done
+        sev = cz.severity_of_loss(ep.excess_ns, max(1, ctx.gpu.last_ns - ctx.gpu.first_ns), found[0].family)
         cand = _Drop(st, lo + a, lo + b, found, ep, base, sev, fall, base_rate, ep_rate, 0)
         if best is None or (SEVERITY_RANK[sev], -fall) < (SEVERITY_RANK[best.sev], -best.fall):
             best = cand

@@ -1,0 +1,183 @@
+"""Per-thread off-CPU intervals, rebuilt from the scheduler rows, and how much of a set of calls they cover.
+
+The evidence model of explain v2: a cause is measured on the same thread and at the same time as the
+symptom. ingero's tracer writes one ``sched_switch`` row each time a traced thread gets a CPU back
+(``ts`` = back on CPU, ``duration`` = time off it, ``arg0`` = its ``prev_state`` when it left,
+``arg1`` = the tid that ran on that CPU before it), and ``sched_wakeup`` rows (``ts`` = woken,
+``duration`` = time since it left, ``arg0`` = the waker's tgid). From them every thread gets intervals
+of three kinds:
+
+* :data:`INVOL` — involuntary: it left the CPU still runnable (preempted), or it sat in the run queue
+  between its wakeup and getting a CPU back. This, and only this, is CPU contention.
+* :data:`VOL` — voluntary: it went to sleep itself (S/D: futex, poll, usleep, I/O) until woken. That
+  is waiting, not being starved of CPU; the waker says on what (a forked worker, the disk, a peer).
+* :data:`UNKNOWN` — the recording has no ``prev_state`` (Ingero's databases put the thread's own id in
+  ``arg1`` and 0 in ``arg0``): off-CPU, but nobody can say whether preempted or asleep.
+
+Queries are prefix sums over each thread's sorted, non-overlapping intervals: the off-CPU time inside
+any set of calls is O(log n) per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ingero.explain.frame import I64, ArgRows
+from ingero.store.catalog import HOST
+
+F64 = npt.NDArray[np.float64]
+
+INVOL, VOL, UNKNOWN = "involuntary", "voluntary", "unknown"
+KINDS = (INVOL, VOL, UNKNOWN)
+SCHED_SWITCH, SCHED_WAKEUP = 1, 2
+
+
+def is_runnable(state: I64) -> npt.NDArray[np.bool_]:
+    """prev_state of a preempted task: TASK_RUNNING (0), or the kernel's "preempted" marker
+    (TASK_REPORT_MAX: 0x100 on current kernels) with no sleep bit set."""
+    out: npt.NDArray[np.bool_] = (state & 0xFF) == 0
+    return out
+
+
+@dataclass
+class _Thread:
+    start: I64
+    end: I64
+    cum: I64  # cum[k] = total length of intervals before k (len = n + 1)
+    who: I64  # preemptor tid (INVOL), waker tgid (VOL, 0 = no wakeup seen), 0 (UNKNOWN)
+
+    @classmethod
+    def build(cls, start: I64, end: I64, who: I64) -> _Thread:
+        order = np.argsort(start, kind="stable")
+        s, e, w = start[order], end[order], who[order]
+        if s.size > 1:  # keep intervals disjoint (clock jitter between rows): clip each at the next start
+            e = np.minimum(e, np.concatenate((s[1:], [np.iinfo(np.int64).max])))
+            e = np.maximum(e, s)
+        return cls(s, e, np.concatenate(([0], np.cumsum(e - s))), w)
+
+    def before(self, x: I64) -> I64:
+        """Total interval time before each instant in ``x``."""
+        k = np.searchsorted(self.start, x, side="right") - 1
+        kk = np.maximum(k, 0)
+        part = np.clip(x - self.start[kk], 0, self.end[kk] - self.start[kk])
+        return np.where(k >= 0, self.cum[kk] + part, 0)
+
+    def covered(self, a: I64, b: I64) -> I64:
+        return self.before(b) - self.before(a)
+
+
+def union(a: I64, b: I64) -> tuple[I64, I64]:
+    """Union of intervals [a, b) as sorted disjoint intervals."""
+    if a.size == 0:
+        return a, b
+    order = np.argsort(a, kind="stable")
+    a, b = a[order], b[order]
+    reach = np.maximum.accumulate(b)
+    new = np.concatenate(([True], a[1:] > reach[:-1]))
+    starts = a[new]
+    idx = np.flatnonzero(new)
+    ends = reach[np.concatenate((idx[1:] - 1, [a.size - 1]))]
+    return starts, ends
+
+
+class OffCpu:
+    """Off-CPU intervals of every thread with scheduler rows in a frame's argument rows."""
+
+    def __init__(self, args: ArgRows) -> None:
+        self.threads: dict[str, dict[int, _Thread]] = {k: {} for k in KINDS}
+        self.tgid: dict[int, int] = {}
+        sw = (args.source == HOST) & (args.op == SCHED_SWITCH)
+        wk = (args.source == HOST) & (args.op == SCHED_WAKEUP)
+        tid, end, dur = args.tid[sw], args.ts_ns[sw], args.dur[sw]
+        state, prev = args.arg0[sw], args.arg1[sw]
+        start = end - dur
+        unknown = prev == tid  # Ingero's rows: the thread itself, no state
+        self.has_state = bool((~unknown).any())
+        self.has_rows = bool(sw.any())
+        for t, p in zip(args.tid[sw].tolist(), args.pid[sw].tolist(), strict=True):
+            self.tgid.setdefault(int(t), int(p))
+        runnable = is_runnable(state) & ~unknown
+        sleep = ~runnable & ~unknown
+        # a sleep ended by a wakeup: asleep until woken, then waiting in the run queue for a CPU
+        wake_at = np.full(tid.size, -1, dtype=np.int64)
+        waker = np.zeros(tid.size, dtype=np.int64)
+        w_tid, w_ts, w_by = args.tid[wk], args.ts_ns[wk], args.arg0[wk]
+        if w_tid.size and sleep.any():
+            for t in np.unique(w_tid).tolist():
+                mine = np.flatnonzero(sleep & (tid == t))
+                if mine.size == 0:
+                    continue
+                order = mine[np.argsort(start[mine], kind="stable")]
+                ws = w_ts[w_tid == t]
+                k = np.searchsorted(start[order], ws, side="right") - 1
+                ok = (k >= 0) & (ws <= end[order[np.maximum(k, 0)]])
+                hit = order[k[ok]]
+                wake_at[hit] = ws[ok]
+                waker[hit] = w_by[w_tid == t][ok]
+        woken = sleep & (wake_at >= 0)
+        inv_s = np.concatenate((start[runnable], wake_at[woken]))
+        inv_e = np.concatenate((end[runnable], end[woken]))
+        inv_t = np.concatenate((tid[runnable], tid[woken]))
+        inv_w = np.concatenate((prev[runnable], np.zeros(int(woken.sum()), dtype=np.int64)))
+        vol_e = np.where(woken, wake_at, end)
+        self._fill(INVOL, inv_t, inv_s, inv_e, inv_w)
+        self._fill(VOL, tid[sleep], start[sleep], vol_e[sleep], waker[sleep])
+        self._fill(UNKNOWN, tid[unknown], start[unknown], end[unknown], np.zeros(int(unknown.sum()), dtype=np.int64))
+
+    def _fill(self, kind: str, tid: I64, start: I64, end: I64, who: I64) -> None:
+        if tid.size == 0:
+            return
+        order = np.argsort(tid, kind="stable")
+        tid, start, end, who = tid[order], start[order], end[order], who[order]
+        bounds = np.flatnonzero(np.diff(tid)) + 1
+        for lo, hi in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [tid.size])), strict=True):
+            self.threads[kind][int(tid[lo])] = _Thread.build(start[lo:hi], end[lo:hi], who[lo:hi])
+
+    def covered(self, kind: str, tids: I64, a: I64, b: I64) -> I64:
+        """Off-CPU time of ``kind`` of thread ``tids[i]`` inside [a[i], b[i]), per call."""
+        out = np.zeros(tids.size, dtype=np.int64)
+        threads = self.threads[kind]
+        if not threads or tids.size == 0:
+            return out
+        for t in np.unique(tids).tolist():
+            th = threads.get(int(t))
+            if th is None:
+                continue
+            m = tids == t
+            out[m] = th.covered(a[m], b[m])
+        return out
+
+    def per_bucket(self, kind: str, tids: I64, edges: I64) -> F64:
+        """Off-CPU time of ``kind`` of the threads ``tids`` in each bucket between ``edges`` (long
+        intervals are spread over the buckets they cover)."""
+        out = np.zeros(max(0, edges.size - 1), dtype=np.float64)
+        for t in np.unique(tids).tolist():
+            th = self.threads[kind].get(int(t))
+            if th is not None:
+                out += np.diff(th.before(edges)).astype(np.float64)
+        return out
+
+    def by_who(self, kind: str, tids: I64, a: I64, b: I64) -> dict[int, int]:
+        """Off-CPU time of ``kind`` inside the calls [a, b) of threads ``tids``, per preemptor (INVOL)
+        or waker (VOL): who took the CPU, or who ended the wait."""
+        out: dict[int, int] = {}
+        for t in np.unique(tids).tolist():
+            th = self.threads[kind].get(int(t))
+            if th is None:
+                continue
+            m = tids == t
+            cs, ce = union(a[m], b[m])
+            calls = _Thread(cs, ce, np.concatenate(([0], np.cumsum(ce - cs))), np.zeros(cs.size, dtype=np.int64))
+            ov = calls.covered(th.start, th.end)
+            hit = ov > 0
+            for w, ns in zip(th.who[hit].tolist(), ov[hit].tolist(), strict=True):
+                out[int(w)] = out.get(int(w), 0) + int(ns)
+        return out
+
+    def total(self, kind: str, tids: I64, a: int, b: int) -> int:
+        """Off-CPU time of ``kind`` of the threads ``tids`` in [a, b)."""
+        u = np.unique(tids)
+        return int(self.covered(kind, u, np.full(u.size, a, dtype=np.int64), np.full(u.size, b, dtype=np.int64)).sum())
