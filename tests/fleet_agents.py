@@ -232,3 +232,60 @@ def rewrite_json(path: str, change: Callable[[dict[str, Any]], dict[str, Any]]) 
         return wrapped
 
     return wrap
+
+
+def shift_clock(shift_ns: int) -> Wrapper:
+    """The agent's clock reads ``shift_ns`` ahead: /time's body and every answer's t2/t3 headers."""
+    from ingero.fleet.skew import RECEIVE_HEADER, TRANSMIT_HEADER
+
+    names = {RECEIVE_HEADER.encode(), TRANSMIT_HEADER.encode()}
+
+    def shifted_body(body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "receive_ns": body["receive_ns"] + shift_ns, "transmit_ns": body["transmit_ns"] + shift_ns}
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        inner = rewrite_json("/api/v1/time", shifted_body)(app)
+
+        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+            async def shifted(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    headers = [
+                        (k, str(int(v) + shift_ns).encode() if k.lower() in names else v)
+                        for k, v in message.get("headers", [])
+                    ]
+                    message = {**message, "headers": headers}
+                await send(message)
+
+            await inner(scope, receive, shifted)
+
+        return wrapped
+
+    return wrap
+
+
+def stream(
+    path: str, chunks: Callable[[], Iterator[bytes]], *, length: int | None = None, pause_s: float = 0.0
+) -> Wrapper:
+    """``path`` answers 200 with the bytes ``chunks()`` yields (chunked, or ``length`` announced),
+    ``pause_s`` between chunks: huge, endless, dribbling or malformed answers from a real TLS agent."""
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope.get("type") != "http" or scope.get("path") != path:
+                await app(scope, receive, send)
+                return
+            headers = [(b"content-type", b"application/json")]
+            if length is not None:
+                headers.append((b"content-length", str(length).encode()))
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            for chunk in chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if pause_s:
+                    await trio.sleep(pause_s)
+                else:
+                    await trio.lowlevel.checkpoint()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        return wrapped
+
+    return wrap

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ingero.cli.main import main
 from ingero.store.writer import EventRow
 from tests.conftest import write_db
-from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, make_pki, rewrite_json
+from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, make_pki, shift_clock
 from tests.test_export import check_trace_invariants, slices
 
 T0 = 1_775_218_800_000_000_000
@@ -36,11 +35,6 @@ def _events(shift: int, pid: int) -> list[EventRow]:
     return rows
 
 
-def _ahead(body: dict[str, Any]) -> dict[str, Any]:
-    """/time answers of a clock SKEW_NS ahead of the truth."""
-    return {**body, "receive_ns": body["receive_ns"] + SKEW_NS, "transmit_ns": body["transmit_ns"] + SKEW_NS}
-
-
 def test_fleet_export_aligns_clocks(tmp_path: Path, pki: Pki, capsys: pytest.CaptureFixture[str]) -> None:
     dbs = [
         write_db(tmp_path / "a.db", _events(0, 100), node="gpu-node-01", rank=0, world_size=3),
@@ -49,7 +43,7 @@ def test_fleet_export_aligns_clocks(tmp_path: Path, pki: Pki, capsys: pytest.Cap
     ]
     specs = [
         AgentSpec(dbs[0], "gpu-node-01", rank=0, world_size=3),
-        AgentSpec(dbs[1], "gpu-node-02", rank=1, world_size=3, wrapper=rewrite_json("/api/v1/time", _ahead)),
+        AgentSpec(dbs[1], "gpu-node-02", rank=1, world_size=3, wrapper=shift_clock(SKEW_NS)),
         AgentSpec(dbs[2], "gpu-node-03", rank=2, world_size=3),
     ]
     out = tmp_path / "fleet.json"

@@ -291,6 +291,8 @@ def test_settings_from_config_and_flags(tmp_path: Path) -> None:
     s2 = settings_from(cfg.fleet, timeout="250ms", fanout=3, token="t1", env={"INGERO_TOKEN": "t2"})
     assert (s2.timeout_s, s2.fanout, s2.token) == (0.25, 3, "t1")
     assert settings_from(None, env={"INGERO_TOKEN": "t2"}).token == "t2"
+    # one precedence rule, as the agent's: flag > environment > config file
+    assert settings_from(cfg.fleet, env={"INGERO_TOKEN": "t2"}).token == "t2"
     with pytest.raises(UsageError):
         settings_from(None, fanout=0)
     with pytest.raises(UsageError, match="needs its key"):

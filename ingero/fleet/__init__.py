@@ -34,8 +34,9 @@ Pieces, one job per module:
   for half the deadline), wire-level t1/t4 for skew, per-node release on wide fleets.
 * :mod:`ingero.fleet.outcome` — :class:`NodeOutcome` and its kinds (ok, truncated, timeout, refused,
   unreachable, tls, auth, http, schema, protocol, error); transport errors → kinds.
-* :mod:`ingero.fleet.skew` — NTP four-timestamp offset/delay with numpy, lowest-delay sample wins,
-  ±delay/2 uncertainty, the warning line.
+* :mod:`ingero.fleet.skew` — NTP four-timestamp offset/delay (samples ride every answer's headers plus
+  one light /time round trip), lowest-delay sample wins, ±delay/2 uncertainty, the warning line.
+* :mod:`ingero.fleet.budget` — the per-answer cap and the byte budget one fan-out's answers share.
 * :mod:`ingero.fleet.merge` — rows under ``node`` with column checks (:class:`FleetResult`), chains
   across nodes (:class:`FleetChains`).
 * :mod:`ingero.fleet.straggler` — robust z-score (median/MAD) verdict on per-node ``/ops`` figures.
@@ -53,22 +54,65 @@ certificates, plaintext to a remote node) raise :class:`~ingero.errors.IngeroErr
 anything is sent.
 """
 
-from ingero.fleet.client import FleetClient, NodeConn
-from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
-from ingero.fleet.operations import (
-    FleetStatus,
-    explain_sync,
-    fleet_explain,
-    fleet_ops,
-    fleet_query,
-    fleet_status,
-    query_sync,
-    status_sync,
-)
-from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, failure_summary
-from ingero.fleet.settings import ClientSettings, settings_from
-from ingero.fleet.skew import SkewEstimate, TimeSample
-from ingero.fleet.straggler import NodeFigures, StragglerVerdict
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> module; imported on first use, so that ``import ingero.fleet.operations`` (the CLI's query
+# path) does not pull in numpy (straggler), the explain engine, ... before the first byte is sent.
+_EXPORTS = {
+    "FleetClient": "client",
+    "NodeConn": "client",
+    "FleetChains": "merge",
+    "FleetResult": "merge",
+    "merge_chains": "merge",
+    "merge_rows": "merge",
+    "FleetStatus": "operations",
+    "explain_sync": "operations",
+    "fleet_explain": "operations",
+    "fleet_ops": "operations",
+    "fleet_query": "operations",
+    "fleet_status": "operations",
+    "query_sync": "operations",
+    "status_sync": "operations",
+    "Kind": "outcome",
+    "NodeFailure": "outcome",
+    "NodeOutcome": "outcome",
+    "failure_summary": "outcome",
+    "ClientSettings": "settings",
+    "settings_from": "settings",
+    "SkewEstimate": "skew",
+    "TimeSample": "skew",
+    "NodeFigures": "straggler",
+    "StragglerVerdict": "straggler",
+}
+
+if TYPE_CHECKING:
+    from ingero.fleet.client import FleetClient, NodeConn
+    from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
+    from ingero.fleet.operations import (
+        FleetStatus,
+        explain_sync,
+        fleet_explain,
+        fleet_ops,
+        fleet_query,
+        fleet_status,
+        query_sync,
+        status_sync,
+    )
+    from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, failure_summary
+    from ingero.fleet.settings import ClientSettings, settings_from
+    from ingero.fleet.skew import SkewEstimate, TimeSample
+    from ingero.fleet.straggler import NodeFigures, StragglerVerdict
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ingero.fleet' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"ingero.fleet.{module}"), name)
+
 
 __all__ = [
     "ClientSettings",

@@ -11,6 +11,7 @@ it cannot cancel the others.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -22,6 +23,7 @@ import trio
 from ingero import __version__
 from ingero.config import NodeSpec
 from ingero.fleet import skew as skewmod
+from ingero.fleet.budget import AnswerBudget, BudgetExceeded, parsed_size
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, classify
 from ingero.fleet.settings import ClientSettings, build_ssl_context, check_plaintext
 from ingero.fleet.transport import NodeTransport
@@ -50,6 +52,7 @@ class NodeConn:
         self.transport = transport
         self.base_url = base_url(spec, settings)
         self.node: str | None = None  # the agent's identity, from its first answer
+        self.samples: list[skewmod.TimeSample] = []  # clock samples carried on the answers' headers
         self._time_request: httpx.Request | None = None
 
     async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
@@ -78,9 +81,13 @@ class NodeConn:
     ) -> httpx.Response:
         """One request; transport failures raise a classified :class:`NodeFailure`."""
         try:
-            return await self.client.request(method, self.base_url + path, json=json, params=params)
+            resp = await self.client.request(method, self.base_url + path, json=json, params=params)
         except Exception as e:  # transport errors of every flavour → one classified outcome
             raise self.classify(e) from None
+        sample = skewmod.sample_from_headers(resp.extensions, resp.headers)
+        if sample is not None:
+            self.samples.append(sample)
+        return resp
 
     def classify(self, exc: BaseException) -> NodeFailure:
         s = self.settings
@@ -88,10 +95,7 @@ class NodeConn:
 
     def check(self, resp: httpx.Response, path: str) -> dict[str, Any]:
         """Validate the common envelope: JSON object, ``ok``, ``node``; map error answers to kinds."""
-        try:
-            body = resp.json()
-        except ValueError:
-            body = None
+        body = self._parse(resp)
         status = resp.status_code
         if status >= 400:
             error = body.get("error") if isinstance(body, dict) else None
@@ -109,6 +113,18 @@ class NodeConn:
             raise NodeFailure(Kind.SCHEMA, f"{path}: the answer lacks the agent's 'node' name", status=status)
         self.node = node
         return body
+
+    def _parse(self, resp: httpx.Response) -> Any:
+        """The JSON body, or None when it is not JSON; its parsed size is charged to the fan-out's budget."""
+        content = resp.content
+        try:
+            self.transport.budget.take(max(0, parsed_size(content) - len(content)))
+        except BudgetExceeded as e:
+            raise self.classify(e) from None
+        try:
+            return json.loads(content)
+        except (ValueError, RecursionError):
+            return None
 
     @staticmethod
     def _node_of(body: Any) -> str | None:
@@ -147,9 +163,12 @@ class FleetClient:
         self.transport = NodeTransport(
             build_ssl_context(s),
             per_node=2,
-            # Skew samples wait up to half the deadline for the query's connection before opening their own.
+            # A skew sample waits up to half the deadline for the query's connection before opening its own.
             patience=s.timeout_s / 2,
+            max_answer_bytes=s.max_answer_bytes,
+            budget=AnswerBudget(s.max_total_bytes),
         )
+        self._active = 0  # fan-outs running on this client (they share one answer budget)
         # Fleets wider than the fan-out drop each node's connections when it is done (bounded fds and
         # memory at 1,000 nodes); smaller ones keep them for the next operation on this client.
         self.release_nodes = len(self.nodes) > s.fanout
@@ -208,18 +227,25 @@ class FleetClient:
             if on_outcome is not None:
                 on_outcome(outcome)
 
-        async with trio.open_nursery() as nursery:
-            for i, spec in enumerate(self.nodes):
-                nursery.start_soon(one, i, spec)
-        return [o for o in outcomes if o is not None]
+        if self._active == 0:  # a fresh budget per fan-out (concurrent fan-outs share one)
+            self.transport.budget = AnswerBudget(self.settings.max_total_bytes)
+        self._active += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                for i, spec in enumerate(self.nodes):
+                    nursery.start_soon(one, i, spec)
+        finally:
+            self._active -= 1
+        return flag_duplicates([o for o in outcomes if o is not None])
 
     async def _run_node(self, spec: NodeSpec, job: NodeJob, want_skew: bool) -> NodeOutcome:
         s = self.settings
         conn = NodeConn(self.client, spec, s, self.transport)
         started = time.perf_counter()
         result: dict[str, Any] = {}
-        samples: list[skewmod.TimeSample] = []
+        time_samples: list[skewmod.TimeSample] = []
         sample_errors: list[str] = []
+        job_done = trio.Event()
 
         async def run_job(scope: trio.CancelScope) -> None:
             try:
@@ -228,14 +254,25 @@ class FleetClient:
                 failure = conn.classify(e)
                 result["failure"] = failure
                 if failure.kind in _TRANSPORT_KINDS:
-                    scope.cancel()  # its skew samples would only wait for the same failure
+                    scope.cancel()  # its skew sample would only wait for the same failure
+            finally:
+                job_done.set()
+
+        async def take_sample() -> None:
+            try:
+                time_samples.append(await conn.time_sample())
+            except Exception as e:  # a failed sample never drops the node
+                sample_errors.append(conn.classify(e).reason)
 
         async def run_skew() -> None:
-            for _ in range(s.skew_samples):
-                try:
-                    samples.append(await conn.time_sample())
-                except Exception as e:  # a failed sample never drops the node
-                    sample_errors.append(conn.classify(e).reason)
+            # One light /time sample alongside the job; the job's own answers carry a sample each
+            # (the agent's receive/transmit times in headers). Only an agent whose answers carry none
+            # (an older agent) gets the rest of ``skew_samples`` as /time round trips.
+            await take_sample()
+            await job_done.wait()
+            if not conn.samples and "data" in result:
+                for _ in range(s.skew_samples - 1):
+                    await take_sample()
 
         with trio.move_on_after(s.timeout_s) as deadline:
             async with trio.open_nursery() as nursery:
@@ -244,10 +281,11 @@ class FleetClient:
                     nursery.start_soon(run_skew)
         elapsed_ms = (time.perf_counter() - started) * 1000
 
+        samples = [*conn.samples, *time_samples]
         est = skewmod.estimate(samples, failed=len(sample_errors)) if want_skew else None
         skew_error = None
         if want_skew and est is None and s.skew_samples > 0:
-            skew_error = sample_errors[0] if sample_errors else "no /time sample completed in time"
+            skew_error = sample_errors[0] if sample_errors else "no clock sample completed in time"
 
         if "data" in result:
             data = result["data"]
@@ -260,8 +298,8 @@ class FleetClient:
         if failure is None:  # the deadline struck first
             what = "answer" if conn.node is None else "complete answer"
             failure = NodeFailure(Kind.TIMEOUT, f"no {what} within {s.timeout_s:g}s")
-            if deadline.cancelled_caught and samples:
-                failure.reason += " (its /time answers did arrive: the agent is up but slow)"
+            if deadline.cancelled_caught and time_samples:
+                failure.reason += " (its /time answer did arrive: the agent is up but slow)"
         return NodeOutcome(
             spec,
             failure.kind,
@@ -292,3 +330,21 @@ class FleetClient:
             return await conn.request(method, path, json=json, params=params)
 
         return await self.fan_out(job, skew=skew, on_outcome=on_outcome)
+
+
+def flag_duplicates(outcomes: list[NodeOutcome]) -> list[NodeOutcome]:
+    """Two entries of the node list that answered with one identity: the first (in list order) keeps
+    its answer, the others become ``duplicate`` outcomes — flagged, never counted twice."""
+    first: dict[str, NodeOutcome] = {}
+    for o in outcomes:
+        if not o.answered or o.node is None:
+            continue
+        seen = first.setdefault(o.node, o)
+        if seen is not o:
+            o.kind = Kind.DUPLICATE
+            o.reason = (
+                f"answered as '{o.node}', the identity {seen.spec.addr} answered with too; "
+                "its answer is not counted twice (two agents with one --node name, or one agent listed twice?)"
+            )
+            o.data = None
+    return outcomes

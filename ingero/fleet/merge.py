@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ingero.explain.model import Chain, sort_chains
 from ingero.fleet.outcome import Kind, NodeOutcome, Outcomes
-from ingero.fleet.straggler import NodeFigures, StragglerVerdict, verdict
+
+if TYPE_CHECKING:  # imported where used: a fleet query needs neither the explain model nor numpy
+    from ingero.explain.model import Chain
+    from ingero.fleet.straggler import StragglerVerdict
 
 
 def _order(outcomes: list[NodeOutcome]) -> list[NodeOutcome]:
@@ -130,6 +132,8 @@ class FleetChains(Outcomes):
 
 
 def _chains_of(o: NodeOutcome, key: str) -> list[Chain]:
+    from ingero.explain.model import Chain
+
     body = o.data.get("chains") if isinstance(o.data, dict) else None
     raw = body.get(key) if isinstance(body, dict) else None
     chains: list[Chain] = []
@@ -148,6 +152,9 @@ def merge_chains(outcomes: list[NodeOutcome], elapsed_ms: float = 0.0) -> FleetC
     added when the node computed none, so an agent serving a recording without enough raw events
     still contributes its diagnosis.
     """
+    from ingero.explain.model import sort_chains
+    from ingero.fleet.straggler import NodeFigures, verdict
+
     chains: list[Chain] = []
     figures: list[NodeFigures] = []
     windows: dict[str, Any] = {}

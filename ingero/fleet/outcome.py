@@ -16,12 +16,16 @@ kind            answered   meaning
 ``http``        no         any other non-2xx answer (with the agent's one-line error)
 ``schema``      no         the answer does not match the API contract or the fleet's columns
 ``protocol``    no         the connection broke mid-answer (cut-off body), or the body is not JSON
+``too_large``   no         the answer passed the per-answer cap or the fan-out's shared byte budget
+``duplicate``   no         answered with the identity of another node of the list (not counted twice)
 ``error``       no         anything else
 ==============  =========  ======================================================================
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import ssl
 from collections.abc import Iterator
@@ -30,9 +34,17 @@ from enum import StrEnum
 from typing import Any
 
 import httpx
+import trio
 
 from ingero.config import NodeSpec
+from ingero.fleet.budget import BudgetExceeded
 from ingero.fleet.skew import SkewEstimate
+from ingero.fleet.transport import (
+    AnswerCutOff,
+    AnswerTooLarge,
+    ClosedBeforeAnswer,
+    MalformedAnswer,
+)
 
 
 class Kind(StrEnum):
@@ -46,6 +58,8 @@ class Kind(StrEnum):
     HTTP = "http"
     SCHEMA = "schema"
     PROTOCOL = "protocol"
+    TOO_LARGE = "too_large"
+    DUPLICATE = "duplicate"
     ERROR = "error"
 
 
@@ -144,85 +158,130 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
             stack.append(e.__context__)
 
 
-def _tls_reason(e: ssl.SSLError) -> str:
-    text = getattr(e, "verify_message", None) or e.reason or str(e)
-    text = str(text).lower().replace("_", " ")
+# OpenSSL's X509_V_ERR_* codes (``SSLCertVerificationError.verify_code``) → what happened, and the fix.
+_VERIFY_CODES: dict[int, str] = {
+    9: "the agent's certificate is not valid yet (check this host's and the agent's clocks)",
+    10: "the agent's certificate has expired (renew it: ingero cert node NAME --ca-dir DIR --force)",
+    18: "cannot verify the agent's certificate: it is self-signed and not trusted (pass --ca-cert, or set "
+    "fleet.ca_cert)",
+    19: "cannot verify the agent's certificate: its chain ends in a CA this client does not trust "
+    "(wrong --ca-cert / fleet.ca_cert?)",
+    20: "cannot verify the agent's certificate: it was signed by a CA this client does not trust "
+    "(wrong --ca-cert / fleet.ca_cert?)",
+    21: "cannot verify the agent's certificate: unable to verify the first certificate (pass --ca-cert)",
+    62: "the agent's certificate does not name the host dialled (add it with ingero cert node --san)",
+    64: "the agent's certificate does not name the address dialled (add it with ingero cert node --san)",
+}
+# OpenSSL reason codes (``SSLError.reason``, a library identifier, not message text) → words.
+_SSL_REASONS: dict[str, str] = {
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the agent requires a client certificate (pass --client-cert/--client-key)",
+    "TLSV1_ALERT_UNKNOWN_CA": "the agent rejected our client certificate: signed by a CA it does not trust",
+    "SSLV3_ALERT_BAD_CERTIFICATE": "the agent rejected our client certificate",
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN": "the agent rejected our client certificate",
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED": "the agent rejected our client certificate: it has expired "
+    "(renew it: ingero cert client NAME --ca-dir DIR --force)",
+    "WRONG_VERSION_NUMBER": "the agent does not speak TLS (started with --no-tls? use --plaintext)",
+    "RECORD_LAYER_FAILURE": "the agent does not speak TLS (started with --no-tls? use --plaintext)",
+    "PACKET_LENGTH_TOO_LONG": "the agent does not speak TLS (started with --no-tls? use --plaintext)",
+    "TLSV1_ALERT_PROTOCOL_VERSION": "no common protocol version; ingero needs TLS 1.3 on both sides",
+    "UNSUPPORTED_PROTOCOL": "no common protocol version; ingero needs TLS 1.3 on both sides",
+}
+_UNREACHABLE_ERRNOS = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ENETDOWN, errno.EADDRNOTAVAIL}
+
+
+def _tls_failure(e: ssl.SSLError) -> NodeFailure:
     if isinstance(e, ssl.SSLCertVerificationError):
-        if "hostname" in text or "ip address mismatch" in text:
-            return f"TLS: the agent's certificate does not match its address ({text})"
-        return f"TLS: cannot verify the agent's certificate: {text} (pass --ca-cert or set fleet.ca_cert)"
-    if "certificate required" in text:
-        return "TLS: the agent requires a client certificate (pass --client-cert/--client-key)"
-    if "unknown ca" in text or "bad certificate" in text or "certificate unknown" in text:
-        return f"TLS: the agent rejected our client certificate ({text})"
-    if "wrong version number" in text or "record layer failure" in text or "packet length too long" in text:
-        return "TLS: the agent does not speak TLS (started with --no-tls? use --plaintext)"
-    if "protocol version" in text:
-        return f"TLS: no common protocol version ({text}); ingero needs TLS 1.3"
-    return f"TLS: {text}"
+        words = _VERIFY_CODES.get(e.verify_code)
+        if words is None:
+            words = f"cannot verify the agent's certificate: {e.verify_message} (pass --ca-cert or set fleet.ca_cert)"
+        return NodeFailure(Kind.TLS, f"TLS: {words}")
+    words = _SSL_REASONS.get(str(e.reason or ""))
+    return NodeFailure(Kind.TLS, f"TLS: {words or ' '.join(str(e).split())}")
+
+
+def _os_failure(e: OSError, timeout_s: float) -> NodeFailure | None:
+    if isinstance(e, ConnectionRefusedError):
+        return NodeFailure(
+            Kind.REFUSED, "connection refused (is the agent running? ingero serve / ingero trace --listen)"
+        )
+    if isinstance(e, socket.gaierror):
+        return NodeFailure(Kind.UNREACHABLE, f"cannot resolve host: {e.strerror or 'unknown name'} (check --nodes)")
+    if isinstance(e, TimeoutError):
+        return NodeFailure(Kind.TIMEOUT, f"connect timed out within {timeout_s:g}s (black-holed or firewalled?)")
+    if e.errno in _UNREACHABLE_ERRNOS:
+        return NodeFailure(Kind.UNREACHABLE, f"cannot connect: {os.strerror(e.errno or 0)} (check the route)")
+    return None
 
 
 def classify(exc: BaseException, timeout_s: float, *, tls: bool = True, client_cert: bool = False) -> NodeFailure:
-    """Translate a transport exception (httpx, ssl, OSError, trio) into a NodeFailure.
+    """Translate a transport exception (httpx, the transport's own, ssl, OSError, trio) into a NodeFailure.
 
-    ``tls``/``client_cert`` describe the connection: an mTLS agent that refuses a client's certificate
-    under TLS 1.3 does so after the client considers the handshake done, and usually just closes the
-    connection — which then reads as "disconnected without a response" on a fresh TLS connection.
+    Decided by exception type (and OpenSSL's/errno's codes), never by message text. ``tls`` and
+    ``client_cert`` describe the connection: an mTLS agent that refuses a client's certificate under
+    TLS 1.3 does so after the client considers the handshake done, and just closes the connection.
     """
     if isinstance(exc, NodeFailure):
         return exc
     chain = list(_chain(exc))
     for e in chain:
-        if isinstance(e, ssl.SSLError):
-            return NodeFailure(Kind.TLS, _tls_reason(e))
-    for e in chain:
-        if isinstance(e, ConnectionRefusedError):
+        if isinstance(e, AnswerTooLarge):
+            what = "the fan-out's shared answer budget" if e.shared else "the per-answer cap"
             return NodeFailure(
-                Kind.REFUSED, "connection refused (is the agent running? ingero serve / ingero trace --listen)"
+                Kind.TOO_LARGE,
+                f"answer cut at {e.bytes_read // 1024} KiB: it would pass {what} of {e.limit // (1024 * 1024)} MiB "
+                "(narrow the query or lower --limit)",
+            )
+        if isinstance(e, BudgetExceeded):
+            return NodeFailure(
+                Kind.TOO_LARGE,
+                f"answer too large to parse within the fan-out's answer budget of {e.limit // (1024 * 1024)} MiB "
+                "(narrow the query or lower --limit)",
             )
     for e in chain:
-        if isinstance(e, TimeoutError):
-            return NodeFailure(Kind.TIMEOUT, "connect timed out")
-        if isinstance(e, socket.gaierror):
-            return NodeFailure(Kind.UNREACHABLE, f"cannot resolve host: {e.strerror or e}")
-        if isinstance(e, OSError) and e.errno is not None and e.strerror:
-            if isinstance(e, ConnectionResetError | BrokenPipeError | ConnectionAbortedError):
-                continue
-            return NodeFailure(Kind.UNREACHABLE, f"cannot connect: {e.strerror}")
-    if isinstance(exc, httpx.TimeoutException):
-        what = {
-            httpx.ConnectTimeout: "connect",
-            httpx.ReadTimeout: "answer",
-            httpx.WriteTimeout: "send",
-            httpx.PoolTimeout: "connection slot",
-        }.get(type(exc), "answer")
-        return NodeFailure(Kind.TIMEOUT, f"no {what} within {timeout_s:g}s")
-    if isinstance(exc, httpx.RemoteProtocolError):
-        text = str(exc).lower()
-        if tls and "without sending a response" in text:
-            if client_cert:
-                return NodeFailure(
-                    Kind.TLS,
-                    "TLS: the agent closed the connection without answering: it refused our client certificate "
-                    "(signed by a CA the agent does not trust?)",
-                )
+        if isinstance(e, ssl.SSLError):
+            return _tls_failure(e)
+    for e in chain:
+        if isinstance(e, OSError) and not isinstance(e, ssl.SSLError):
+            failure = _os_failure(e, timeout_s)
+            if failure is not None:
+                return failure
+    if isinstance(exc, ClosedBeforeAnswer) and exc.tls and tls:
+        if client_cert:
             return NodeFailure(
                 Kind.TLS,
-                "TLS: the agent closed the connection without answering: it requires a client certificate "
-                "(pass --client-cert/--client-key or set fleet.client_cert/client_key)",
+                "TLS: the agent closed the connection without answering: it refused our client certificate "
+                "(signed by a CA the agent does not trust?)",
             )
-        if "incomplete" in text or "peer closed" in text or "without sending complete" in text:
-            return NodeFailure(Kind.PROTOCOL, "the agent closed the connection mid-answer (answer cut off)")
-        return NodeFailure(Kind.PROTOCOL, f"HTTP protocol error: {' '.join(str(exc).split())}")
+        return NodeFailure(
+            Kind.TLS,
+            "TLS: the agent closed the connection without answering: it requires a client certificate "
+            "(pass --client-cert/--client-key or set fleet.client_cert/client_key)",
+        )
+    if isinstance(exc, ClosedBeforeAnswer):
+        return NodeFailure(Kind.PROTOCOL, "the agent closed the connection without answering")
+    if isinstance(exc, AnswerCutOff):
+        return NodeFailure(
+            Kind.PROTOCOL, f"the agent closed the connection mid-answer (cut off after {exc.bytes_read} bytes)"
+        )
+    if isinstance(exc, MalformedAnswer):
+        return NodeFailure(Kind.PROTOCOL, "the answer is not valid HTTP/1.1 (not an ingero agent on that port?)")
+    if isinstance(exc, httpx.TimeoutException | trio.TooSlowError):
+        what = "answer"
+        if isinstance(exc, httpx.ConnectTimeout):
+            what = "connection"
+        elif isinstance(exc, httpx.WriteTimeout):
+            what = "send"
+        elif isinstance(exc, httpx.PoolTimeout):
+            what = "connection slot"
+        return NodeFailure(Kind.TIMEOUT, f"no {what} within {timeout_s:g}s")
     if isinstance(exc, httpx.ReadError | httpx.WriteError):
         return NodeFailure(Kind.PROTOCOL, "the connection broke mid-answer")
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return NodeFailure(Kind.PROTOCOL, "HTTP protocol error from the agent")
     if isinstance(exc, httpx.ConnectError):
-        text = " ".join(str(exc).split()) or "connection failed"
-        return NodeFailure(Kind.UNREACHABLE, f"cannot connect: {text}")
-    if isinstance(exc, httpx.HTTPError):
-        return NodeFailure(Kind.ERROR, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        return NodeFailure(Kind.UNREACHABLE, "cannot connect")
     if isinstance(exc, OSError):
-        return NodeFailure(Kind.UNREACHABLE, f"cannot connect: {exc.strerror or exc}")
+        return NodeFailure(Kind.UNREACHABLE, f"cannot connect: {exc.strerror or type(exc).__name__}")
     return NodeFailure(Kind.ERROR, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
 
 

@@ -1,7 +1,10 @@
-"""Client settings for the fleet: the config file's ``fleet:`` section, overridden by flags.
+"""Client settings for the fleet: one type, :class:`ClientSettings`, and one precedence rule.
 
-:func:`settings_from` merges a :class:`~ingero.config.FleetConfig` with explicit overrides (the CLI's
-``--timeout``, ``--fanout``, ``--token``, ``--ca-cert``, ...). :func:`build_ssl_context` builds the
+**Precedence, for every setting: flag > environment > config file > default.** The config file's
+``fleet:`` section is only read into :class:`~ingero.config.FleetConfig` (its parsed, validated
+values); :func:`settings_from` is the one place that combines it with the environment
+(``$INGERO_TOKEN``) and the explicit overrides (the CLI's ``--timeout``, ``--fanout``, ``--token``,
+``--ca-cert``, ...) into the :class:`ClientSettings` everything downstream uses. :func:`build_ssl_context` builds the
 one :class:`ssl.SSLContext` every connection of a fan-out shares (TLS 1.3 minimum, client
 certificate for mTLS), and :func:`check_plaintext` refuses plain HTTP to non-loopback nodes unless it
 was explicitly allowed.
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from ingero.config import FleetConfig, NodeSpec, is_loopback
 from ingero.errors import TLSConfigError, UsageError
+from ingero.fleet.budget import MAX_ANSWER_BYTES, MAX_TOTAL_BYTES
 from ingero.timeutil import NS_PER_S, parse_duration
 
 _DEFAULTS = FleetConfig()  # one set of defaults for the config file's fleet section and the client
@@ -37,6 +41,8 @@ class ClientSettings:
     insecure_skip_verify: bool = False  # TLS without verifying the agents' certificates
     skew_samples: int = _DEFAULTS.skew_samples  # /time samples per node (0: no skew estimation)
     skew_threshold_ms: float = _DEFAULTS.skew_threshold_ms
+    max_answer_bytes: int = MAX_ANSWER_BYTES  # one node's answer, at most
+    max_total_bytes: int = MAX_TOTAL_BYTES  # all nodes' answers of one fan-out together (shared budget)
     config_path: str | None = None  # where the fleet section came from (for messages)
 
     @property
@@ -61,7 +67,7 @@ def settings_from(
     allow_plaintext_remote: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> ClientSettings:
-    """Config values, overridden by whatever is given explicitly. Token: flag > config > ``$INGERO_TOKEN``."""
+    """Flag > environment > config > default (see the module docstring); ``env`` defaults to ``os.environ``."""
     cfg = cfg or FleetConfig()
     env = os.environ if env is None else env
     timeout_s = cfg.timeout_s
@@ -85,7 +91,7 @@ def settings_from(
     return ClientSettings(
         timeout_s=timeout_s,
         fanout=width,
-        token=token or cfg.token or env.get("INGERO_TOKEN") or None,
+        token=token or env.get("INGERO_TOKEN") or cfg.token or None,
         ca_cert=_expand(ca_cert or cfg.ca_cert),
         client_cert=_expand(client_cert),
         client_key=_expand(client_key),

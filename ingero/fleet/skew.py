@@ -1,6 +1,8 @@
-"""Clock skew between this host and each agent: NTP's four-timestamp method, with numpy.
+"""Clock skew between this host and each agent: NTP's four-timestamp method.
 
-One sample is one ``GET /api/v1/time`` round trip:
+One sample is one round trip — every answer of an agent carries its ``t2``/``t3`` in the
+``x-ingero-receive-ns``/``x-ingero-transmit-ns`` headers (so the query itself is a sample), and
+``GET /api/v1/time`` returns them in its body:
 
 * ``t1`` — this host's wall clock when the request leaves,
 * ``t2`` — the agent's wall clock when the request arrived (``receive_ns``),
@@ -19,13 +21,14 @@ cannot corrupt it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ingero.timeutil import NS_PER_MS
+
+RECEIVE_HEADER = "x-ingero-receive-ns"  # t2, on every agent answer
+TRANSMIT_HEADER = "x-ingero-transmit-ns"  # t3
 
 
 @dataclass(frozen=True)
@@ -96,26 +99,18 @@ def estimate(samples: Sequence[TimeSample], failed: int = 0) -> SkewEstimate | N
     """Pick the lowest-delay sample. ``None`` when no sample succeeded.
 
     Samples with a negative delay (the agent claims to have spent longer than the round trip — a
-    broken agent clock or a clock step inside the sample) are discarded.
+    broken agent clock or a clock step inside the sample) are discarded. Python ints are exact for
+    Unix nanoseconds; a handful of samples needs no array library.
     """
-    if not samples:
+    valid = [s for s in samples if s.delay_ns >= 0]
+    if not valid:
         return None
-    arr = np.array([(s.t1, s.t2, s.t3, s.t4) for s in samples], dtype=np.int64)
-    t1, t2, t3, t4 = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
-    # Differences first, in int64 (exact), then float: Unix ns do not survive float64 by themselves.
-    out_leg = (t2 - t1).astype(np.float64)
-    back_leg = (t3 - t4).astype(np.float64)
-    delays = ((t4 - t1) - (t3 - t2)).astype(np.float64)
-    offsets = (out_leg + back_leg) / 2
-    valid = delays >= 0
-    if not valid.any():
-        return None
-    best = int(np.argmin(np.where(valid, delays, np.inf)))
+    best = min(valid, key=lambda s: s.delay_ns)
     return SkewEstimate(
-        offset_ns=float(offsets[best]),
-        delay_ns=float(delays[best]),
-        samples=int(valid.sum()),
-        failed=failed + int((~valid).sum()),
+        offset_ns=best.offset_ns,
+        delay_ns=best.delay_ns,
+        samples=len(valid),
+        failed=failed + len(samples) - len(valid),
     )
 
 
@@ -127,8 +122,25 @@ def sample_from_body(t1: int, t4: int, body: dict[str, Any]) -> TimeSample:
     return TimeSample(t1, t2, t3, t4)
 
 
+def sample_from_headers(extensions: Mapping[str, Any], headers: Mapping[str, str]) -> TimeSample | None:
+    """The sample an answer carries: the transport's ``t1`` and first-byte ``t4``, the agent's ``t2``/``t3``
+    headers. None when either side lacks them (an older agent, another transport)."""
+    t1, t4 = extensions.get("ingero.sent_ns"), extensions.get("ingero.first_byte_ns")
+    raw2, raw3 = headers.get(RECEIVE_HEADER), headers.get(TRANSMIT_HEADER)
+    if not t1 or not t4 or raw2 is None or raw3 is None:
+        return None
+    try:
+        return TimeSample(int(t1), int(raw2), int(raw3), int(t4))
+    except ValueError:
+        return None
+
+
 def exceeds(est: SkewEstimate | None, threshold_ms: float) -> bool:
-    return est is not None and abs(est.offset_ms) > threshold_ms
+    """Is the clock off by more than the threshold *for sure*: ``|offset| − uncertainty > threshold``?
+
+    An offset within its own uncertainty of the threshold could be a slow round trip, not skew.
+    """
+    return est is not None and abs(est.offset_ms) - est.uncertainty_ms > threshold_ms
 
 
 def warning(node: str, est: SkewEstimate | None, threshold_ms: float) -> str | None:

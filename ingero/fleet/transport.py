@@ -5,19 +5,23 @@
 hundreds of nodes that is quadratic and dominates a fan-out. :class:`NodeTransport` is an
 :class:`httpx.AsyncBaseTransport` that keeps a tiny pool per node (a dict lookup), speaks HTTP/1.1
 with ``h11`` directly on ``trio`` streams (TLS from the one shared :class:`ssl.SSLContext`), reads each
-answer whole (capped), and can drop a node's connections the moment that node is done.
+answer whole — within a per-answer cap and a byte budget shared by the whole fan-out
+(:class:`~ingero.fleet.budget.AnswerBudget`) — and can drop a node's connections the moment that node
+is done.
 
 Per node at most ``per_node`` connections (2): the first request opens one; a request that finds it
-busy waits up to ``patience`` seconds for it before opening the second — so clock-skew samples ride
-the query's connection when the query is quick (no second TLS handshake) and get their own when it
+busy waits up to ``patience`` seconds for it before opening the second — so a clock-skew sample rides
+the query's connection when the query is quick (no second TLS handshake) and gets its own when it
 is slow or hung (skew never waits on a slow query).
 
 Every answer carries ``extensions["ingero.sent_ns"]`` (wall clock just before the request's bytes
-were written) and ``["ingero.received_ns"]`` (the same clock plus a monotonic interval, after its
-last byte): the NTP ``t1``/``t4`` without client-side queueing or parsing in them.
+were written), ``["ingero.first_byte_ns"]`` (when the status line and headers arrived) and
+``["ingero.received_ns"]`` (after its last byte), the later two as ``sent_ns`` plus a monotonic
+interval: the NTP ``t1``/``t4`` without client-side queueing or parsing in them.
 
-Errors are httpx's own exception types, raised ``from`` the underlying ssl/OS/trio error, so that
-:func:`ingero.fleet.outcome.classify` sees the whole chain.
+Failures are typed (:class:`TransportFailure` and its subclasses, which are also httpx's own exception
+types), raised ``from`` the underlying ssl/OS/trio error, so that
+:func:`ingero.fleet.outcome.classify` decides by type and never by message text.
 """
 
 from __future__ import annotations
@@ -32,19 +36,112 @@ import h11
 import httpx
 import trio
 
+from ingero.fleet.budget import MAX_ANSWER_BYTES, AnswerBudget, BudgetExceeded
+
 Origin = tuple[str, str, int]
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
 READ_CHUNK = 256 * 1024
+MAX_HEADER_BYTES = 64 * 1024
+
+
+# --- typed failures (each also an httpx exception, for callers that catch those) -----------------
+
+
+class TransportFailure(httpx.TransportError):
+    """Base of the transport's own failures."""
+
+
+class ConnectFailed(TransportFailure, httpx.ConnectError):
+    """TCP or TLS could not be set up; ``__cause__`` holds the OSError/ssl error."""
+
+
+class ConnectTimedOut(TransportFailure, httpx.ConnectTimeout):
+    """TCP connect plus TLS handshake took longer than the connect timeout."""
+
+
+class SendFailed(TransportFailure, httpx.WriteError):
+    """The request could not be written."""
+
+
+class SendTimedOut(TransportFailure, httpx.WriteTimeout):
+    """Writing the request took too long (the agent does not read)."""
+
+
+class ClosedBeforeAnswer(TransportFailure, httpx.RemoteProtocolError):
+    """The agent closed a fresh connection before any answer byte.
+
+    Under TLS 1.3 an mTLS agent that rejects the client's certificate does so *after* the client
+    considers the handshake done: the connection then just closes. ``tls`` says whether it was TLS.
+    """
+
+    def __init__(self, message: str, *, tls: bool) -> None:
+        super().__init__(message)
+        self.tls = tls
+
+
+class AnswerCutOff(TransportFailure, httpx.RemoteProtocolError):
+    """The connection ended in the middle of an answer."""
+
+    def __init__(self, message: str, *, bytes_read: int) -> None:
+        super().__init__(message)
+        self.bytes_read = bytes_read
+
+
+class MalformedAnswer(TransportFailure, httpx.RemoteProtocolError):
+    """The bytes that came back are not HTTP/1.1 (h11 refused them)."""
+
+
+class ReadBroke(TransportFailure, httpx.ReadError):
+    """The connection failed (reset, ...) while reading the answer."""
+
+
+class ReadTimedOut(TransportFailure, httpx.ReadTimeout):
+    """No complete answer within the read timeout."""
+
+
+class AnswerTooLarge(TransportFailure, httpx.RemoteProtocolError):
+    """The answer passed its per-answer cap, or the fan-out's shared byte budget ran out.
+
+    ``limit`` is the cap that was hit, ``shared`` says whether it was the fan-out's budget.
+    The bytes read so far are dropped at once.
+    """
+
+    def __init__(self, message: str, *, limit: int, shared: bool, bytes_read: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.shared = shared
+        self.bytes_read = bytes_read
+
+
+class _StaleConnectionError(Exception):
+    """A reused connection turned out closed before any answer byte: safe to retry on a new one."""
+
+
+@dataclass
+class _Answer:
+    """One answer as it is read."""
+
+    sent_ns: int
+    sent_pc: int
+    status: int = 0
+    first_byte_ns: int = 0
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    got_any: bool = False
+
+
+# --- connections and pools ---------------------------------------------------------------------
 
 
 class _Conn:
     """One keep-alive HTTP/1.1 connection."""
 
-    __slots__ = ("h11", "stream", "used")
+    __slots__ = ("h11", "stream", "tls", "used")
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, tls: bool) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+        self.tls = tls
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
         self.used = False
 
     async def aclose(self) -> None:
@@ -89,6 +186,10 @@ class _NodePool:
         self.freed = trio.Event()
 
 
+def _deadline(seconds: float | None) -> float:
+    return seconds if seconds is not None else float("inf")
+
+
 class NodeTransport(httpx.AsyncBaseTransport):
     """HTTP/1.1 over trio with a small connection pool per node (see the module docstring)."""
 
@@ -99,11 +200,13 @@ class NodeTransport(httpx.AsyncBaseTransport):
         per_node: int = 2,
         patience: float = 0.5,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
+        budget: AnswerBudget | None = None,
     ) -> None:
         self.ssl_context = ssl_context
         self.per_node = max(1, per_node)
         self.patience = patience
         self.max_answer_bytes = max_answer_bytes
+        self.budget = budget if budget is not None else AnswerBudget()
         self._pools: dict[Origin, _NodePool] = {}
         self.connections_opened = 0
 
@@ -130,7 +233,7 @@ class NodeTransport(httpx.AsyncBaseTransport):
                 if conn is not None:
                     await conn.aclose()
                 if attempt == 2 or not reused:
-                    raise httpx.RemoteProtocolError("Server disconnected without sending a response.") from e
+                    raise ClosedBeforeAnswer("the agent closed the connection without answering", tls=False) from e
                 continue
             except BaseException:
                 pool.give_back(None)
@@ -148,24 +251,25 @@ class NodeTransport(httpx.AsyncBaseTransport):
     async def _connect(self, origin: Origin, connect_s: float | None) -> _Conn:
         scheme, host, port = origin
         self.connections_opened += 1
+        tls = scheme == "https"
         try:
-            with trio.fail_after(connect_s if connect_s is not None else float("inf")):
+            with trio.fail_after(_deadline(connect_s)):
                 stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
-                if scheme == "https":
+                if tls:
                     if self.ssl_context is None:
-                        raise httpx.ConnectError("https without an SSL context")
-                    tls = trio.SSLStream(stream, self.ssl_context, server_hostname=host, https_compatible=True)
+                        raise ConnectFailed("https without an SSL context")
+                    tls_stream = trio.SSLStream(stream, self.ssl_context, server_hostname=host, https_compatible=True)
                     try:
-                        await tls.do_handshake()
+                        await tls_stream.do_handshake()
                     except BaseException:
-                        await _Conn(tls).aclose()
+                        await _Conn(tls_stream, tls).aclose()
                         raise
-                    stream = tls
+                    stream = tls_stream
         except trio.TooSlowError as e:
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from e
+            raise ConnectTimedOut(f"connecting to {host}:{port} timed out") from e
         except (OSError, trio.BrokenResourceError) as e:
-            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {e}") from e
-        return _Conn(stream)
+            raise ConnectFailed(f"cannot connect to {host}:{port}") from e
+        return _Conn(stream, tls)
 
     async def _exchange(
         self, conn: _Conn, request: httpx.Request, timeouts: dict[str, Any]
@@ -177,67 +281,45 @@ class NodeTransport(httpx.AsyncBaseTransport):
         if body:
             data += c.send(h11.Data(data=body))
         data += c.send(h11.EndOfMessage())
-        write_t = timeouts.get("write")
-        read_t = timeouts.get("read")
         sent_ns = time.time_ns()
         sent_pc = time.perf_counter_ns()
         fresh = not conn.used
         conn.used = True
         try:
-            with trio.fail_after(write_t if write_t is not None else float("inf")):
+            with trio.fail_after(_deadline(timeouts.get("write"))):
                 await conn.stream.send_all(data)
         except trio.TooSlowError as e:
-            raise httpx.WriteTimeout("sending the request timed out") from e
+            raise SendTimedOut("sending the request timed out") from e
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             if not fresh:
                 raise _StaleConnectionError from e
-            raise httpx.WriteError(f"sending the request failed: {e}") from e
+            raise SendFailed("sending the request failed") from e
 
-        status = 0
-        resp_headers: list[tuple[bytes, bytes]] = []
-        chunks: list[bytes] = []
-        size = 0
-        got_any = False
+        answer = _Answer(sent_ns, sent_pc)
+        budget = self.budget
         try:
-            with trio.fail_after(read_t if read_t is not None else float("inf")):
-                while True:
-                    event = c.next_event()
-                    if event is h11.NEED_DATA:
-                        chunk = await conn.stream.receive_some(READ_CHUNK)
-                        if not chunk and not got_any:
-                            if not fresh:
-                                raise _StaleConnectionError
-                            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-                        got_any = True
-                        c.receive_data(bytes(chunk))
-                    elif isinstance(event, h11.Response):
-                        status = event.status_code
-                        resp_headers = list(event.headers)
-                    elif isinstance(event, h11.Data):
-                        size += len(event.data)
-                        if size > self.max_answer_bytes:
-                            raise httpx.RemoteProtocolError(
-                                f"answer larger than {self.max_answer_bytes // (1024 * 1024)} MiB; not read"
-                            )
-                        chunks.append(bytes(event.data))
-                    elif isinstance(event, h11.EndOfMessage):
-                        break
-                    elif isinstance(event, h11.ConnectionClosed):
-                        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
-                    # h11.InformationalResponse (1xx): keep reading
-        except trio.TooSlowError as e:
-            raise httpx.ReadTimeout("no complete answer in time") from e
-        except h11.RemoteProtocolError as e:
-            text = str(e)
-            if "incomplete" in text.lower() or "closed" in text.lower():
-                raise httpx.RemoteProtocolError(
-                    f"peer closed connection without sending complete message body ({size} bytes read)"
-                ) from e
-            raise httpx.RemoteProtocolError(f"malformed answer: {text}") from e
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            if not got_any and not fresh:
-                raise _StaleConnectionError from e
-            raise httpx.ReadError(f"the connection broke: {e}") from e
+            with trio.fail_after(_deadline(timeouts.get("read"))):
+                await self._read_answer(conn, answer, fresh)
+        except BudgetExceeded as e:
+            budget.give_back(answer.size)
+            raise AnswerTooLarge(
+                f"the fan-out's answer budget of {_mib(e.limit)} is spent; this answer was cut at {_mib(answer.size)}",
+                limit=e.limit,
+                shared=True,
+                bytes_read=answer.size,
+            ) from None
+        except BaseException as e:
+            budget.give_back(answer.size)  # nothing of a failed answer is kept
+            if isinstance(e, trio.TooSlowError):
+                raise ReadTimedOut("no complete answer in time") from e
+            if isinstance(e, h11.RemoteProtocolError):
+                raise MalformedAnswer("the answer is not valid HTTP/1.1") from e
+            if isinstance(e, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
+                if not answer.got_any and not fresh:
+                    raise _StaleConnectionError from e
+                raise ReadBroke("the connection broke mid-answer") from e
+            raise
+        chunks = answer.chunks
         received_ns = sent_ns + (time.perf_counter_ns() - sent_pc)
         reusable = c.our_state is h11.DONE and c.their_state is h11.DONE
         if reusable:
@@ -246,13 +328,58 @@ class NodeTransport(httpx.AsyncBaseTransport):
             except h11.LocalProtocolError:
                 reusable = False
         response = httpx.Response(
-            status,
-            headers=resp_headers,
-            content=b"".join(chunks),
+            answer.status,
+            headers=answer.headers,
+            content=b"".join(chunks) if len(chunks) != 1 else chunks[0],
             request=request,
-            extensions={"http_version": b"HTTP/1.1", "ingero.sent_ns": sent_ns, "ingero.received_ns": received_ns},
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "ingero.sent_ns": sent_ns,
+                "ingero.first_byte_ns": answer.first_byte_ns,
+                "ingero.received_ns": received_ns,
+            },
         )
         return response, reusable
+
+    async def _read_answer(self, conn: _Conn, answer: _Answer, fresh: bool) -> None:
+        """Read one answer into ``answer``, charging every body chunk to the caps as it arrives."""
+        c = conn.h11
+        while True:
+            event = c.next_event()
+            if event is h11.NEED_DATA:
+                chunk = await conn.stream.receive_some(READ_CHUNK)
+                if not chunk:
+                    if answer.got_any:
+                        raise AnswerCutOff(
+                            f"the agent closed the connection mid-answer ({answer.size} bytes read)",
+                            bytes_read=answer.size,
+                        )
+                    if not fresh:
+                        raise _StaleConnectionError
+                    raise ClosedBeforeAnswer("the agent closed the connection without answering", tls=conn.tls)
+                answer.got_any = True
+                c.receive_data(bytes(chunk))
+            elif isinstance(event, h11.Response):
+                answer.status = event.status_code
+                answer.headers = list(event.headers)
+                answer.first_byte_ns = answer.sent_ns + (time.perf_counter_ns() - answer.sent_pc)
+            elif isinstance(event, h11.Data):
+                n = len(event.data)
+                if answer.size + n > self.max_answer_bytes:
+                    raise AnswerTooLarge(
+                        f"answer larger than {_mib(self.max_answer_bytes)}; not read",
+                        limit=self.max_answer_bytes,
+                        shared=False,
+                        bytes_read=answer.size,
+                    )
+                self.budget.take(n)  # raises BudgetExceeded: the fan-out's shared budget is spent
+                answer.size += n
+                answer.chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            elif isinstance(event, h11.ConnectionClosed):
+                raise AnswerCutOff("the agent closed the connection mid-answer", bytes_read=answer.size)
+            # h11.InformationalResponse (1xx): keep reading
 
     @property
     def open_nodes(self) -> int:
@@ -273,5 +400,5 @@ class NodeTransport(httpx.AsyncBaseTransport):
                 await pool.idle.pop().aclose()
 
 
-class _StaleConnectionError(Exception):
-    """A reused connection turned out closed before any answer byte: safe to retry on a new one."""
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):.0f} MiB" if n >= 1024 * 1024 else f"{n} bytes"
