@@ -137,6 +137,16 @@ class AgentConfig:
     stack: bool = True
 
 
+@dataclass(frozen=True)
+class GpuRates:
+    """``fleet.gpu_hourly_usd``: dollars per GPU-hour — a default, overridden by GPU model (a
+    case-insensitive substring of the node's GPU model) and by node name (see :mod:`ingero.fleet.cost`)."""
+
+    default: float | None = None
+    models: dict[str, float] = field(default_factory=dict)
+    nodes: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class FleetConfig:
     nodes: list[NodeSpec] = field(default_factory=list)
@@ -151,6 +161,7 @@ class FleetConfig:
     plaintext: bool = False
     allow_plaintext: bool = False
     insecure_skip_verify: bool = False
+    gpu_hourly_usd: GpuRates = field(default_factory=GpuRates)
 
 
 @dataclass
@@ -230,6 +241,29 @@ def _nodes(v: Any, key: str) -> list[NodeSpec]:
     return out
 
 
+def _usd(v: Any, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < float("inf"):
+        raise ValueError(f"{key}: expected dollars per GPU-hour (a number >= 0), got {v!r}")
+    return float(v)
+
+
+def _rates(v: Any, key: str) -> GpuRates:
+    """A number (every GPU) or {default, models: {MODEL: usd}, nodes: {NODE: usd}}."""
+    if not isinstance(v, Mapping):
+        return GpuRates(default=_usd(v, key))
+    unknown = set(v) - {"default", "models", "nodes"}
+    if unknown:
+        raise ValueError(f"unknown key {sorted(unknown)[0]!r} (known: default, models, nodes)")
+    tables: dict[str, dict[str, float]] = {}
+    for sub in ("models", "nodes"):
+        table = v.get(sub) or {}
+        if not isinstance(table, Mapping):
+            raise ValueError(f"{sub}: expected a mapping of name to dollars per GPU-hour")
+        tables[sub] = {str(k): _usd(x, f"{sub}.{k}") for k, x in table.items()}
+    default = None if v.get("default") is None else _usd(v["default"], "default")
+    return GpuRates(default, tables["models"], tables["nodes"])
+
+
 _AGENT_KEYS: dict[str, tuple[str, Checker]] = {
     "node": ("node", _str),
     "db": ("db", _str),
@@ -254,6 +288,7 @@ _FLEET_KEYS: dict[str, tuple[str, Checker]] = {
     "plaintext": ("plaintext", _bool),
     "allow_plaintext": ("allow_plaintext", _bool),
     "insecure_skip_verify": ("insecure_skip_verify", _bool),
+    "gpu_hourly_usd": ("gpu_hourly_usd", _rates),
 }
 _PATH_KEYS = {"db", "tls_cert", "tls_key", "client_ca", "ca_cert", "client_cert", "client_key"}
 

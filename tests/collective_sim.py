@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from ingero.fleet.collectives import IN_FLIGHT, NodeCalls
+from ingero.fleet.collectives import NodeCalls
+from ingero.identity import Identity
+from ingero.store import catalog
+from ingero.store.nccl import IN_FLIGHT
+from ingero.store.writer import StoreWriter
 
 MS = 1_000_000
 T0 = 1_800_000_000 * 1_000_000_000
@@ -97,3 +102,24 @@ def simulate(job: Job) -> list[NodeCalls]:
 
 def ranks(names: Sequence[str], **overrides: Rank) -> list[Rank]:
     return [overrides.get(nm, Rank(nm)) for nm in names]
+
+
+def write_calls_db(db: Path, calls: NodeCalls, *, pid: int = 42, unmatched: bool = False) -> Path:
+    """One node's simulated calls written through the real writer (float32 sums, one communicator);
+    ``unmatched`` adds a communicator without a cluster-wide id and a call on it."""
+    comm_ptr = 0x7F00_0000_1000
+    (comm_id,) = calls.nranks
+    rows = [
+        (pid, pid, comm_ptr, int(s), int(o), int(t), int(d), 7, 0, int(b) // 4, int(b), -1, 0)
+        for s, o, t, d, b in zip(calls.seq, calls.op, calls.entry_ns, calls.duration_ns, calls.bytes, strict=True)
+    ]
+    with StoreWriter(db, Identity(calls.node)) as w:
+        w.write_batch(
+            nccl_comms=[(comm_ptr, pid, int(calls.rank[0]), calls.nranks[comm_id], 1, catalog.as_sqlite_int(comm_id))],
+            nccl_calls=rows,
+        )
+        if unmatched:
+            w.write_batch(
+                nccl_comms=[(0xABC, pid, 0, 2, 1)], nccl_calls=[(pid, pid, 0xABC, 0, 1, 5, 9, 7, 0, 1, 4, -1, 0)]
+            )
+    return db

@@ -21,7 +21,8 @@ def test_delayed_rank_is_named_with_its_lag() -> None:
     assert (v.node, v.rank) == ("gpu-node-03", 2)
     assert v.lag_ms == pytest.approx(12.0, abs=1.0)
     assert v.last_calls >= 0.95 * v.calls
-    assert v.line.startswith("straggler: gpu-node-03 (rank 2) arrived last at")
+    assert v.line.startswith("gpu-node-03 (rank 2) arrived last at")
+    assert v.headline() == "straggler: " + v.line
     assert "after the others" in v.line and "peers waited" in v.line
     # the peers each waited ~12 ms a step of ~33 ms
     peers = [r for r in v.ranks if r.rank != 2]

@@ -15,7 +15,7 @@ from ingero.store import catalog
 from ingero.store.schema import SCHEMA_VERSION, migrate
 from ingero.store.writer import StoreWriter
 from tests.agent_servers import assert_error_shape, running, settings
-from tests.collective_sim import Job, Rank, simulate
+from tests.collective_sim import Job, Rank, simulate, write_calls_db
 
 UID = bytes(range(128))
 
@@ -93,23 +93,6 @@ def test_migration_keeps_ingero_source_8_rows(sample_copy: Path) -> None:
     conn.close()
 
 
-def _write_calls(db: Path, node: str, calls: NodeCalls, comm_id: int, *, pid: int = 42) -> None:
-    comm_ptr = 0x7F00_0000_1000
-    nranks = calls.nranks[comm_id]
-    rows = [
-        (pid, pid, comm_ptr, int(s), int(o), int(t), int(d), 7, 0, int(b) // 4, int(b), -1, 0)
-        for s, o, t, d, b in zip(calls.seq, calls.op, calls.entry_ns, calls.duration_ns, calls.bytes, strict=True)
-    ]
-    rank = int(calls.rank[0])
-    with StoreWriter(db, Identity(node)) as w:
-        w.write_batch(
-            nccl_comms=[(comm_ptr, pid, rank, nranks, 1, catalog.as_sqlite_int(comm_id))],
-            nccl_calls=rows,
-        )
-        # an unmatched communicator (no cluster-wide id) and a call outside the window
-        w.write_batch(nccl_comms=[(0xABC, pid, 0, 2, 1)], nccl_calls=[(pid, pid, 0xABC, 0, 1, 5, 9, 7, 0, 1, 4, -1, 0)])
-
-
 def test_collectives_endpoint_arrays_filter_and_errors(tmp_path: Path, samples: Path) -> None:
     comm_id = 0xF00D_0000_0000_0001  # above 2**63: stored negative, answered as 16 hex digits
     job = Job([Rank("a"), Rank("b", extra_ms=6.0)], steps=50, comm=comm_id)
@@ -117,7 +100,7 @@ def test_collectives_endpoint_arrays_filter_and_errors(tmp_path: Path, samples: 
     dbs = []
     for sim in sims:
         db = tmp_path / f"{sim.node}.db"
-        _write_calls(db, sim.node, sim, comm_id)
+        write_calls_db(db, sim, unmatched=True)
         dbs.append(db)
 
     async def main() -> list[NodeCalls]:

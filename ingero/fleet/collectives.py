@@ -181,6 +181,10 @@ class CommSummary:
 
 @dataclass
 class CollectiveVerdict:
+    """``line`` is the verdict without a prefix for a straggler or a hung rank (``gpu-node-03 (rank 2)
+    arrived last at …``: printed after ``straggler:``) and self-describing otherwise (``inconclusive:
+    …``, ``no straggler: …``); :meth:`headline` is the full line."""
+
     kind: str  # one of KINDS
     line: str
     node: str | None = None
@@ -198,6 +202,9 @@ class CollectiveVerdict:
     def ranks(self) -> list[RankRow]:
         return [r for c in self.comms for r in c.ranks]
 
+    def headline(self) -> str:
+        return f"straggler: {self.line}" if self.kind in ("straggler", "hung") else self.line
+
     @property
     def outlier(self) -> str | None:
         """The node to blame (a straggler or a hung rank), else None."""
@@ -207,6 +214,7 @@ class CollectiveVerdict:
         return {
             "kind": self.kind,
             "line": self.line,
+            "headline": self.headline(),
             "node": self.node,
             "rank": self.rank,
             "comm": self.comm,
@@ -517,7 +525,7 @@ def _hung(
     opn = op_name(NCCL, int(f.op[rows[0]]))
     cid = comm_hex(int(comm_ids[c]))
     line = (
-        f"straggler: {node} (rank {int(part_rank[p])}) never entered {opn} #{int(call_seq[k])} (comm {cid[:4]}…): "
+        f"{node} (rank {int(part_rank[p])}) never entered {opn} #{int(call_seq[k])} (comm {cid[:4]}…): "
         f"{len(present)} peer(s) have waited {_secs(waited)} in it"
     )
     return CollectiveVerdict(
@@ -570,7 +578,7 @@ def _verdict(
             head = f"{node} (rank {rank}) arrived last at {k:,} of {n:,} {cs.op} calls (comm {short}…)"
             if med_lag > UNCERTAINTY_FACTOR * med_unc:
                 line = (
-                    f"straggler: {head}, median {_ms(med_lag / 1e6)} after the others{clock}; "
+                    f"{head}, median {_ms(med_lag / 1e6)} after the others{clock}; "
                     f"peers waited {_secs(peers_wait)} ({peers_share * 100:.1f} % of their time)"
                 )
                 kind = "straggler"

@@ -19,9 +19,11 @@ import trio
 from ingero import API_VERSION
 from ingero.config import NodeSpec
 from ingero.fleet.client import FleetClient, NodeConn, OutcomeCallback
+from ingero.fleet.collective_ops import collective_verdict, fetch_collectives, node_calls
 from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, Outcomes
 from ingero.fleet.settings import ClientSettings
+from ingero.fleet.straggler import with_collectives
 from ingero.timeutil import NS_PER_MS, fmt_ts
 
 
@@ -82,10 +84,17 @@ async def fleet_explain(
     since: str | None = None,
     from_: str | None = None,
     to: str | None = None,
+    op: str | None = None,
+    node: str | None = None,
+    stored: bool = False,
     client: FleetClient | None = None,
     on_outcome: OutcomeCallback | None = None,
 ) -> FleetChains:
-    """``/chains`` and ``/ops`` from every node: chains merged and the straggler verdict."""
+    """``/chains`` and ``/ops`` from every node: chains merged and the straggler verdict.
+
+    ``op``/``node``/``stored`` select chains as local ``explain --op/--node/--chains`` does
+    (see :func:`~ingero.fleet.merge.merge_chains`).
+    """
     params = window_params(since, from_, to)
 
     async def job(conn: NodeConn) -> dict[str, Any]:
@@ -94,12 +103,16 @@ async def fleet_explain(
         for name, b in (("chains", chains), ("ops", ops)):
             if not isinstance(b.get(name), list):
                 raise NodeFailure(Kind.SCHEMA, f"the /{name} answer has no '{name}' list")
-        return {"chains": chains, "ops": ops}
+        return {"chains": chains, "ops": ops, "collectives": await fetch_collectives(conn, params)}
 
     started = time.perf_counter()
     async with _client(nodes, settings, client) as fc:
         outcomes = await fc.fan_out(job, on_outcome=on_outcome)
-    return merge_chains(outcomes, (time.perf_counter() - started) * 1000)
+    fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000)
+    calls = node_calls(outcomes)  # where nodes recorded collectives, their verdict replaces the host one
+    if any(len(c) for c in calls):
+        fleet.verdict = with_collectives(fleet.verdict, collective_verdict(calls))
+    return fleet
 
 
 async def fleet_ops(

@@ -1,13 +1,19 @@
-"""The straggler verdict: which node is unlike its peers, from every node's ``/api/v1/ops`` figures.
+"""The straggler verdict: which node is unlike its peers.
+
+When the nodes recorded NCCL collectives, the verdict is the collectives join's
+(:mod:`ingero.fleet.collectives`: the rank that arrives last, by how much, and what it cost the
+others) — :func:`with_collectives`. Otherwise it comes from every node's ``/api/v1/ops`` figures:
 
 Each node contributes a :class:`NodeFigures` (host-event count and mean latency, off-CPU and block-I/O
 time, GPU-API mean latency, p99 per GPU op). For every metric, a robust z-score is computed across
 the nodes with numpy — ``z = 0.6745 · (x − median) / MAD`` — which a single outlier cannot drag the
 way it drags a mean and a standard deviation. A node is flagged on a metric when its z-score reaches
 the threshold (3.5, Iglewicz & Hoaglin) *and* its value is at least ``min_ratio`` times the median of
-its peers, so that tiny absolute differences between near-identical nodes never make a verdict. Only
-high values count: more host events, slower calls. With two nodes there is no median to speak of: the
-verdict then needs a 3x ratio. The headline reads::
+its peers, its distance from them exceeds their own spread (max − min) and an absolute floor (1 ms,
+100 events), so that low-value noise between near-identical nodes never makes a verdict. Lows are
+reported as well as highs (``also unusual``), but only a high — more host events, slower calls —
+names the outlier. With two nodes there is no median to speak of: the verdict then needs a 3x ratio.
+The headline reads::
 
     gpu-node-01 is the outlier: 847 host events at 18.4 ms avg vs peers ~2 ms
 """
@@ -21,10 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from ingero.fleet.collectives import CollectiveVerdict
+
 Z_THRESHOLD = 3.5
 MIN_RATIO = 2.0
 TWO_NODE_RATIO = 3.0
 _GPU_SOURCES = frozenset({"CUDA", "DRIVER", "NCCL"})
+COUNT_FLOOR = 100.0  # events: smaller differences are noise
+MS_FLOOR = 1.0  # milliseconds: smaller differences are noise
+_COUNT_METRICS = frozenset({"host_events", "gpu_api_calls"})
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,7 @@ class Finding:
     peers: float  # median of the other nodes
     z: float  # robust z-score (inf when all peers are identical)
     ratio: float  # value / peers
+    direction: str = "high"  # "high" | "low"
 
     def phrase(self) -> str:
         name = _METRIC_WORDS.get(self.metric)
@@ -105,6 +117,7 @@ class Finding:
             "peers_median": round(self.peers, 4),
             "z": None if math.isinf(self.z) else round(self.z, 2),
             "ratio": None if math.isinf(self.ratio) else round(self.ratio, 2),
+            "direction": self.direction,
         }
 
 
@@ -126,6 +139,12 @@ class StragglerVerdict:
     findings: list[Finding] = field(default_factory=list)  # every (node, metric) past the threshold
     scores: dict[str, float] = field(default_factory=dict)  # node -> its strongest qualifying z
     figures: list[NodeFigures] = field(default_factory=list)
+    collectives: CollectiveVerdict | None = None  # the collectives join, when the nodes recorded NCCL calls
+
+    @property
+    def source(self) -> str:
+        """What the verdict rests on: ``collectives`` or ``host`` (per-node figures)."""
+        return "collectives" if self.collectives is not None else "host"
 
     @property
     def others(self) -> list[str]:
@@ -147,6 +166,8 @@ class StragglerVerdict:
             "findings": [f.as_dict() for f in self.findings],
             "scores": {k: (None if math.isinf(v) else round(v, 2)) for k, v in self.scores.items()},
             "figures": [f.as_dict() for f in self.figures],
+            "source": self.source,
+            "collectives": self.collectives.as_dict() if self.collectives is not None else None,
         }
 
 
@@ -196,31 +217,56 @@ def verdict(
         names = list(by_node)
         vals = np.array([by_node[k] for k in names], dtype=np.float64)
         z = robust_z(vals) if len(names) >= 3 else np.zeros(len(names))
+        floor = COUNT_FLOOR if metric in _COUNT_METRICS else MS_FLOOR
         for i, node in enumerate(names):
-            peers = float(np.median(np.delete(vals, i)))
+            others = np.delete(vals, i)
+            peers = float(np.median(others))
             value = float(vals[i])
-            if value <= 0:
-                continue
+            spread = float(others.max() - others.min())
+            if abs(value - peers) <= max(spread, floor):
+                continue  # within what the peers differ among themselves, or too small to matter
             ratio = value / peers if peers > 0 else math.inf
             if len(names) >= 3:
                 if z[i] >= z_threshold and ratio >= min_ratio:
                     findings.append(Finding(node, metric, value, peers, float(z[i]), ratio))
-            elif ratio >= max(min_ratio, TWO_NODE_RATIO):
+                elif z[i] <= -z_threshold and value * min_ratio <= peers:
+                    findings.append(Finding(node, metric, value, peers, float(z[i]), ratio, "low"))
+            elif value > 0 and ratio >= max(min_ratio, TWO_NODE_RATIO):
                 findings.append(Finding(node, metric, value, peers, math.inf, ratio))
     scores: dict[str, float] = {}
     for f in findings:
         # Rank nodes by how many metrics single them out, then by their strongest z-score.
-        scores[f.node] = max(scores.get(f.node, 0.0), f.z)
-    if not findings:
-        return StragglerVerdict(None, _alike_line(figs), n, [], {}, figs)
-    count = {node: sum(1 for f in findings if f.node == node) for node in scores}
-    outlier = max(scores, key=lambda k: (count[k], _finite(scores[k]), k))
+        scores[f.node] = max(scores.get(f.node, 0.0), abs(f.z))
+    highs = [f for f in findings if f.direction == "high"]
+    if not highs:
+        v = StragglerVerdict(None, _alike_line(figs), n, findings, scores, figs)
+        if findings:
+            v.line += "; also unusual: " + ", ".join(_low_notes(findings))
+        return v
+    findings = [*highs, *(f for f in findings if f.direction == "low")]
+    count = {node: sum(1 for f in highs if f.node == node) for node in scores}
+    outlier = max({f.node for f in highs}, key=lambda k: (count[k], _finite(scores[k]), k))
     fig = next(f for f in figs if f.node == outlier)
-    line = _outlier_line(fig, figs, [f for f in findings if f.node == outlier])
+    line = _outlier_line(fig, figs, [f for f in highs if f.node == outlier])
     findings.sort(key=lambda f: (f.node != outlier, -count[f.node], f.node, -_finite(f.z)))
     v = StragglerVerdict(outlier, line, n, findings, scores, figs)
     if v.others:
         v.line += "; also unusual: " + ", ".join(v.others)
+    return v
+
+
+def _low_notes(findings: Sequence[Finding]) -> list[str]:
+    return [f"{f.node} (low: {f.phrase()})" for f in findings if f.direction == "low"]
+
+
+def with_collectives(v: StragglerVerdict, cv: CollectiveVerdict | None) -> StragglerVerdict:
+    """The collectives verdict replaces the host-figures one wherever the nodes recorded collectives:
+    a rank that waits is not slow, the one that arrives last is."""
+    if cv is None or cv.kind == "no-collectives":
+        return v
+    v.collectives = cv
+    v.outlier = cv.outlier
+    v.line = cv.line
     return v
 
 
