@@ -68,9 +68,20 @@ def _mcp_function(t: Tool, env: ToolEnv) -> Callable[..., Any]:
 def build_server(settings: McpSettings) -> Any:
     """The configured ``MCPServer`` (typed Any: the SDK's generics add nothing here)."""
     from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
     from mcp.types import ToolAnnotations
 
-    server = MCPServer(
+    class Server(MCPServer[Any]):
+        async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+            """The registry checks the call first, so MCP refuses exactly what the HTTP API refuses
+            (unknown tools and arguments included), in the same words."""
+            try:
+                registry.get(name).validate(arguments)
+            except Exception as e:
+                raise ToolError(classify(e, tool=name).mcp_text()) from None
+            return await super().call_tool(name, arguments, context)
+
+    server = Server(
         "ingero",
         title="ingero GPU causal observability",
         instructions=INSTRUCTIONS,

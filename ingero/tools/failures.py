@@ -7,6 +7,7 @@ validation     400     pydantic ValidationError, UsageError, RequestError, Query
 unauthorized   401     AuthError
 refused        403     QueryRejectedError (the SQL guard's policy)
 not_found      404     ToolNotFoundError, NotFoundError, DatabaseNotFoundError
+method_not_a.  405     MethodNotAllowedError (GET on a tool, POST on the list)
 timeout        408     QueryTimeoutError
 too_large      413     QueryTooLargeError, BodyTooLargeError
 rate_limited   429     RateLimitedError
@@ -31,6 +32,7 @@ log = logging.getLogger("ingero.tools")
 # (exception type, kind, status): the first match wins, so subclasses come before their bases
 _TABLE: tuple[tuple[type[BaseException], str, int], ...] = (
     (E.ToolNotFoundError, "not_found", 404),
+    (E.MethodNotAllowedError, "method_not_allowed", 405),
     (E.NotFoundError, "not_found", 404),
     (E.DatabaseNotFoundError, "not_found", 404),
     (E.AuthError, "unauthorized", 401),
@@ -45,7 +47,6 @@ _TABLE: tuple[tuple[type[BaseException], str, int], ...] = (
     (E.RequestError, "validation", 400),
     (E.QueryError, "validation", 400),
 )
-KINDS = ("validation", "unauthorized", "refused", "not_found", "timeout", "too_large", "rate_limited", "unavailable")
 STATUS_OF_KIND = {kind: status for _, kind, status in _TABLE} | {"internal": 500}
 
 

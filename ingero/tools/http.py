@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ingero import API_VERSION, __version__
-from ingero.errors import AuthError, IngeroError, MethodNotAllowedError, RateLimitedError, RequestError
+from ingero.errors import (
+    AuthError,
+    IngeroError,
+    MethodNotAllowedError,
+    NotFoundError,
+    RateLimitedError,
+    RequestError,
+)
 from ingero.tools import registry
 from ingero.tools.failures import Failure, classify
 from ingero.tools.registry import ToolEnv
@@ -224,7 +231,9 @@ class ToolsAPI:
             if self.app is not None:
                 await self.app(scope, receive, send)
             elif scope["type"] == "http":
-                await send_failure(send, classify(RequestError("not found")))
+                await send_failure(send, classify(NotFoundError(f"no such endpoint: {path}")))
+            elif scope["type"] == "lifespan":
+                await lifespan(receive, send)
             return
         tool = path[len(TOOLS_PREFIX) :] if path.startswith(TOOLS_PREFIX) else ""
         try:
@@ -254,6 +263,17 @@ class ToolsAPI:
             raise MethodNotAllowedError(f"{method} is not allowed on {path}; use POST with a JSON object")
         args = _json_object(await _read_body(receive))
         return registry.encode_answer(await registry.call(tool, args, self.env))
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    """Answer the server's start-up and shutdown (nothing to set up)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 async def _read_body(receive: Receive) -> bytes:

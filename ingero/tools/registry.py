@@ -183,3 +183,8 @@ def iso_us(ns: int | None) -> str | None:
 
     dt = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=ns // 1000)
     return dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# Fields that measure the call itself (time taken, network round trips, clock offsets), not the data:
+# two calls with the same arguments may differ in these and only these.
+VOLATILE_FIELDS = frozenset({"elapsed_ms", "skew", "rtt_ms", "offset_ms", "uncertainty_ms", "clock_skew_warnings"})
