@@ -21,13 +21,13 @@ from ingero.tools import registry
 from ingero.tools.failures import STATUS_OF_KIND
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, client_settings, make_pki
 from tests.tools_surfaces import (
-    NODE_DBS,
     NODE_NAMES,
     decoded,
     fleet_config,
     http_session,
     https_client,
     mcp_call,
+    node_agents,
     stdio_session,
 )
 
@@ -70,7 +70,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def test_every_tool_answers_the_same_on_every_surface(tmp_path: Path, samples: Path, pki: Pki) -> None:
     cluster = samples / "sample-cluster.db"
-    specs = [AgentSpec(samples / db, n, rank=i, world_size=3) for i, (db, n) in enumerate(zip(NODE_DBS, NODE_NAMES))]
+    specs = node_agents(samples)
     specs.append(AgentSpec(cluster, "cluster", token=AGENT_TOKEN))
     with agents_in_thread(pki, specs) as servers:
         node_ports = [s.port for s in servers[:3]]
@@ -133,7 +133,7 @@ def test_every_tool_answers_the_same_on_every_surface(tmp_path: Path, samples: P
 
 def test_fleet_tools_answer_with_the_straggler_and_every_node(tmp_path: Path, samples: Path, pki: Pki) -> None:
     """The fleet tools' content (not only their agreement): three nodes, the verdict, merged rows."""
-    specs = [AgentSpec(samples / db, n, rank=i, world_size=3) for i, (db, n) in enumerate(zip(NODE_DBS, NODE_NAMES))]
+    specs = node_agents(samples)
     with agents_in_thread(pki, specs) as servers:
         cfg = fleet_config(tmp_path / "ingero.yaml", pki, [s.port for s in servers])
 

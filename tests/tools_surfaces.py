@@ -16,11 +16,17 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from ingero.tls.context import client_ssl_context
 from ingero.tools.registry import VOLATILE_FIELDS
-from tests.fleet_agents import Pki
+from tests.fleet_agents import AgentSpec, Pki
 
 INGERO = str(Path(sys.executable).with_name("ingero"))
 NODE_DBS = ("sample-gpu-node-01.db", "sample-gpu-node-02.db", "sample-gpu-node-03.db")
 NODE_NAMES = ("gpu-node-01", "gpu-node-02", "gpu-node-03")
+
+
+def node_agents(samples: Path) -> list[AgentSpec]:
+    """The three sample nodes as mTLS agents (ranks 0..2 of 3)."""
+    named = zip(NODE_DBS, NODE_NAMES, strict=True)
+    return [AgentSpec(samples / db, n, rank=i, world_size=3) for i, (db, n) in enumerate(named)]
 
 
 def fleet_config(path: Path, pki: Pki, ports: list[int]) -> Path:
