@@ -48,6 +48,7 @@ class Recorder:
     snapshots: list[Snapshot] = field(default_factory=list)
     names: dict[int, tuple[str, int]] = field(default_factory=dict)
     stacks: dict[int, tuple[str, str]] = field(default_factory=dict)
+    unstored: list[EventRow] = field(default_factory=list)  # counted in event_aggregates, not stored
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -69,10 +70,12 @@ class Recorder:
         arg1: int = 0,
         ret: int = 0,
         stack: int = 0,
+        store: bool = True,
     ) -> None:
-        self.events.append(
-            (self.ts(t_s), pid, tid or pid, source, op, max(0, round(dur_ns)), gpu, arg0, arg1, ret, stack, 0)
-        )
+        """One event; ``store=False``: seen by the recorder but not stored (selective storage samples
+        high-rate ops): counted in ``event_aggregates`` only."""
+        row = (self.ts(t_s), pid, tid or pid, source, op, max(0, round(dur_ns)), gpu, arg0, arg1, ret, stack, 0)
+        (self.events if store else self.unstored).append(row)
 
     def process(self, pid: int, name: str, t_s: float, *, exec_event: bool = True) -> None:
         self.names[pid] = (name, self.ts(t_s))
@@ -137,14 +140,14 @@ class Recorder:
 
     def aggregates(self) -> list[tuple[int, ...]]:
         agg: dict[tuple[int, int, int, int], list[int]] = {}
-        for e in self.events:
+        for e, kept in [(e, 1) for e in self.events] + [(e, 0) for e in self.unstored]:
             key = (e[0] // MINUTE_NS * MINUTE_NS, e[3], e[4], e[1])
             a = agg.get(key)
             if a is None:
-                agg[key] = [1, 1, e[5], e[5], e[5], e[7]]
+                agg[key] = [1, kept, e[5], e[5], e[5], e[7]]
             else:
                 a[0] += 1
-                a[1] += 1
+                a[1] += kept
                 a[2] += e[5]
                 a[3] = min(a[3], e[5])
                 a[4] = max(a[4], e[5])
@@ -184,7 +187,7 @@ class Recorder:
                 snapshots=sorted(self.snapshots),
                 process_names=[(p, n, seen) for p, (n, seen) in sorted(self.names.items())],
             )
-            w.end_session(sid, {"events_seen": n, "events_stored": n}, stopped_at=stop)
+            w.end_session(sid, {"events_seen": n + len(self.unstored), "events_stored": n}, stopped_at=stop)
             if chains:
                 w.save_chains(chains)
         return n

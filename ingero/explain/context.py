@@ -61,6 +61,7 @@ class Context:
     notes: list[str] = field(default_factory=list)
     offcpu: OffCpu | None = None  # per-thread off-CPU intervals of the node
     tree: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # GPU processes + forked children
+    cpu_cores: int | None = None  # from the recording's sessions row
 
     @property
     def off(self) -> OffCpu:

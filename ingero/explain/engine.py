@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ingero.errors import StoreError
-from ingero.explain import rules_events, rules_latency
+from ingero.explain import rules_events, rules_idle, rules_latency
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
@@ -76,6 +76,7 @@ def explain(
     try:
         frames = load_frames(conn, window, node=node, pid=pid)
         names = _process_names(conn)
+        cores = _cpu_cores(conn)
         snap_rows = _snapshot_rows(conn, frames)
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
@@ -87,7 +88,7 @@ def explain(
         rows, snap_note = snap_rows.get(name, ([], None))
         if snap_note:
             notes.append(snap_note)
-        c, o, h, n = _explain_node(fr, names, rows, pid=pid, per_process=per_process)
+        c, o, h, n = _explain_node(fr, names, rows, pid=pid, per_process=per_process, cores=_cores_of(cores, name))
         chains += c
         ops += o
         hosts[name] = h
@@ -117,6 +118,7 @@ def _explain_node(
     *,
     pid: int | None,
     per_process: bool,
+    cores: int | None = None,
 ) -> tuple[list[Chain], list[OpStats], HostSummary, list[str]]:
     grid = Grid.for_span(fr.first_ns, fr.last_ns)
     snaps = Snapshots.from_rows(grid, snap_rows)
@@ -147,6 +149,7 @@ def _explain_node(
         ops=[o for o in all_ops if o.source in GPU_SOURCES],
         offcpu=off,
         tree=tree,
+        cpu_cores=cores,
     )
     chains = rules_events.oom_chains(node_ctx) + rules_events.tcp_chains(node_ctx)
     chains += rules_events.contention_chains(node_ctx)
@@ -172,6 +175,7 @@ def _explain_node(
                     pid=p,
                     offcpu=off,
                     tree=ptree,
+                    cpu_cores=cores,
                 )
             )
     else:
@@ -182,7 +186,7 @@ def _explain_node(
         periodic = rules_latency.periodic_chains(ctx, [o for o in ctx.ops if o.name not in explained])
         chains += tail + periodic + rules_latency.drop_chains(ctx)
         cold = rules_events.cold_start_chains(ctx)
-        chains += cold + rules_events.transfer_chains(ctx)
+        chains += cold + rules_events.transfer_chains(ctx) + rules_idle.starvation_chains(ctx)
         explained |= {c.cuda_op for c in periodic} | {op for c in cold for op in c.evidence.get("ops", {})}
         for st in unexplained:
             if st.name not in explained:
@@ -335,6 +339,24 @@ def _sum_hosts(hs: list[HostSummary]) -> HostSummary:
         gpu_api_calls=gpu_n,
         gpu_api_avg_ns=sum(h.gpu_api_avg_ns * h.gpu_api_calls for h in hs) / gpu_n if gpu_n else 0.0,
     )
+
+
+def _cpu_cores(conn: sqlite3.Connection) -> dict[str, int]:
+    """CPU cores per node from the sessions rows ('' = a database whose sessions carry no node)."""
+    try:
+        rows = conn.execute("SELECT node, max(cpu_cores) FROM sessions GROUP BY node").fetchall()
+    except sqlite3.OperationalError:
+        try:
+            rows = [("", conn.execute("SELECT max(cpu_cores) FROM sessions").fetchone()[0])]
+        except sqlite3.OperationalError:
+            return {}
+    return {str(n or ""): int(c) for n, c in rows if c}
+
+
+def _cores_of(cores: dict[str, int], node: str) -> int | None:
+    if node in cores:
+        return cores[node]
+    return next(iter(cores.values())) if len(cores) == 1 else None
 
 
 def _process_names(conn: sqlite3.Connection) -> dict[int, str]:

@@ -112,12 +112,12 @@ class OffCpu:
                     continue
                 order = mine[np.argsort(start[mine], kind="stable")]
                 ws = w_ts[w_tid == t]
-                k = np.searchsorted(start[order], ws, side="right") - 1
+                k = np.searchsorted(start[order], ws, side="left") - 1  # the sleep that began before it
                 ok = (k >= 0) & (ws <= end[order[np.maximum(k, 0)]])
                 hit = order[k[ok]]
                 wake_at[hit] = ws[ok]
                 waker[hit] = w_by[w_tid == t][ok]
-        woken = sleep & (wake_at >= 0)
+        woken = sleep & (wake_at >= 0) & (wake_at < end)
         inv_s = np.concatenate((start[runnable], wake_at[woken]))
         inv_e = np.concatenate((end[runnable], end[woken]))
         inv_t = np.concatenate((tid[runnable], tid[woken]))
