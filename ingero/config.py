@@ -133,6 +133,7 @@ class AgentConfig:
     tls_key: str | None = None
     client_ca: str | None = None
     token: str | None = None
+    token_file: str | None = None  # a file holding the token (keeps it out of the config file)
     max_db: str | None = None
     stack: bool = True
 
@@ -272,6 +273,7 @@ _AGENT_KEYS: dict[str, tuple[str, Checker]] = {
     "tls_key": ("tls_key", _str),
     "client_ca": ("client_ca", _str),
     "token": ("token", _str),
+    "token_file": ("token_file", _str),
     "max_db": ("max_db", _str),
     "stack": ("stack", _bool),
 }
@@ -290,7 +292,7 @@ _FLEET_KEYS: dict[str, tuple[str, Checker]] = {
     "insecure_skip_verify": ("insecure_skip_verify", _bool),
     "gpu_hourly_usd": ("gpu_hourly_usd", _rates),
 }
-_PATH_KEYS = {"db", "tls_cert", "tls_key", "client_ca", "ca_cert", "client_cert", "client_key"}
+_PATH_KEYS = {"db", "tls_cert", "tls_key", "client_ca", "token_file", "ca_cert", "client_cert", "client_key"}
 
 
 def find_config(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Path | None:

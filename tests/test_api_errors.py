@@ -211,3 +211,32 @@ def test_http2_clients_get_the_same_answers(samples: Path, tmp_path: Path) -> No
             assert r.http_version == "HTTP/2" and r.json()["rows"] == [[200]]
 
     trio.run(main)
+
+
+def test_a_saturated_agent_answers_503_with_retry_after_in_the_one_shape(samples: Path, tmp_path: Path) -> None:
+    """One heavy slot held by a runaway: a second runaway, moved out of the short lane, finds no heavy
+    slot within the wait limit and is answered 503 + Retry-After (not 408); the first ends at its own limit."""
+    from ingero.api.workers import AdmissionLimits
+
+    limits = AdmissionLimits(short_slots=1, heavy_slots=1, quantum_ms=10, max_waiting=1, max_wait_s=0.05)
+    s = settings(samples / "sample-gpu-node-01.db", tmp_path / "tls", admission=limits)
+
+    async def main() -> None:
+        async with running(s) as srv:
+            answers: dict[str, httpx.Response] = {}
+
+            async def ask(name: str) -> None:
+                answers[name] = await srv.post("/api/v1/query", json={"sql": RUNAWAY, "timeout_ms": 500})
+
+            async with trio.open_nursery() as n:
+                n.start_soon(ask, "first")
+                with trio.fail_after(30):
+                    while srv.app.ctx.workers.demoted == 0:  # the first holds the heavy slot
+                        await trio.sleep(0.002)
+                n.start_soon(ask, "second")
+            doc = assert_error_shape(answers["second"], 503)
+            assert "agent busy" in doc["error"] and answers["second"].headers["retry-after"] == "1"
+            assert "500 ms time limit" in assert_error_shape(answers["first"], 408)["error"]
+            assert (await srv.post("/api/v1/query", json={"sql": "SELECT 1"})).status_code == 200
+
+    trio.run(main)

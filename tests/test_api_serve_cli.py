@@ -164,3 +164,29 @@ def test_insecure_no_auth_serves_a_wildcard_listener_with_a_warning(tmp_path: Pa
             assert c.get("/api/v1/health").status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_token_file_from_the_config_and_the_precedence_of_token_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--token-file > --token > $INGERO_TOKEN > agent.token_file > agent.token (paths relative to the file)."""
+    from ingero.cli import serve as serve_cli
+    from ingero.cli.main import build_parser
+
+    (tmp_path / "cfg-token").write_text("from-config-file\n")
+    (tmp_path / "flag-token").write_text("from-flag-file\n")
+    cfg = tmp_path / "ingero.yaml"
+    cfg.write_text("agent:\n  token_file: cfg-token\n  token: from-config\n")
+    monkeypatch.delenv("INGERO_TOKEN", raising=False)
+    base = ["--config", str(cfg), "serve", "--db", str(SAMPLES / "sample-gpu-node-01.db")]
+
+    def token(*extra: str) -> str | None:
+        args = build_parser().parse_args([*base, *extra])
+        return serve_cli.settings_from(args).token
+
+    assert token() == "from-config-file"
+    monkeypatch.setenv("INGERO_TOKEN", "from-env")
+    assert token() == "from-env"
+    assert token("--token", "from-argv") == "from-argv"
+    assert "visible to every local user in 'ps'" in capsys.readouterr().err
+    assert token("--token-file", str(tmp_path / "flag-token")) == "from-flag-file"

@@ -155,21 +155,24 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, 0 if zero else port
 
 
-def token_from(args: argparse.Namespace, configured: str | None) -> str | None:
-    """The bearer token: --token-file > --token > $INGERO_TOKEN > agent.token; None when there is none.
-    A token that is given but empty (an empty file, ``--token ""``) is an error, never "no auth"."""
+def token_from(args: argparse.Namespace, configured: str | None, configured_file: str | None = None) -> str | None:
+    """The bearer token: --token-file > --token > $INGERO_TOKEN > agent.token_file > agent.token; None
+    when there is none. A token that is given but empty (an empty file, ``--token ""``) is an error,
+    never "no auth". --token works but warns: every local user sees it in 'ps'."""
+    from ingero.cli.output import warn
     from ingero.errors import UsageError
 
     if args.token_file and args.token is not None:
         raise UsageError("--token and --token-file conflict", hint="keep --token-file (ps does not show it)")
-    if args.token_file:
-        path = Path(args.token_file).expanduser()
+    if args.token_file or (args.token is None and "INGERO_TOKEN" not in os.environ and configured_file):
+        flag = "--token-file" if args.token_file else "agent.token_file"
+        path = Path(args.token_file or configured_file or "").expanduser()
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else "not readable UTF-8 text"
-            raise UsageError(f"--token-file {path}: {reason}") from None
-        source, token = f"--token-file {path}", text.strip()
+            raise UsageError(f"{flag} {path}: {reason}") from None
+        source, token = f"{flag} {path}", text.strip()
     elif args.token is not None:
         source, token = "--token", args.token.strip()
     elif "INGERO_TOKEN" in os.environ:
@@ -182,6 +185,8 @@ def token_from(args: argparse.Namespace, configured: str | None) -> str | None:
         raise UsageError(f"{source} is empty", hint="give a non-empty token, or no token setting at all")
     if any(c.isspace() for c in token):
         raise UsageError(f"{source} holds whitespace inside the token", hint="a token is one word")
+    if source == "--token":
+        warn("--token is visible to every local user in 'ps'; prefer --token-file or $INGERO_TOKEN")
     return token
 
 
@@ -193,7 +198,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
 
     cfg = common.config_from(args).agent
     host, port = parse_listen(args.listen or cfg.listen or DEFAULT_LISTEN)
-    token = token_from(args, cfg.token)
+    token = token_from(args, cfg.token, cfg.token_file)
     cert, key = args.tls_cert or cfg.tls_cert, args.tls_key or cfg.tls_key
     client_ca = args.client_ca or cfg.client_ca
     if args.no_tls and (args.tls_cert or args.tls_key or args.client_ca):
