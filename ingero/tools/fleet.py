@@ -1,8 +1,9 @@
 """The fleet tools: one fan-out each through the fleet client (:mod:`ingero.fleet`).
 
 ``query_fleet`` (Ingero's name; actions chains, sql, ops, overview, status), ``fleet_status`` (ours:
-reachability, versions, clock skew) and ``find_outlier_nodes`` (the straggler verdict with every
-node's figures). They run on the caller's trio loop. Every answer starts with the clock-skew warnings
+reachability, versions, clock skew), ``find_outlier_nodes`` (the straggler verdict — from aligned NCCL
+collectives where the nodes recorded them — with outlier ranks by median absolute deviation) and
+``get_cost`` (what the waiting cost). They run on the caller's trio loop. Every answer starts with the clock-skew warnings
 and the nodes that did not answer (with their reasons), then the merged data with a ``node`` column
 first. Unreachable nodes are listed, never raised: partial answers are answers.
 """
@@ -10,6 +11,7 @@ first. Unreachable nodes are listed, never raised: partial answers are answers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field
@@ -70,15 +72,61 @@ async def fleet_status(env: ToolEnv) -> dict[str, Any]:
     return await fleet_action(_nodes(env), env.fleet, "status")
 
 
+OutlierMetric = Literal["lag", "last", "wait"]
+
+
 @tool("Outlier nodes", scope="fleet")
-async def find_outlier_nodes(env: ToolEnv, since: Since = None) -> dict[str, Any]:
-    """Which node is unlike its peers (the straggler verdict: robust z-scores across nodes of host events,
-    off-CPU and I/O time, GPU-API latency, per-op p99), with every node's figures and the reason."""
-    from ingero.fleet import operations as ops
+async def find_outlier_nodes(
+    env: ToolEnv,
+    since: Since = None,
+    metric: Annotated[
+        OutlierMetric,
+        Field(description="lag: median lag when arriving last (ms); last: share of calls last; wait: share waited"),
+    ] = "lag",
+    threshold: Annotated[float, Field(gt=0, le=100, description="robust z-score (median absolute deviation)")] = 3.5,
+) -> dict[str, Any]:
+    """Which rank drags the job: NCCL collectives joined across nodes (the k-th call of each
+    communicator, clock-skew corrected) name the rank that arrives last, its median lag and the others'
+    waiting; 'outliers' ranks slow ranks by median absolute deviation on the metric. Without collectives,
+    the per-node verdict (robust z-scores of host events, off-CPU/I-O time, GPU-API latency, p99)."""
+    from ingero.fleet.collective_ops import fleet_stragglers
+    from ingero.fleet.outliers import outlier_ranks
 
     since = check_since(since)
-    fleet = await ops.fleet_explain(_nodes(env), env.fleet, since=since)
-    return {**_header(fleet.outcomes, env.fleet), "straggler": fleet.verdict.as_dict()}
+    report = await fleet_stragglers(_nodes(env), env.fleet, since=since, with_chain=False)
+    cv = report.collectives
+    outliers = outlier_ranks(cv.ranks if cv is not None else [], metric, threshold)
+    return {
+        **_header(report.outcomes, env.fleet),
+        "headline": report.headline(),
+        "straggler": report.verdict.as_dict(),
+        "outliers": {"metric": metric, "threshold": threshold, "ranks": [o.as_dict() for o in outliers]},
+    }
+
+
+@tool("Cost of waiting", scope="fleet")
+async def get_cost(
+    env: ToolEnv,
+    since: Since = None,
+    usd_per_gpu_hour: Annotated[
+        float | None, Field(ge=0, description="one rate for every GPU (default: fleet.gpu_hourly_usd in the config)")
+    ] = None,
+) -> dict[str, Any]:
+    """Dollars of GPU time the ranks burned waiting for peers inside NCCL collectives in the window, per
+    rank, at the GPU-hour rates of fleet.gpu_hourly_usd (default, by GPU model, by node), with the
+    straggler verdict that explains the waiting."""
+    from ingero.config import GpuRates, parse_config_file
+    from ingero.fleet.collective_ops import fleet_stragglers
+
+    since = check_since(since)
+    if usd_per_gpu_hour is not None:
+        rates = GpuRates(default=usd_per_gpu_hour)
+    elif env.fleet.config_path:
+        rates = parse_config_file(Path(env.fleet.config_path)).fleet.gpu_hourly_usd
+    else:
+        rates = GpuRates()
+    report = await fleet_stragglers(_nodes(env), env.fleet, since=since, rates=rates, with_chain=False)
+    return {**_header(report.outcomes, env.fleet), "headline": report.headline(), "cost": report.cost.as_dict()}
 
 
 async def fleet_action(
