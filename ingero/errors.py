@@ -85,6 +85,7 @@ class InvalidNodeNameError(UsageError):
 class QueryError(IngeroError):
     """A SQL query failed (syntax, unknown column, ...)."""
 
+    exit_code = 2  # the statement is what needs fixing, wherever it ran (a local file or every node)
     http_status = 400
 
 

@@ -18,7 +18,7 @@ from ingero.fleet.merge import merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeOutcome, failure_summary
 from ingero.fleet.render import Progress, query_footer, render_chains, unanswered_lines
 from ingero.fleet.settings import ClientSettings, check_plaintext, settings_from
-from ingero.fleet.skew import SkewEstimate, TimeSample, estimate, warning
+from ingero.fleet.skew import SkewEstimate, TimeSample, estimate, exceeds, warning
 from ingero.fleet.straggler import NodeFigures, robust_z, verdict
 from ingero.store.db import open_readonly
 from tests.fleet_agents import closed_port
@@ -90,6 +90,20 @@ def test_skew_wording_and_threshold() -> None:
     line = warning("gpu-node-02", ahead, 10.0)
     assert line is not None and line.startswith("gpu-node-02 is ~47 ms ahead of this host (±1 ms)")
     assert ahead.as_dict() == {"offset_ms": 47.3, "uncertainty_ms": 1.0, "rtt_ms": 2.0, "samples": 4, "failed": 0}
+
+
+def test_skew_warning_only_when_offset_beyond_its_uncertainty() -> None:
+    """|offset| − uncertainty > threshold: a 14 ms offset measured over a 10 ms round trip (±5 ms) could be
+    9 ms — no warning at 10 ms; the same offset over a 2 ms round trip (±1 ms) is at least 13 ms — warned."""
+    loose = SkewEstimate(offset_ns=-14 * MS, delay_ns=10 * MS, samples=2)
+    tight = SkewEstimate(offset_ns=-14 * MS, delay_ns=2 * MS, samples=2)
+    edge = SkewEstimate(offset_ns=15 * MS, delay_ns=10 * MS, samples=2)  # 15 − 5 = 10: not beyond
+    assert not exceeds(loose, 10.0) and warning("n", loose, 10.0) is None
+    assert exceeds(tight, 10.0)
+    line = warning("n", tight, 10.0)
+    assert line is not None and line.startswith("n is ~14 ms behind this host (±1 ms)")
+    assert not exceeds(edge, 10.0) and exceeds(edge, 9.9)
+    assert not exceeds(None, 0.0)
 
 
 # --- straggler ------------------------------------------------------------------------------------

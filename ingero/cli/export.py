@@ -69,9 +69,24 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-events must be positive")
     fleet = common.wants_fleet(args)
     if fleet:
-        from ingero.export.fleet_source import export_fleet
+        from ingero.cli import fleet_cmds
+        from ingero.export.fleet_source import DEFAULT_EXPORT_TIMEOUT_S, export_fleet
 
-        nodes, meta, closer = export_fleet(args)
+        settings = fleet_cmds.settings_from_args(args)
+        if getattr(args, "timeout", None) is None:  # a whole trace takes longer than one query
+            settings = settings.with_(timeout_s=max(settings.timeout_s, DEFAULT_EXPORT_TIMEOUT_S))
+        fetched = export_fleet(
+            fleet_cmds.nodes_from(args),
+            settings,
+            since=args.since,
+            from_=args.from_,
+            to=args.to,
+            max_events=int(args.max_events),
+            strict=bool(getattr(args, "strict", False)),
+        )
+        for line in fetched.warnings:
+            warn(line)
+        nodes, meta, closer = fetched.traces, fetched.meta, _nothing
     else:
         from ingero.export.sources import traces_from_db
 
@@ -112,3 +127,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.output != "-":
         note(f"wrote {args.output}: {summary} (open it in https://ui.perfetto.dev)")
     return 0
+
+
+def _nothing() -> None:
+    """Fleet traces hold no open database."""

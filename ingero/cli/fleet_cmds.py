@@ -1,7 +1,8 @@
 """Fleet mode of ``ingero query`` and ``ingero explain``, and the glue every fleet command shares.
 
 ``query.py`` and ``explain.py`` dispatch here when ``--nodes`` is given (or the config lists
-``fleet.nodes`` and no local database). Imports of trio/httpx/numpy happen only here, at call time.
+``fleet.nodes`` and no local database); this module never imports them back. Imports of trio/httpx
+happen only here, at call time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 from ingero.cli import common
 from ingero.cli.output import emit_json, emit_rows, note, warn
 from ingero.config import NodeSpec
-from ingero.errors import NoNodeAnsweredError, UsageError
+from ingero.errors import NoNodeAnsweredError, QueryError, UsageError
 
 if TYPE_CHECKING:
     from ingero.fleet.outcome import NodeOutcome
@@ -59,19 +60,20 @@ def progress_for(nodes: Sequence[NodeSpec]) -> Progress:
 
 
 def report(outcomes: Sequence[NodeOutcome], settings: ClientSettings, *, strict: bool, what: str = "answer") -> int:
-    """Skew warnings and the unanswered list on stderr; the exit code (or NoNodeAnsweredError)."""
-    from ingero.fleet.render import skew_warnings, unanswered_lines
+    """Skew warnings and the folded unanswered list on stderr; the exit code (or NoNodeAnsweredError)."""
+    from ingero.fleet.render import folded_failure_lines, skew_warnings
 
     for line in skew_warnings([o for o in outcomes if o.answered], settings.skew_threshold_ms):
         warn(line)
-    failed = unanswered_lines(outcomes)
-    answered = sum(1 for o in outcomes if o.answered)
+    failed = [o for o in outcomes if not o.answered]
+    folded = folded_failure_lines(outcomes)
+    answered = len(outcomes) - len(failed)
     if failed:
         note(f"{len(failed)} of {len(outcomes)} node(s) did not {what}:")
-        for line in failed:
+        for line in folded:
             note(f"  {line}")
     if answered == 0:
-        listing = "; ".join(failed) if len(failed) <= 8 else f"{len(failed)} failures listed above"
+        listing = "; ".join(folded) if len(folded) <= 4 else f"{len(folded)} kinds of failure listed above"
         raise NoNodeAnsweredError(
             f"none of the {len(outcomes)} node(s) answered: {listing}",
             hint="check the addresses, that the agents run (ingero fleet status), and the TLS/token settings",
@@ -82,15 +84,35 @@ def report(outcomes: Sequence[NodeOutcome], settings: ClientSettings, *, strict:
     return 0
 
 
-def run_query(args: argparse.Namespace) -> int:
+# The agent's answer to a statement that cannot run anywhere: bad SQL (400), a refused statement (403).
+_SQL_STATUSES = frozenset({400, 403})
+
+
+def query_error(outcomes: Sequence[NodeOutcome]) -> QueryError | None:
+    """Bad SQL is the query's error, not N node failures: when no node answered and every node that was
+    reached refused the statement with the same words, that is one :class:`QueryError` (exit 2)."""
+    if any(o.answered for o in outcomes):
+        return None
+    reached = [o for o in outcomes if o.status is not None]
+    if not reached or any(o.status not in _SQL_STATUSES for o in reached):
+        return None
+    reasons = {o.reason for o in reached}
+    if len(reasons) != 1:
+        return None
+    reason = reasons.pop()
+    prefix = f"HTTP {reached[0].status}: "
+    text = reason[len(prefix) :] if reason.startswith(prefix) else reason
+    where = "every node" if len(reached) == len(outcomes) else f"{len(reached)} of {len(outcomes)} node(s)"
+    return QueryError(f"{text} (said by {where})")
+
+
+def run_query(args: argparse.Namespace, sql: str) -> int:
     """``ingero query --nodes ... SQL``: rows from every node under a ``node`` column."""
-    from ingero.cli.query import DEFAULT_SQL
     from ingero.fleet.operations import query_sync
     from ingero.fleet.render import query_footer, truncated_lines
 
     nodes = nodes_from(args)
     settings = settings_from_args(args)
-    sql = args.sql if args.sql and args.sql.strip() else DEFAULT_SQL
     limit = getattr(args, "limit", None)
     if limit is not None and limit <= 0:
         raise UsageError(f"--limit {limit}: must be at least 1")
@@ -111,6 +133,14 @@ def run_query(args: argparse.Namespace) -> int:
         )
     finally:
         progress.clear()
+    from ingero.fleet.render import folded_failure_lines
+
+    bad_sql = query_error(result.outcomes)
+    if bad_sql is not None:
+        unreached = [o for o in result.outcomes if o.status is None]
+        for line in folded_failure_lines(unreached):
+            note(f"not asked: {line}")
+        raise bad_sql
     fmt = getattr(args, "format", "table")
     if result.answered and result.columns:
         emit_rows(result.columns, result.rows, fmt, meta=result.meta())
@@ -128,8 +158,18 @@ def run_explain(args: argparse.Namespace) -> int:
     from ingero.fleet.operations import explain_sync
     from ingero.fleet.render import render_chains
 
-    if getattr(args, "pid", None) is not None:
-        raise UsageError("--pid works on a local --db only", hint="drop --pid, or explain one node's database")
+    for flag, attr in (("--pid", "pid"), ("--per-process", "per_process")):
+        if getattr(args, attr, None) not in (None, False):
+            raise UsageError(
+                f"{flag} works on a local --db only (the agents' /chains has no per-process split yet)",
+                hint=f"drop {flag}, or explain one node's database with --db",
+            )
+    op_name = None
+    if getattr(args, "op", None):
+        from ingero.store.catalog import lookup_op
+
+        op_name = lookup_op(args.op).name
+    wanted_node = getattr(args, "node", None)
     nodes = nodes_from(args)
     settings = settings_from_args(args)
     progress = progress_for(nodes)
@@ -140,10 +180,18 @@ def run_explain(args: argparse.Namespace) -> int:
             since=getattr(args, "since", None),
             from_=getattr(args, "from_", None),
             to=getattr(args, "to", None),
+            op=op_name,
+            node=wanted_node,
+            stored=bool(getattr(args, "chains", False)),
             on_outcome=progress,
         )
     finally:
         progress.clear()
+    if wanted_node is not None and fleet.answered and wanted_node not in {o.label for o in fleet.answered}:
+        raise UsageError(
+            f"no node {wanted_node!r} answered",
+            hint="nodes: " + ", ".join(sorted(o.label for o in fleet.answered)),
+        )
     if getattr(args, "format", "table") == "json":
         emit_json(fleet.as_dict())
     elif fleet.answered:

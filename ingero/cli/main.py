@@ -97,22 +97,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ingero: error: {e.one_line()}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("ingero: interrupted", file=sys.stderr)
+        print("ingero: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+    except BaseExceptionGroup as group:  # trio may deliver Ctrl-C inside a nursery's group
+        if group.split(KeyboardInterrupt)[1] is None:
+            print("ingero: interrupted (Ctrl-C)", file=sys.stderr)
+            return 130
+        return _internal_error(group, debug)
     except BrokenPipeError:
         # stdout closed early (| head): not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except Exception as e:
-        if debug:
-            traceback.print_exc()
-        print(
-            f"ingero: internal error: {type(e).__name__}: {' '.join(str(e).split())} "
-            "(rerun with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 70
+        return _internal_error(e, debug)
+
+
+def _internal_error(e: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(e)
+    print(
+        f"ingero: internal error: {type(e).__name__}: {' '.join(str(e).split())} (rerun with --debug for the traceback)",
+        file=sys.stderr,
+    )
+    return 70
 
 
 if __name__ == "__main__":

@@ -53,8 +53,13 @@ def run(args: argparse.Namespace) -> int:
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 
-        return fleet_cmds.run_query(args)
+        return fleet_cmds.run_query(args, sql_from(args))
     return run_local(args)
+
+
+def sql_from(args: argparse.Namespace) -> str:
+    """The statement to run: the argument, else the latest events."""
+    return args.sql if args.sql and args.sql.strip() else DEFAULT_SQL
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -69,7 +74,7 @@ def run_local(args: argparse.Namespace) -> int:
         source_op = (ref.source, ref.op)
     window = common.window_from(args, path)
     flt = event_filter_sql(window.start_ns if window else None, window.end_ns if window else None, args.pid, source_op)
-    sql = args.sql if args.sql and args.sql.strip() else DEFAULT_SQL
+    sql = sql_from(args)
     result = guard.run_query(
         path,
         sql,

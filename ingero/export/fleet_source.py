@@ -17,14 +17,18 @@ answering the export fails.
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from ingero.errors import NoNodeAnsweredError, UsageError
+from ingero.errors import NoNodeAnsweredError
 from ingero.explain.model import Chain
 from ingero.export.perfetto import EXPORT_COLUMNS, NodeTrace, iter_rows
 from ingero.fleet.outcome import NodeOutcome
+
+if TYPE_CHECKING:
+    from ingero.config import NodeSpec
+    from ingero.fleet.settings import ClientSettings
 
 PAGE_ROWS = 5000
 DEFAULT_EXPORT_TIMEOUT_S = 120.0
@@ -116,25 +120,33 @@ def node_traces(outcome: NodeOutcome) -> list[NodeTrace]:
     return traces
 
 
-def export_fleet(args: argparse.Namespace) -> tuple[list[NodeTrace], dict[str, Any], Callable[[], None]]:
-    """Fetch every node's trace (CLI entry point). Returns (traces, metadata, close)."""
+@dataclass
+class FleetExport:
+    """What :func:`export_fleet` fetched: the traces, the export's metadata, and lines for the user."""
+
+    traces: list[NodeTrace]
+    meta: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+
+def export_fleet(
+    nodes: Sequence[NodeSpec],
+    settings: ClientSettings,
+    *,
+    since: str | None = None,
+    from_: str | None = None,
+    to: str | None = None,
+    max_events: int,
+    strict: bool = False,
+) -> FleetExport:
+    """Fetch every node's trace; the unanswered nodes and skew corrections come back as warning lines."""
     import trio
 
-    from ingero.cli import common
-    from ingero.cli.fleet_cmds import settings_from_args
-    from ingero.cli.output import warn
     from ingero.fleet.client import FleetClient
     from ingero.fleet.operations import window_params
     from ingero.fleet.render import skew_warnings, unanswered_lines
 
-    nodes = common.fleet_nodes_from(args)
-    if not nodes:
-        raise UsageError("no nodes to export from", hint="pass --nodes host:port,... or set fleet.nodes in the config")
-    settings = settings_from_args(args)
-    if getattr(args, "timeout", None) is None:  # a whole trace takes longer than one query
-        settings = settings.with_(timeout_s=max(settings.timeout_s, DEFAULT_EXPORT_TIMEOUT_S))
-    params = window_params(args.since, args.from_, args.to)
-    max_events = int(args.max_events)
+    params = window_params(since, from_, to)
 
     async def main() -> list[NodeOutcome]:
         async def job(conn: Any) -> dict[str, Any]:
@@ -145,18 +157,18 @@ def export_fleet(args: argparse.Namespace) -> tuple[list[NodeTrace], dict[str, A
 
     outcomes: list[NodeOutcome] = trio.run(main)
     answered = [o for o in outcomes if o.answered]
-    for line in unanswered_lines(outcomes):
-        warn(line)
+    warnings = unanswered_lines(outcomes)
     if not answered:
         raise NoNodeAnsweredError("no node answered: " + "; ".join(unanswered_lines(outcomes)))
-    if getattr(args, "strict", False) and len(answered) < len(outcomes):
+    if strict and len(answered) < len(outcomes):
         raise NoNodeAnsweredError(f"{len(outcomes) - len(answered)} node(s) did not answer (--strict)")
-    for line in skew_warnings(outcomes, settings.skew_threshold_ms):
-        warn(line + " — corrected in the export")
+    warnings += [line + " — corrected in the export" for line in skew_warnings(outcomes, settings.skew_threshold_ms)]
     traces: list[NodeTrace] = []
     for o in sorted(answered, key=lambda o: o.label):
         if o.data.get("capped"):
-            warn(f"{o.label}: stopped at --max-events {max_events}; narrow the window with --since/--from/--to")
+            warnings.append(
+                f"{o.label}: stopped at --max-events {max_events}; narrow the window with --since/--from/--to"
+            )
         traces.extend(node_traces(o))
     traces.sort(key=lambda t: (t.rank if t.rank is not None else 1 << 30, t.node))
     meta = {
@@ -166,4 +178,4 @@ def export_fleet(args: argparse.Namespace) -> tuple[list[NodeTrace], dict[str, A
         "unreachable": [o.as_dict() for o in outcomes if not o.answered],
         "windows": {o.label: o.data.get("window") for o in answered},
     }
-    return traces, meta, lambda: None
+    return FleetExport(traces, meta, warnings)

@@ -145,12 +145,21 @@ def _chains_of(o: NodeOutcome, key: str) -> list[Chain]:
     return chains
 
 
-def merge_chains(outcomes: list[NodeOutcome], elapsed_ms: float = 0.0) -> FleetChains:
+def merge_chains(
+    outcomes: list[NodeOutcome],
+    elapsed_ms: float = 0.0,
+    *,
+    op: str | None = None,
+    node: str | None = None,
+    stored: bool = False,
+) -> FleetChains:
     """Merge explain answers: ``outcome.data`` is ``{"chains": /chains body, "ops": /ops body}``.
 
     A node's computed chains are shown; its stored chains (recorded by the tracer or by Ingero) are
     added when the node computed none, so an agent serving a recording without enough raw events
-    still contributes its diagnosis.
+    still contributes its diagnosis. ``stored`` shows only the stored chains, ``op`` only chains of that
+    op, ``node`` only that node's chains (as ``ingero explain --chains/--op/--node`` does locally);
+    the straggler verdict always compares every node that answered.
     """
     from ingero.explain.model import sort_chains
     from ingero.fleet.straggler import NodeFigures, verdict
@@ -161,8 +170,12 @@ def merge_chains(outcomes: list[NodeOutcome], elapsed_ms: float = 0.0) -> FleetC
     for o in _order(outcomes):
         if not o.answered or not isinstance(o.data, dict):
             continue
-        computed = _chains_of(o, "chains")
-        chains.extend(computed or _chains_of(o, "stored"))
+        computed = [] if stored else _chains_of(o, "chains")
+        chains.extend(
+            c
+            for c in computed or _chains_of(o, "stored")
+            if (op is None or c.cuda_op == op) and (node is None or c.node == node)
+        )
         ops = o.data.get("ops")
         if isinstance(ops, dict):
             figures.append(NodeFigures.from_ops_body(o.label, ops))

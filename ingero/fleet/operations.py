@@ -108,7 +108,7 @@ async def fleet_explain(
     started = time.perf_counter()
     async with _client(nodes, settings, client) as fc:
         outcomes = await fc.fan_out(job, on_outcome=on_outcome)
-    fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000)
+    fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000, op=op, node=node, stored=stored)
     calls = node_calls(outcomes)  # where nodes recorded collectives, their verdict replaces the host one
     if any(len(c) for c in calls):
         fleet.verdict = with_collectives(fleet.verdict, collective_verdict(calls))

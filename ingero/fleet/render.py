@@ -30,6 +30,20 @@ def unanswered_lines(outcomes: Sequence[NodeOutcome]) -> list[str]:
     return [f"{o.display}: {o.kind} — {o.reason}" for o in outcomes if not o.answered]
 
 
+def folded_failure_lines(outcomes: Sequence[NodeOutcome], *, most: int = 6) -> list[str]:
+    """Nodes that failed the same way on one line, like ``clush -b``, most common first:
+    ``10.0.0.4:8080, 10.0.0.5:8080 and 3 more: refused — connection refused (...)``."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for o in outcomes:
+        if not o.answered:
+            groups.setdefault((str(o.kind), o.reason), []).append(o.display)
+    lines = []
+    for (kind, reason), names in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        shown = ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+        lines.append(f"{shown}: {kind} — {reason}")
+    return lines
+
+
 def truncated_lines(outcomes: Sequence[NodeOutcome]) -> list[str]:
     return [
         f"{o.display}: rows capped ({o.reason}); raise --limit or narrow the query"
