@@ -190,3 +190,25 @@ def test_token_file_from_the_config_and_the_precedence_of_token_sources(
     assert token("--token", "from-argv") == "from-argv"
     assert "visible to every local user in 'ps'" in capsys.readouterr().err
     assert token("--token-file", str(tmp_path / "flag-token")) == "from-flag-file"
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ([], "without authentication"),
+        (["--no-tls"], "refusing plain HTTP"),
+        (["--token", ""], "--token is empty"),
+    ],
+)
+def test_trace_listen_shares_the_refusals_before_attaching_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str], words: str
+) -> None:
+    from ingero.cli import trace as trace_cli
+    from ingero.cli.main import build_parser
+    from ingero.errors import UsageError
+
+    monkeypatch.delenv("INGERO_TOKEN", raising=False)
+    args = build_parser().parse_args(["trace", "--db", str(tmp_path / "t.db"), "--listen", "0.0.0.0:0", *extra])
+    with pytest.raises(UsageError, match=words):
+        trace_cli.options_from(args)
+    assert not (tmp_path / "t.db").exists()

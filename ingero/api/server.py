@@ -107,10 +107,19 @@ def _is_wildcard(host: str) -> bool:
     return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
-def check_auth(settings: ServerSettings) -> None:
-    """Refuse to serve beyond loopback without any authentication (client CA or token), unless the
-    operator said ``--insecure-no-auth`` by name; an empty token is always an error."""
+def check_exposure(settings: ServerSettings) -> None:
+    """Who could reach this listener, checked before anything is made or bound: plain HTTP only on
+    loopback (unless ``--allow-plaintext-remote``); beyond loopback some authentication (client CA or
+    token) unless the operator said ``--insecure-no-auth`` by name; an empty token is always an error."""
     s = settings
+    if s.no_tls:
+        if s.tls_cert or s.tls_key or s.client_ca:
+            raise UsageError("--no-tls conflicts with --tls-cert/--tls-key/--client-ca", hint="drop one of them")
+        if not is_loopback(s.host) and not s.allow_plaintext_remote:
+            raise UsageError(
+                f"refusing plain HTTP on {s.host}: traces and tokens would cross the network unencrypted",
+                hint="listen on 127.0.0.1, drop --no-tls, or add --allow-plaintext-remote to accept the risk",
+            )
     if s.token is not None and not s.token.strip():
         raise UsageError("the bearer token is empty", hint="put a token in --token-file, or drop the token setting")
     if is_loopback(s.host) or s.token or s.client_ca or s.insecure_no_auth:
@@ -123,15 +132,7 @@ def check_auth(settings: ServerSettings) -> None:
 
 def prepare_tls(settings: ServerSettings) -> TLSSetup:
     s = settings
-    if s.no_tls:
-        if s.tls_cert or s.tls_key or s.client_ca:
-            raise UsageError("--no-tls conflicts with --tls-cert/--tls-key/--client-ca", hint="drop one of them")
-        if not is_loopback(s.host) and not s.allow_plaintext_remote:
-            raise UsageError(
-                f"refusing plain HTTP on {s.host}: traces and tokens would cross the network unencrypted",
-                hint="listen on 127.0.0.1, drop --no-tls, or add --allow-plaintext-remote to accept the risk",
-            )
-    check_auth(s)
+    check_exposure(s)
     if s.no_tls:
         return TLSSetup(None, "plaintext", None, None)
     if (s.tls_cert is None) != (s.tls_key is None):

@@ -191,7 +191,7 @@ def token_from(args: argparse.Namespace, configured: str | None, configured_file
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:
-    from ingero.api.server import ServerSettings
+    from ingero.api.server import ServerSettings, check_exposure
     from ingero.api.workers import AdmissionLimits
     from ingero.errors import UsageError
     from ingero.store.budget import QueryBudget
@@ -213,7 +213,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         raise UsageError("--" + e.message, hint=e.hint) from None
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
-    return ServerSettings(
+    settings = ServerSettings(
         db_path=common.db_path_from(args),
         identity=common.identity_from(args),
         host=host,
@@ -229,6 +229,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         admission=AdmissionLimits.for_workers(args.workers),
         tls_dir=Path(args.tls_dir).expanduser() if args.tls_dir else None,
     )
+    check_exposure(settings)  # before 'ingero trace' attaches anything
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:

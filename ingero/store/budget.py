@@ -59,19 +59,19 @@ class QueryBudget:
 
     def rows(self, asked: int | None) -> int:
         """The row cap for a query that asked for ``asked`` (None: the default)."""
-        if asked is None:
-            return self.default_rows
-        if asked < 1:
-            raise UsageError(f"limit must be at least 1, got {asked}")
-        return min(asked, self.max_rows)
+        return _granted("limit", asked, self.default_rows, self.max_rows)
 
     def timeout_ms(self, asked: int | None) -> int:
         """The time limit for a query that asked for ``asked`` ms (None: the operator's maximum)."""
-        if asked is None:
-            return self.max_timeout_ms
-        if asked < 1:
-            raise UsageError(f"timeout_ms must be positive, got {asked}")
-        return min(asked, self.max_timeout_ms)
+        return _granted("timeout_ms", asked, self.max_timeout_ms, self.max_timeout_ms)
+
+
+def _granted(name: str, asked: int | None, default: int, ceiling: int) -> int:
+    if asked is None:
+        return default
+    if asked < 1:
+        raise UsageError(f"{name} must be at least 1, got {asked}")
+    return min(asked, ceiling)
 
 
 class Deadline:
