@@ -16,6 +16,7 @@ from ingero.api.server import BoundServer, serve_api
 from ingero.errors import TLSConfigError, UsageError
 from ingero.tls import context, pki
 from tests.agent_servers import Pki, make_pki, running, settings
+from tests.conftest import SAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +253,44 @@ def test_client_context_rejects_half_a_client_identity(certs: Pki) -> None:
         context.client_ssl_context(ca_cert=certs.ca, client_cert=certs.client_cert)
     ctx = context.client_ssl_context(ca_cert=certs.ca)
     assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3 and ctx.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_admission_tells_mtls_clients_apart_by_certificate_subject(certs: Pki, tmp_path: Path) -> None:
+    """Two clients on the same address with different certificates are two identities for fair
+    admission; without a client certificate the identity is the peer address."""
+    from ingero.api.app import ASGIApp, Receive, Scope, Send
+    from ingero.api.workers import client_identity
+
+    ca_dir = certs.ca.parent
+    second = pki.issue_cert(ca_dir, "client", "second-tester", out_dir=tmp_path / "second")
+    seen: list[str] = []
+
+    def spy(app: ASGIApp) -> ASGIApp:
+        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                seen.append(client_identity(scope))
+            await app(scope, receive, send)
+
+        return wrapped
+
+    db = SAMPLES / "sample-gpu-node-01.db"
+    s_mtls = settings(db, tmp_path / "tls", tls_cert=certs.node_cert, tls_key=certs.node_key, client_ca=certs.ca)
+
+    async def main() -> None:
+        async with running(s_mtls, verify=_client(certs), wrapper=spy) as srv:
+            assert (await srv.get("/api/v1/health")).status_code == 200
+            other = context.client_ssl_context(ca_cert=certs.ca, client_cert=second.cert, client_key=second.key)
+            async with httpx.AsyncClient(verify=other, base_url=srv.bound.url) as c:
+                assert (await c.get("/api/v1/health")).status_code == 200
+                assert (await c.get("/api/v1/health")).status_code == 200  # same connection, same identity
+        s_plain = settings(db, tmp_path / "tls-self")
+        async with running(s_plain, wrapper=spy) as srv:
+            assert (await srv.get("/api/v1/health")).status_code == 200
+
+    trio.run(main)
+    first, second_id = (
+        "cert:organizationName=ingero,commonName=tester",
+        "cert:organizationName=ingero,commonName=second-tester",
+    )
+    assert seen[0] == first and seen[1] == seen[2] == second_id
+    assert seen[3] == "peer:127.0.0.1"

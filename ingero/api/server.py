@@ -28,7 +28,7 @@ from hypercorn.utils import wrap_app
 
 from ingero.api.app import AgentAPI, ASGIApp
 from ingero.api.endpoints import AgentContext
-from ingero.api.workers import Admission, AdmissionLimits
+from ingero.api.workers import Admission, AdmissionLimits, PeerRecordingSSLObject
 from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.identity import Identity
@@ -146,6 +146,7 @@ def prepare_tls(settings: ServerSettings) -> TLSSetup:
         auto = context.ensure_auto_cert(s.tls_dir, common_name=s.identity.node, extra_names=extra)
         cert, key, fingerprint, created = auto.cert, auto.key, auto.fingerprint_sha256, auto.created
     ctx = context.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
+    ctx.sslobject_class = PeerRecordingSSLObject  # client certificate subject → fair admission per client
     return TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint or context.cert_fingerprint(cert), cert, created)
 
 

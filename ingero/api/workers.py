@@ -28,6 +28,8 @@ set when the request goes away or the server stops: the guard's progress handler
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import ssl
 import threading
 import time
 from collections import deque
@@ -68,12 +70,30 @@ class AdmissionLimits:
         return cls(short_slots=workers, heavy_slots=max(1, workers // 2))
 
 
-def client_identity(scope: Mapping[str, Any]) -> str:
-    """Who is asking, for fair admission: the peer address (the port aside: one host, one turn).
+# The verified client certificate's subject of the connection this task serves (mTLS): set during
+# the TLS handshake, in the connection's task, by :class:`PeerRecordingSSLObject`; the request tasks
+# hypercorn spawns from it inherit it.
+PEER_SUBJECT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ingero_peer_subject", default=None)
 
-    hypercorn does not hand the TLS client certificate to the application, and one bearer token is
-    shared by every client of a node, so the address is the identity that tells clients apart.
-    """
+
+class PeerRecordingSSLObject(ssl.SSLObject):
+    """``SSLContext.sslobject_class`` for the agent: remembers the client certificate's subject."""
+
+    def do_handshake(self) -> None:
+        super().do_handshake()
+        cert = self.getpeercert()
+        if cert:
+            rdns: Any = cert.get("subject", ())  # ((("commonName", "tester"),), ...)
+            PEER_SUBJECT.set(",".join(f"{k}={v}" for rdn in rdns for k, v in rdn))
+
+
+def client_identity(scope: Mapping[str, Any]) -> str:
+    """Who is asking, for fair admission: the mTLS client certificate's subject when there is one,
+    else the peer address (the port aside: one host, one turn). One bearer token is shared by every
+    client of a node, so it does not tell clients apart."""
+    subject = PEER_SUBJECT.get()
+    if subject:
+        return f"cert:{subject}"
     client = scope.get("client")
     return f"peer:{client[0]}" if client else "peer:unknown"
 
