@@ -197,11 +197,11 @@ def root_cause(c: Cause, ep: Evidence, subject: str, culprits: list[Culprit]) ->
             return (
                 f"CPU contention — the GPU thread of {subject} was off-CPU {100 * ep.slow_inv_ns / ep.slow_ns:.0f}% "
                 f"of its slow-call time ({fmt_duration(round_ms(ep.slow_inv_ns))} preempted or runnable in the run "
-                f"queue, measured on the same thread){who}"
+                f"queue, measured on its own sched_switch rows){who}"
             )
         return (
             f"CPU contention — the GPU thread of {subject} was involuntarily off-CPU {pct} of the window "
-            f"({fmt_duration(round_ms(ep.offcpu_ns))}, measured on the same thread){who}"
+            f"({fmt_duration(round_ms(ep.offcpu_ns))}, measured on its own sched_switch rows){who}"
         )
     if c.family == "offcpu":
         share = ep.slow_unk_ns / ep.slow_ns if ep.slow_ns else ep.frac(ep.unknown_ns)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,9 @@ from ingero.timeutil import NS_PER_S
 CULPRIT_LEAD_NS = 5 * NS_PER_S  # a process started this long before an episode may have caused it
 MIN_PREEMPTIONS = 3  # a preemptor is named when it ran in the GPU process's place this often
 PREEMPTOR_SHARE = 0.1  # ... and accounts for at least this share of the window's preemptions
+# Kernel threads that run briefly between the real preemptor and the thread's return (sched_switch arg1
+# names whoever ran just before): softirq, migration, RCU, workqueues. Never named as the culprit.
+KERNEL_THREAD = re.compile(r"^(ksoftirqd|migration|rcu_|rcuc|kworker|cpuhp|watchdog|idle_inject|irq/|kthreadd|swapper)")
 
 
 @dataclass(frozen=True)
@@ -78,12 +82,16 @@ class Context:
         """Who ran in the GPU threads' place during the calls [a, b): measured involuntary off-CPU time
         per preemptor (ingero's sched_switch arg1), largest first; the traced threads themselves and
         the idle task are left out."""
-        by = self.off.by_who(INVOL, tids, a, b)
+        own = set(np.unique(tids).tolist())
+        by = {
+            w: ns
+            for w, ns in self.off.by_who(INVOL, tids, a, b).items()
+            if w not in own and w != 0 and not KERNEL_THREAD.match(self.names.get(w, ""))
+        }
         total = sum(by.values())
         out: list[Culprit] = []
-        own = set(np.unique(tids).tolist())
         for who, ns in sorted(by.items(), key=lambda x: -x[1]):
-            if who in own or who == 0 or ns < PREEMPTOR_SHARE * total:
+            if ns < PREEMPTOR_SHARE * total:
                 continue
             out.append(Culprit(self.proc(who), 1, ns))
             if len(out) == limit:
