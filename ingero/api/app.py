@@ -104,7 +104,7 @@ class AgentAPI:
         except _Disconnected:
             return
         except IngeroError as e:
-            status, body = e.http_status, error_body(e.http_status, e.one_line())
+            status, body = e.http_status, error_body(e.http_status, self._without_paths(e.one_line()))
             if isinstance(e, AuthError):
                 headers = [(b"www-authenticate", b'Bearer realm="ingero"')]
             elif isinstance(retry_after := getattr(e, "retry_after_s", None), int):  # 503 busy, 429 limited
@@ -176,6 +176,13 @@ class AgentAPI:
         if not answer:
             raise _Disconnected
         return answer[0]
+
+    def _without_paths(self, text: str) -> str:
+        """Remote clients never learn where the database lives: its path becomes its file name."""
+        path = self.ctx.db_path
+        for form in sorted({str(path), str(path.resolve())}, key=len, reverse=True):
+            text = text.replace(form, path.name)
+        return text
 
     def _check_auth(self, headers: Mapping[bytes, bytes]) -> None:
         token = self.ctx.token
