@@ -155,9 +155,9 @@ def merge_chains(
 ) -> FleetChains:
     """Merge explain answers: ``outcome.data`` is ``{"chains": /chains body, "ops": /ops body}``.
 
-    A node's computed chains are shown; its stored chains (recorded by the tracer or by Ingero) are
-    added when the node computed none, so an agent serving a recording without enough raw events
-    still contributes its diagnosis. ``stored`` shows only the stored chains, ``op`` only chains of that
+    A node's computed chains are shown (every node runs the same explain engine); chains stored in
+    its database (by the tracer or by Ingero) never stand in for them. ``stored`` shows only the
+    stored chains, ``op`` only chains of that
     op, ``node`` only that node's chains (as ``ingero explain --chains/--op/--node`` does locally);
     the straggler verdict always compares every node that answered.
     """
@@ -170,10 +170,11 @@ def merge_chains(
     for o in _order(outcomes):
         if not o.answered or not isinstance(o.data, dict):
             continue
-        computed = [] if stored else _chains_of(o, "chains")
+        # the same engine on every node: never fall back to chains stored in a database (Ingero's hold
+        # hundreds of near-identical co-occurrence chains); stored chains only when asked (--chains)
         chains.extend(
             c
-            for c in computed or _chains_of(o, "stored")
+            for c in (_chains_of(o, "stored") if stored else _chains_of(o, "chains"))
             if (op is None or c.cuda_op == op) and (node is None or c.node == node)
         )
         ops = o.data.get("ops")
