@@ -185,7 +185,7 @@ class Job(threading.Event):
         paused_from = time.monotonic()
         try:
             trio.from_thread.run(self._admission._demote, self, trio_token=self._token)
-        except trio.RunFinishedError:  # the server is stopping
+        except (trio.RunFinishedError, trio.Cancelled):  # the server is stopping
             self.set()
         return time.monotonic() - paused_from
 
