@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ingero.cli.main import COMMAND_MODULES, build_parser, main
+from ingero.cli.main import COMMANDS as COMMAND_TABLE
 
 COMMANDS = [m.rsplit(".", 1)[1] for m in COMMAND_MODULES]
 
@@ -40,11 +41,31 @@ def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) ->
     assert "COMMAND" in capsys.readouterr().out
 
 
+def test_top_level_summaries_are_what_each_command_registers() -> None:
+    """`ingero --help` lists the commands without importing them: its one-liners must be theirs."""
+    import argparse
+
+    full = build_parser()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    registered = {a.dest: a.help for a in sub._choices_actions}
+    assert registered == {name: summary for name, (_, summary) in COMMAND_TABLE.items()}
+    lazy = build_parser(None, lazy=True).format_help()
+    for summary in registered.values():
+        assert str(summary)[:40] in lazy
+
+
+def test_unknown_command_suggests_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["qurey", "SELECT 1"]) == 2
+    assert capsys.readouterr().err.strip() == "ingero: error: unknown command 'qurey' (did you mean 'query'?)"
+
+
 def test_help_is_fast_to_import() -> None:
-    """--help must not import the heavy machinery (bcc, hypercorn, httpx, mcp)."""
+    """--help and a fleet query's set-up must not import the heavy machinery (bcc, hypercorn, numpy,
+    trio, httpx, mcp): the top-level help lists commands without importing them."""
     code = (
-        "import sys; from ingero.cli.main import build_parser; build_parser(); "
-        "heavy = [m for m in ('bcc', 'hypercorn', 'httpx', 'mcp', 'perfetto') if m in sys.modules]; "
+        "import sys; from ingero.cli.main import build_parser; build_parser(None, lazy=True).format_help(); "
+        "build_parser('query', lazy=True); "
+        "heavy = [m for m in ('bcc', 'hypercorn', 'httpx', 'trio', 'numpy', 'mcp', 'perfetto') if m in sys.modules]; "
         "print(','.join(heavy))"
     )
     out = subprocess.run(

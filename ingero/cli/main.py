@@ -9,6 +9,7 @@ Handlers take the parsed ``argparse.Namespace`` and return an exit code.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -16,22 +17,29 @@ import traceback
 from collections.abc import Sequence
 
 from ingero import __version__
-from ingero.errors import IngeroError
+from ingero.errors import IngeroError, UsageError
 
-COMMAND_MODULES = [
-    "ingero.cli.query",
-    "ingero.cli.explain",
-    "ingero.cli.demo",
-    "ingero.cli.investigations",
-    "ingero.cli.trace",
-    "ingero.cli.check",
-    "ingero.cli.serve",
-    "ingero.cli.cert",
-    "ingero.cli.fleet",
-    "ingero.cli.merge",
-    "ingero.cli.export",
-    "ingero.cli.mcp",
-]
+# Every command: its module (which registers it) and its one line for ``ingero --help``. The summary
+# is what the module registers as its ``help=``; tests/test_cli_help.py checks that the two agree, so
+# that ``ingero --help`` and ``ingero COMMAND`` can build the parser without importing every module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "query": ("ingero.cli.query", "run read-only SQL on a trace database or on every node"),
+    "explain": ("ingero.cli.explain", "per-op latency statistics and causal chains (root cause + fix)"),
+    "demo": ("ingero.cli.demo", "synthetic GPU incidents: write a real trace database and explain it"),
+    "investigations": (
+        "ingero.cli.investigations",
+        "regenerate the investigations/ sample databases (3-node cluster, one straggler)",
+    ),
+    "trace": ("ingero.cli.trace", "record CUDA/NCCL calls and host events with eBPF (root)"),
+    "check": ("ingero.cli.check", "can this machine trace? every missing piece with its fix"),
+    "serve": ("ingero.cli.serve", "serve the agent API (TLS 1.3 / mTLS) over a trace database"),
+    "cert": ("ingero.cli.cert", "create a fleet CA and node/client certificates for mutual TLS"),
+    "fleet": ("ingero.cli.fleet", "fleet overview: reachability, versions, clock skew of every node"),
+    "merge": ("ingero.cli.merge", "merge node databases into one cluster database (offline analysis)"),
+    "export": ("ingero.cli.export", "export a timeline for Perfetto (Chrome Trace Event JSON)"),
+    "mcp": ("ingero.cli.mcp", "MCP server (stdio or HTTPS) so an AI assistant can query traces and the fleet"),
+}
+COMMAND_MODULES = [module for module, _ in COMMANDS.values()]
 
 EPILOG = """\
 examples:
@@ -62,7 +70,9 @@ def common_parent() -> argparse.ArgumentParser:
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, *, lazy: bool = False) -> argparse.ArgumentParser:
+    """The whole parser; with ``lazy``, only ``command``'s module is imported and registered (the
+    others are listed by their one-line summary), which keeps start-up to what that command needs."""
     parser = argparse.ArgumentParser(
         prog="ingero",
         description="GPU causal observability: trace CUDA/NCCL and host events on every node, "
@@ -75,13 +85,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parents = [common_parent()]
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub, parents)
+    for name, (module, summary) in COMMANDS.items():
+        if lazy and name != command:
+            sub.add_parser(name, help=summary, add_help=False)
+        else:
+            importlib.import_module(module).register(sub, parents)
     return parser
 
 
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not a global option), if any."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--config":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _unknown_command(word: str) -> UsageError:
+    close = difflib.get_close_matches(word, COMMANDS, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "run 'ingero --help' for the list of commands"
+    return UsageError(f"unknown command '{word}'", hint=hint)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = command_of(argv)
+    if command is not None and command not in COMMANDS:
+        print(f"ingero: error: {_unknown_command(command).one_line()}", file=sys.stderr)
+        return 2
+    parser = build_parser(command, lazy=True)
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False)) or os.environ.get("INGERO_DEBUG") == "1"
     if not getattr(args, "func", None):

@@ -10,8 +10,6 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from tabulate import tabulate
-
 
 def add_output_args(parser: argparse.ArgumentParser, *, csv_ok: bool = True) -> None:
     g = parser.add_argument_group("output")
@@ -43,6 +41,8 @@ def _cell(v: Any) -> Any:
 def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     if not columns:
         return ""
+    from tabulate import tabulate  # ~20 ms of imports: only when a table is printed
+
     cells = [[_cell(v) for v in r] for r in rows]
     align = [
         "right" if cells and all(isinstance(r[i], int | float) or r[i] == "" for r in cells) else "left"

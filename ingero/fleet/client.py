@@ -1,23 +1,23 @@
-"""Concurrent fan-out to every agent: one trio nursery, one task per node, one shared HTTPS client.
+"""Concurrent fan-out to every agent: one trio nursery, one task per node, one shared HTTPS transport.
 
-:class:`FleetClient` owns one :class:`httpx.AsyncClient` (one SSL context, built once, on a
-:class:`~ingero.fleet.transport.NodeTransport`: at most two keep-alive connections per node, so at most
-``2 × fanout`` open at once) and a :class:`trio.CapacityLimiter`. :meth:`FleetClient.fan_out`
-runs a *job* (an async function of a :class:`NodeConn`) for every node at once; each node's job runs
-under its own deadline, concurrently with that node's clock-skew samples over the same client, and
-ends as a :class:`~ingero.fleet.outcome.NodeOutcome` — a node's failure is recorded, never raised, so
-it cannot cancel the others.
+:class:`FleetClient` owns one :class:`~ingero.fleet.transport.NodeTransport` (one SSL context, built
+once; at most two keep-alive connections per node, so at most ``2 × fanout`` open at once) and a
+:class:`trio.CapacityLimiter`. :meth:`FleetClient.fan_out` runs a *job* (an async function of a
+:class:`NodeConn`) for every node at once; each node's job runs under its own deadline, concurrently
+with that node's clock-skew sample over the same transport, and ends as a
+:class:`~ingero.fleet.outcome.NodeOutcome` — a node's failure is recorded, never raised, so it cannot
+cancel the others.
 """
 
 from __future__ import annotations
 
-import json
+import json as _json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlencode
 
-import httpx
 import trio
 
 from ingero import __version__
@@ -26,7 +26,7 @@ from ingero.fleet import skew as skewmod
 from ingero.fleet.budget import AnswerBudget, BudgetExceeded, parsed_size
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, classify
 from ingero.fleet.settings import ClientSettings, build_ssl_context, check_plaintext
-from ingero.fleet.transport import NodeTransport
+from ingero.fleet.transport import NodeTransport, Origin, Request, Response
 
 NodeJob = Callable[["NodeConn"], Awaitable[Any]]
 OutcomeCallback = Callable[[NodeOutcome], None]
@@ -36,24 +36,45 @@ _TRANSPORT_KINDS = frozenset({Kind.TIMEOUT, Kind.REFUSED, Kind.UNREACHABLE, Kind
 
 
 def base_url(spec: NodeSpec, settings: ClientSettings) -> str:
+    return f"{settings.scheme}://{_host_port(spec)}"
+
+
+def origin_of(spec: NodeSpec, settings: ClientSettings) -> Origin:
+    return (settings.scheme, spec.host, spec.port)
+
+
+def _host_port(spec: NodeSpec) -> str:
     host = f"[{spec.host}]" if ":" in spec.host else spec.host
-    return f"{settings.scheme}://{host}:{spec.port}"
+    return f"{host}:{spec.port}"
+
+
+def common_headers(settings: ClientSettings) -> list[tuple[str, str]]:
+    """Headers of every request of a fan-out (``host`` is added per node)."""
+    headers = [("user-agent", f"ingero/{__version__}"), ("accept", "application/json")]
+    if settings.token:
+        headers.append(("authorization", f"Bearer {settings.token}"))
+    return headers
 
 
 class NodeConn:
     """One node's handle on the shared client: JSON requests that raise :class:`NodeFailure`."""
 
     def __init__(
-        self, client: httpx.AsyncClient, spec: NodeSpec, settings: ClientSettings, transport: NodeTransport
+        self,
+        spec: NodeSpec,
+        settings: ClientSettings,
+        transport: NodeTransport,
+        headers: list[tuple[str, str]] | None = None,
     ) -> None:
-        self.client = client
         self.spec = spec
         self.settings = settings
         self.transport = transport
         self.base_url = base_url(spec, settings)
+        self.origin = origin_of(spec, settings)
+        self.headers = [("host", _host_port(spec)), *(headers if headers is not None else common_headers(settings))]
         self.node: str | None = None  # the agent's identity, from its first answer
         self.samples: list[skewmod.TimeSample] = []  # clock samples carried on the answers' headers
-        self._time_request: httpx.Request | None = None
+        self._time_request: Request | None = None
 
     async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
         return await self.request("GET", path, params=params)
@@ -71,6 +92,16 @@ class NodeConn:
     ) -> dict[str, Any]:
         return self.check(await self.send(method, path, json=json, params=params), path)
 
+    def build(
+        self, method: str, path: str, *, json: dict[str, Any] | None = None, params: dict[str, str] | None = None
+    ) -> Request:
+        target = f"{path}?{urlencode(params)}" if params else path
+        if json is None:
+            return Request(method, self.origin, target, self.headers)
+        body = _json.dumps(json, separators=(",", ":")).encode()
+        headers = [*self.headers, ("content-type", "application/json"), ("content-length", str(len(body)))]
+        return Request(method, self.origin, target, headers, body)
+
     async def send(
         self,
         method: str,
@@ -78,13 +109,15 @@ class NodeConn:
         *,
         json: dict[str, Any] | None = None,
         params: dict[str, str] | None = None,
-    ) -> httpx.Response:
+    ) -> Response:
         """One request; transport failures raise a classified :class:`NodeFailure`."""
         try:
-            resp = await self.client.request(method, self.base_url + path, json=json, params=params)
+            resp = await self.transport.request(
+                self.build(method, path, json=json, params=params), self.settings.timeout_s
+            )
         except Exception as e:  # transport errors of every flavour → one classified outcome
             raise self.classify(e) from None
-        sample = skewmod.sample_from_headers(resp.extensions, resp.headers)
+        sample = skewmod.sample_from_headers(resp.sent_ns, resp.first_byte_ns, resp.headers)
         if sample is not None:
             self.samples.append(sample)
         return resp
@@ -93,13 +126,13 @@ class NodeConn:
         s = self.settings
         return classify(exc, s.timeout_s, tls=not s.plaintext, client_cert=bool(s.client_cert))
 
-    def check(self, resp: httpx.Response, path: str) -> dict[str, Any]:
+    def check(self, resp: Response, path: str) -> dict[str, Any]:
         """Validate the common envelope: JSON object, ``ok``, ``node``; map error answers to kinds."""
         body = self._parse(resp)
-        status = resp.status_code
+        status = resp.status
         if status >= 400:
             error = body.get("error") if isinstance(body, dict) else None
-            text = " ".join(str(error).split()) if error else resp.reason_phrase or "error"
+            text = " ".join(str(error).split()) if error else "error"
             kind = Kind.AUTH if status in (401, 403) else Kind.HTTP
             if status == 404 and not error:
                 kind, text = Kind.SCHEMA, f"{path} not found (agent too old or not an ingero agent?)"
@@ -114,7 +147,7 @@ class NodeConn:
         self.node = node
         return body
 
-    def _parse(self, resp: httpx.Response) -> Any:
+    def _parse(self, resp: Response) -> Any:
         """The JSON body, or None when it is not JSON; its parsed size is charged to the fan-out's budget."""
         content = resp.content
         try:
@@ -122,7 +155,7 @@ class NodeConn:
         except BudgetExceeded as e:
             raise self.classify(e) from None
         try:
-            return json.loads(content)
+            return _json.loads(content)
         except (ValueError, RecursionError):
             return None
 
@@ -135,19 +168,16 @@ class NodeConn:
     async def time_sample(self) -> skewmod.TimeSample:
         """One ``/api/v1/time`` round trip for the skew estimate; ``t1``/``t4`` are the transport's,
         taken around the bytes on the wire."""
-        # The same client's headers and connections, built once per node and handed straight to the
-        # transport: a sample costs a round trip, not a trip through the client's request layers.
+        # Built once per node and handed straight to the transport: a sample costs a round trip.
         if self._time_request is None:
-            self._time_request = self.client.build_request("GET", self.base_url + "/api/v1/time")
+            self._time_request = self.build("GET", "/api/v1/time")
         try:
-            resp = await self.transport.handle_async_request(self._time_request)
+            resp = await self.transport.request(self._time_request, self.settings.timeout_s)
         except Exception as e:
             raise self.classify(e) from None
         body = self.check(resp, "/api/v1/time")
         try:
-            return skewmod.sample_from_body(
-                resp.extensions["ingero.sent_ns"], resp.extensions["ingero.received_ns"], body
-            )
+            return skewmod.sample_from_body(resp.sent_ns, resp.received_ns, body)
         except ValueError as e:
             raise NodeFailure(Kind.SCHEMA, str(e)) from None
 
@@ -159,7 +189,8 @@ class FleetClient:
         self.nodes = list(nodes)
         self.settings = s = settings or ClientSettings()
         check_plaintext(self.nodes, s)
-        self._client: httpx.AsyncClient | None = None
+        self.headers = common_headers(s)
+        self._open = False
         self.transport = NodeTransport(
             build_ssl_context(s),
             per_node=2,
@@ -174,37 +205,17 @@ class FleetClient:
         self.release_nodes = len(self.nodes) > s.fanout
         self.limiter = trio.CapacityLimiter(max(1, s.fanout))
 
-    def _make_client(self) -> httpx.AsyncClient:
-        s = self.settings
-        headers = {"user-agent": f"ingero/{__version__}", "accept": "application/json", "accept-encoding": "identity"}
-        if s.token:
-            headers["authorization"] = f"Bearer {s.token}"
-        return httpx.AsyncClient(
-            transport=self.transport,
-            headers=headers,
-            timeout=httpx.Timeout(s.timeout_s),
-            trust_env=False,
-            follow_redirects=False,
-        )
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("FleetClient used outside 'async with'")
-        return self._client
-
     async def __aenter__(self) -> FleetClient:
-        if self._client is None:
-            self._client = self._make_client()
+        self._open = True
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._client is not None:
+        if self._open:
             with trio.CancelScope(shield=True):
-                await self._client.aclose()
-            self._client = None
+                await self.transport.aclose()
+            self._open = False
 
     # --- fan-out ----------------------------------------------------------------------------------
 
@@ -222,7 +233,7 @@ class FleetClient:
             async with self.limiter:
                 outcome = await self._run_node(spec, job, skew)
                 if self.release_nodes:
-                    await self.transport.release(base_url(spec, self.settings))
+                    await self.transport.release(origin_of(spec, self.settings))
             outcomes[i] = outcome
             if on_outcome is not None:
                 on_outcome(outcome)
@@ -240,7 +251,9 @@ class FleetClient:
 
     async def _run_node(self, spec: NodeSpec, job: NodeJob, want_skew: bool) -> NodeOutcome:
         s = self.settings
-        conn = NodeConn(self.client, spec, s, self.transport)
+        if not self._open:
+            raise RuntimeError("FleetClient used outside 'async with'")
+        conn = NodeConn(spec, s, self.transport, self.headers)
         started = time.perf_counter()
         result: dict[str, Any] = {}
         time_samples: list[skewmod.TimeSample] = []

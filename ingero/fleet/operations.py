@@ -19,11 +19,9 @@ import trio
 from ingero import API_VERSION
 from ingero.config import NodeSpec
 from ingero.fleet.client import FleetClient, NodeConn, OutcomeCallback
-from ingero.fleet.collective_ops import collective_verdict, fetch_collectives, node_calls
 from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, Outcomes
 from ingero.fleet.settings import ClientSettings
-from ingero.fleet.straggler import with_collectives
 from ingero.timeutil import NS_PER_MS, fmt_ts
 
 
@@ -95,6 +93,10 @@ async def fleet_explain(
     ``op``/``node``/``stored`` select chains as local ``explain --op/--node/--chains`` does
     (see :func:`~ingero.fleet.merge.merge_chains`).
     """
+    # numpy and the explain model are imported here, not with the module: a fleet query needs neither
+    from ingero.fleet.collective_ops import collective_verdict, fetch_collectives, node_calls
+    from ingero.fleet.straggler import with_collectives
+
     params = window_params(since, from_, to)
 
     async def job(conn: NodeConn) -> dict[str, Any]:

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import httpx
 import trio
 
 from ingero.config import NodeSpec
@@ -43,7 +42,13 @@ from ingero.fleet.transport import (
     AnswerCutOff,
     AnswerTooLarge,
     ClosedBeforeAnswer,
+    ConnectFailed,
+    ConnectTimedOut,
     MalformedAnswer,
+    ReadBroke,
+    ReadTimedOut,
+    SendFailed,
+    SendTimedOut,
 )
 
 
@@ -214,7 +219,7 @@ def _os_failure(e: OSError, timeout_s: float) -> NodeFailure | None:
 
 
 def classify(exc: BaseException, timeout_s: float, *, tls: bool = True, client_cert: bool = False) -> NodeFailure:
-    """Translate a transport exception (httpx, the transport's own, ssl, OSError, trio) into a NodeFailure.
+    """Translate a transport exception (the transport's own, ssl, OSError, trio) into a NodeFailure.
 
     Decided by exception type (and OpenSSL's/errno's codes), never by message text. ``tls`` and
     ``client_cert`` describe the connection: an mTLS agent that refuses a client's certificate under
@@ -265,20 +270,15 @@ def classify(exc: BaseException, timeout_s: float, *, tls: bool = True, client_c
         )
     if isinstance(exc, MalformedAnswer):
         return NodeFailure(Kind.PROTOCOL, "the answer is not valid HTTP/1.1 (not an ingero agent on that port?)")
-    if isinstance(exc, httpx.TimeoutException | trio.TooSlowError):
-        what = "answer"
-        if isinstance(exc, httpx.ConnectTimeout):
-            what = "connection"
-        elif isinstance(exc, httpx.WriteTimeout):
-            what = "send"
-        elif isinstance(exc, httpx.PoolTimeout):
-            what = "connection slot"
-        return NodeFailure(Kind.TIMEOUT, f"no {what} within {timeout_s:g}s")
-    if isinstance(exc, httpx.ReadError | httpx.WriteError):
+    if isinstance(exc, ConnectTimedOut):
+        return NodeFailure(Kind.TIMEOUT, f"no connection within {timeout_s:g}s")
+    if isinstance(exc, SendTimedOut):
+        return NodeFailure(Kind.TIMEOUT, f"the agent did not take the request within {timeout_s:g}s")
+    if isinstance(exc, ReadTimedOut | trio.TooSlowError):
+        return NodeFailure(Kind.TIMEOUT, f"no answer within {timeout_s:g}s")
+    if isinstance(exc, ReadBroke | SendFailed):
         return NodeFailure(Kind.PROTOCOL, "the connection broke mid-answer")
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return NodeFailure(Kind.PROTOCOL, "HTTP protocol error from the agent")
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, ConnectFailed):
         return NodeFailure(Kind.UNREACHABLE, "cannot connect")
     if isinstance(exc, OSError):
         return NodeFailure(Kind.UNREACHABLE, f"cannot connect: {exc.strerror or type(exc).__name__}")

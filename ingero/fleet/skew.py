@@ -122,15 +122,14 @@ def sample_from_body(t1: int, t4: int, body: dict[str, Any]) -> TimeSample:
     return TimeSample(t1, t2, t3, t4)
 
 
-def sample_from_headers(extensions: Mapping[str, Any], headers: Mapping[str, str]) -> TimeSample | None:
+def sample_from_headers(t1: int, t4: int, headers: Mapping[str, str]) -> TimeSample | None:
     """The sample an answer carries: the transport's ``t1`` and first-byte ``t4``, the agent's ``t2``/``t3``
-    headers. None when either side lacks them (an older agent, another transport)."""
-    t1, t4 = extensions.get("ingero.sent_ns"), extensions.get("ingero.first_byte_ns")
+    headers. None when the agent sent none (an older agent)."""
     raw2, raw3 = headers.get(RECEIVE_HEADER), headers.get(TRANSMIT_HEADER)
     if not t1 or not t4 or raw2 is None or raw3 is None:
         return None
     try:
-        return TimeSample(int(t1), int(raw2), int(raw3), int(t4))
+        return TimeSample(t1, int(raw2), int(raw3), t4)
     except ValueError:
         return None
 

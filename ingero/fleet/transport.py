@@ -1,27 +1,25 @@
-"""The fan-out's httpx transport: per-node HTTP/1.1 keep-alive connections over trio, one SSL context.
+"""The fan-out's HTTP/1.1 client: per-node keep-alive connections over trio, one SSL context.
 
-``httpx``'s default transport keeps every node's connections in one pool and scans the whole pool
-(including a readability poll per idle connection) on every request and every response; with
-hundreds of nodes that is quadratic and dominates a fan-out. :class:`NodeTransport` is an
-:class:`httpx.AsyncBaseTransport` that keeps a tiny pool per node (a dict lookup), speaks HTTP/1.1
-with ``h11`` directly on ``trio`` streams (TLS from the one shared :class:`ssl.SSLContext`), reads each
-answer whole — within a per-answer cap and a byte budget shared by the whole fan-out
+:class:`NodeTransport` keeps a tiny pool per node (a dict lookup), speaks HTTP/1.1 with ``h11``
+directly on ``trio`` streams (TLS from the one shared :class:`ssl.SSLContext`), reads each answer
+whole — within a per-answer cap and a byte budget shared by the whole fan-out
 (:class:`~ingero.fleet.budget.AnswerBudget`) — and can drop a node's connections the moment that node
-is done.
+is done. It replaced an ``httpx.AsyncClient`` on this transport: the client's request layers and
+~40 ms of imports bought nothing the fan-out used (one method, a path, a JSON body, a few headers).
 
 Per node at most ``per_node`` connections (2): the first request opens one; a request that finds it
 busy waits up to ``patience`` seconds for it before opening the second — so a clock-skew sample rides
 the query's connection when the query is quick (no second TLS handshake) and gets its own when it
 is slow or hung (skew never waits on a slow query).
 
-Every answer carries ``extensions["ingero.sent_ns"]`` (wall clock just before the request's bytes
-were written), ``["ingero.first_byte_ns"]`` (when the status line and headers arrived) and
-``["ingero.received_ns"]`` (after its last byte), the later two as ``sent_ns`` plus a monotonic
-interval: the NTP ``t1``/``t4`` without client-side queueing or parsing in them.
+Every :class:`Response` carries ``sent_ns`` (wall clock just before the request's bytes were
+written), ``first_byte_ns`` (when the status line and headers arrived) and ``received_ns`` (after its
+last byte), the later two as ``sent_ns`` plus a monotonic interval: the NTP ``t1``/``t4`` without
+client-side queueing or parsing in them.
 
-Failures are typed (:class:`TransportFailure` and its subclasses, which are also httpx's own exception
-types), raised ``from`` the underlying ssl/OS/trio error, so that
-:func:`ingero.fleet.outcome.classify` decides by type and never by message text.
+Failures are typed (:class:`TransportFailure` and its subclasses), raised ``from`` the underlying
+ssl/OS/trio error, so that :func:`ingero.fleet.outcome.classify` decides by type and never by message
+text.
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ import contextlib
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import h11
-import httpx
 import trio
 
 from ingero.fleet.budget import MAX_ANSWER_BYTES, AnswerBudget, BudgetExceeded
@@ -43,30 +39,56 @@ READ_CHUNK = 256 * 1024
 MAX_HEADER_BYTES = 64 * 1024
 
 
-# --- typed failures (each also an httpx exception, for callers that catch those) -----------------
+# --- requests and answers ----------------------------------------------------------------------
 
 
-class TransportFailure(httpx.TransportError):
+@dataclass
+class Request:
+    """One request to one node: ``origin`` is (scheme, host, port), ``target`` the path and query."""
+
+    method: str
+    origin: Origin
+    target: str
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+
+
+@dataclass
+class Response:
+    """One complete answer, with the wall-clock stamps the skew estimate needs."""
+
+    status: int
+    headers: dict[str, str]  # lower-case names
+    content: bytes
+    sent_ns: int
+    first_byte_ns: int
+    received_ns: int
+
+
+# --- typed failures ------------------------------------------------------------------------------
+
+
+class TransportFailure(Exception):
     """Base of the transport's own failures."""
 
 
-class ConnectFailed(TransportFailure, httpx.ConnectError):
+class ConnectFailed(TransportFailure):
     """TCP or TLS could not be set up; ``__cause__`` holds the OSError/ssl error."""
 
 
-class ConnectTimedOut(TransportFailure, httpx.ConnectTimeout):
+class ConnectTimedOut(TransportFailure):
     """TCP connect plus TLS handshake took longer than the connect timeout."""
 
 
-class SendFailed(TransportFailure, httpx.WriteError):
+class SendFailed(TransportFailure):
     """The request could not be written."""
 
 
-class SendTimedOut(TransportFailure, httpx.WriteTimeout):
+class SendTimedOut(TransportFailure):
     """Writing the request took too long (the agent does not read)."""
 
 
-class ClosedBeforeAnswer(TransportFailure, httpx.RemoteProtocolError):
+class ClosedBeforeAnswer(TransportFailure):
     """The agent closed a fresh connection before any answer byte.
 
     Under TLS 1.3 an mTLS agent that rejects the client's certificate does so *after* the client
@@ -78,7 +100,7 @@ class ClosedBeforeAnswer(TransportFailure, httpx.RemoteProtocolError):
         self.tls = tls
 
 
-class AnswerCutOff(TransportFailure, httpx.RemoteProtocolError):
+class AnswerCutOff(TransportFailure):
     """The connection ended in the middle of an answer."""
 
     def __init__(self, message: str, *, bytes_read: int) -> None:
@@ -86,19 +108,19 @@ class AnswerCutOff(TransportFailure, httpx.RemoteProtocolError):
         self.bytes_read = bytes_read
 
 
-class MalformedAnswer(TransportFailure, httpx.RemoteProtocolError):
+class MalformedAnswer(TransportFailure):
     """The bytes that came back are not HTTP/1.1 (h11 refused them)."""
 
 
-class ReadBroke(TransportFailure, httpx.ReadError):
+class ReadBroke(TransportFailure):
     """The connection failed (reset, ...) while reading the answer."""
 
 
-class ReadTimedOut(TransportFailure, httpx.ReadTimeout):
+class ReadTimedOut(TransportFailure):
     """No complete answer within the read timeout."""
 
 
-class AnswerTooLarge(TransportFailure, httpx.RemoteProtocolError):
+class AnswerTooLarge(TransportFailure):
     """The answer passed its per-answer cap, or the fan-out's shared byte budget ran out.
 
     ``limit`` is the cap that was hit, ``shared`` says whether it was the fan-out's budget.
@@ -190,7 +212,7 @@ def _deadline(seconds: float | None) -> float:
     return seconds if seconds is not None else float("inf")
 
 
-class NodeTransport(httpx.AsyncBaseTransport):
+class NodeTransport:
     """HTTP/1.1 over trio with a small connection pool per node (see the module docstring)."""
 
     def __init__(
@@ -210,23 +232,20 @@ class NodeTransport(httpx.AsyncBaseTransport):
         self._pools: dict[Origin, _NodePool] = {}
         self.connections_opened = 0
 
-    @staticmethod
-    def origin(url: httpx.URL) -> Origin:
-        return (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        origin = self.origin(request.url)
+    async def request(self, request: Request, timeout_s: float | None = None) -> Response:
+        """Send ``request`` on one of its node's connections; connect, send and read each within
+        ``timeout_s`` (the fan-out's per-node deadline bounds the whole)."""
+        origin = request.origin
         pool = self._pools.get(origin)
         if pool is None:
             pool = self._pools[origin] = _NodePool(self.per_node)
-        timeouts: dict[str, Any] = request.extensions.get("timeout") or {}
         for attempt in (1, 2):
             conn = await pool.acquire(self.patience)
             reused = conn is not None
             try:
                 if conn is None:
-                    conn = await self._connect(origin, timeouts.get("connect"))
-                response, reusable = await self._exchange(conn, request, timeouts)
+                    conn = await self._connect(origin, timeout_s)
+                response, reusable = await self._exchange(conn, request, timeout_s)
             except _StaleConnectionError as e:
                 # A kept-alive connection the agent had closed meanwhile: nothing was answered; retry once.
                 pool.give_back(None)
@@ -271,13 +290,10 @@ class NodeTransport(httpx.AsyncBaseTransport):
             raise ConnectFailed(f"cannot connect to {host}:{port}") from e
         return _Conn(stream, tls)
 
-    async def _exchange(
-        self, conn: _Conn, request: httpx.Request, timeouts: dict[str, Any]
-    ) -> tuple[httpx.Response, bool]:
+    async def _exchange(self, conn: _Conn, request: Request, timeout_s: float | None) -> tuple[Response, bool]:
         c = conn.h11
-        body = request.content
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"connection"]
-        data = c.send(h11.Request(method=request.method, target=request.url.raw_path, headers=headers))
+        body = request.body
+        data = c.send(h11.Request(method=request.method, target=request.target, headers=request.headers))
         if body:
             data += c.send(h11.Data(data=body))
         data += c.send(h11.EndOfMessage())
@@ -286,7 +302,7 @@ class NodeTransport(httpx.AsyncBaseTransport):
         fresh = not conn.used
         conn.used = True
         try:
-            with trio.fail_after(_deadline(timeouts.get("write"))):
+            with trio.fail_after(_deadline(timeout_s)):
                 await conn.stream.send_all(data)
         except trio.TooSlowError as e:
             raise SendTimedOut("sending the request timed out") from e
@@ -298,7 +314,7 @@ class NodeTransport(httpx.AsyncBaseTransport):
         answer = _Answer(sent_ns, sent_pc)
         budget = self.budget
         try:
-            with trio.fail_after(_deadline(timeouts.get("read"))):
+            with trio.fail_after(_deadline(timeout_s)):
                 await self._read_answer(conn, answer, fresh)
         except BudgetExceeded as e:
             budget.give_back(answer.size)
@@ -327,17 +343,13 @@ class NodeTransport(httpx.AsyncBaseTransport):
                 c.start_next_cycle()
             except h11.LocalProtocolError:
                 reusable = False
-        response = httpx.Response(
+        response = Response(
             answer.status,
-            headers=answer.headers,
-            content=b"".join(chunks) if len(chunks) != 1 else chunks[0],
-            request=request,
-            extensions={
-                "http_version": b"HTTP/1.1",
-                "ingero.sent_ns": sent_ns,
-                "ingero.first_byte_ns": answer.first_byte_ns,
-                "ingero.received_ns": received_ns,
-            },
+            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in answer.headers},
+            b"".join(chunks) if len(chunks) != 1 else chunks[0],
+            sent_ns,
+            answer.first_byte_ns,
+            received_ns,
         )
         return response, reusable
 
@@ -386,9 +398,9 @@ class NodeTransport(httpx.AsyncBaseTransport):
         """Nodes this transport currently keeps a pool for."""
         return len(self._pools)
 
-    async def release(self, url: httpx.URL | str) -> None:
+    async def release(self, origin: Origin) -> None:
         """Close a node's idle connections and forget it (its busy ones close when their request ends)."""
-        pool = self._pools.pop(self.origin(httpx.URL(url)), None)
+        pool = self._pools.pop(origin, None)
         if pool is not None:
             while pool.idle:
                 await pool.idle.pop().aclose()
