@@ -44,24 +44,15 @@ from ingero.errors import (
     QueryTooLargeError,
     UsageError,
 )
-from ingero.store.budget import (
-    DEFAULT_ROWS,
-    DEFAULT_TIMEOUT_MS,
-    MAX_RESPONSE_BYTES,
-    MAX_ROWS,
-    MAX_TIMEOUT_MS,
-    Checkpoint,
-    Deadline,
-    QueryBudget,
-    errorname,
-)
+from ingero.store import budget as limits
+from ingero.store.budget import Checkpoint, Deadline, QueryBudget, errorname
 from ingero.store.db import open_readonly, translate
 from ingero.store.guard_functions import SafeFunctions
 
-# the budget's names under their historical spellings (callers outside the API use these)
-DEFAULT_LIMIT = DEFAULT_ROWS
-MAX_LIMIT = MAX_ROWS
-__all__ = ["DEFAULT_LIMIT", "DEFAULT_TIMEOUT_MS", "MAX_LIMIT", "MAX_RESPONSE_BYTES", "MAX_TIMEOUT_MS", "QueryBudget"]
+# the budget's limits under the spellings local callers use (guard.MAX_LIMIT, ...): declared in budget
+DEFAULT_LIMIT = limits.DEFAULT_ROWS
+MAX_LIMIT = limits.MAX_ROWS
+DEFAULT_TIMEOUT_MS = limits.DEFAULT_TIMEOUT_MS
 MAX_VALUE_BYTES = 1024 * 1024
 MAX_SQL_CHARS = 100_000
 MAX_PATTERN_CHARS = 200  # LIKE/GLOB pattern length (SQLite's default is 50 000)
@@ -214,7 +205,7 @@ class _Authorizer:
 
 
 # a local caller's budget: the operator's ceiling is the hard one (the agent passes its own budget)
-LOCAL_BUDGET = QueryBudget(max_timeout_ms=MAX_TIMEOUT_MS)
+LOCAL_BUDGET = QueryBudget(max_timeout_ms=limits.MAX_TIMEOUT_MS)
 
 
 def run_query(
@@ -243,7 +234,7 @@ def run_query(
         budget = replace(
             budget,
             max_response_bytes=max_bytes or budget.max_response_bytes,
-            max_rows=min(max_limit or budget.max_rows, MAX_ROWS),
+            max_rows=min(max_limit or budget.max_rows, MAX_LIMIT),
         )
     row_cap = budget.rows(limit)
     budget_ms = budget.timeout_ms(timeout_ms)
