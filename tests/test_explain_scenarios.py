@@ -154,3 +154,23 @@ def test_offcpu_kinds_and_overlap() -> None:
 def test_union_merges_overlapping_calls() -> None:
     s, e = union(np.array([5, 0, 20, 8]), np.array([12, 6, 30, 9]))
     assert s.tolist() == [0, 20] and e.tolist() == [12, 30]
+
+
+def test_selective_storage_counts_come_from_aggregates(reports: dict[str, ExplainReport]) -> None:
+    r = reports["healthy"]
+    launch = next(o for o in r.ops if o.name == "cudaLaunchKernel")
+    assert launch.stored is not None and launch.stored < launch.count / 2, launch
+    d = launch.as_dict()
+    assert d["sampled"] is True and d["stored"] == launch.stored
+    assert any("selective storage" in n and "cudaLaunchKernel" in n for n in r.notes), r.notes
+    # the eval pause (the thread asleep by choice) is not a throughput drop
+    assert not any("ops/s fell" in n for n in r.notes), r.notes
+
+
+def test_copies_are_judged_in_bytes_per_second(reports: dict[str, ExplainReport]) -> None:
+    """Copies of 256 KB, 4 MB and 16 MB at one bandwidth: a latency spread, not a tail."""
+    r = reports["healthy"]
+    copy = next(o for o in r.ops if o.name == "cudaMemcpy")
+    assert copy.tail_ratio >= 3  # in raw latency it looks like a tail...
+    assert not any("cudaMemcpy" in n for n in r.notes), r.notes  # ...but the bandwidth never changed
+    assert not any(c.cuda_op == "cudaMemcpy" for c in r.chains)

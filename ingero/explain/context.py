@@ -78,6 +78,25 @@ class Context:
         tid = self.gpu.tid[m] if self.gpu.tid.size == self.gpu.pid.size else self.gpu.pid[m]
         return OpRows(st, self.gpu.ts_ns[m], self.gpu.dur[m], self.gpu.pid[m], tid)
 
+    def arg0_of(self, rows: OpRows) -> I64 | None:
+        """``arg0`` of each call in ``rows`` (bytes of a copy, the kernel function of a launch), aligned
+        with them; None when the recording has no such argument rows for the op."""
+        a = self.frame.args
+        st = rows.stats
+        k = (a.source == st.source) & (a.op == st.op) & np.isin(a.pid, np.unique(rows.pid))
+        if int(k.sum()) != rows.ts_ns.size or rows.ts_ns.size == 0:
+            return None
+        out = np.zeros(rows.ts_ns.size, dtype=np.int64)
+        for p in np.unique(rows.pid).tolist():
+            mine = np.flatnonzero(rows.pid == p)
+            theirs = np.flatnonzero(k & (a.pid == p))
+            if mine.size != theirs.size:
+                return None
+            out[mine[np.argsort(rows.ts_ns[mine], kind="stable")]] = a.arg0[
+                theirs[np.argsort(a.ts_ns[theirs], kind="stable")]
+            ]
+        return out
+
     def preemptors(self, tids: I64, a: I64, b: I64, limit: int = 3) -> list[Culprit]:
         """Who ran in the GPU threads' place during the calls [a, b): measured involuntary off-CPU time
         per preemptor (ingero's sched_switch arg1), largest first; the traced threads themselves and

@@ -26,7 +26,8 @@ from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
 from ingero.explain.model import Chain, sort_chains
 from ingero.explain.offcpu import OffCpu
 from ingero.explain.stats import HostSummary, OpStats, host_summary_from_columns, stats_from_columns
-from ingero.store.catalog import HOST
+from ingero.explain.storage import Storage, load_storage, with_true_counts
+from ingero.store.catalog import HOST, NCCL
 from ingero.store.window import Window
 
 EMPTY_HOST = HostSummary(0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)
@@ -78,6 +79,8 @@ def explain(
         names = _process_names(conn)
         cores = _cpu_cores(conn)
         snap_rows = _snapshot_rows(conn, frames)
+        # event_aggregates carry no node: they describe the database's only node, or nobody
+        storage = load_storage(conn, window, pid) if len(frames) == 1 else Storage()
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
     notes: list[str] = [window.note] if window.note else []
@@ -88,7 +91,9 @@ def explain(
         rows, snap_note = snap_rows.get(name, ([], None))
         if snap_note:
             notes.append(snap_note)
-        c, o, h, n = _explain_node(fr, names, rows, pid=pid, per_process=per_process, cores=_cores_of(cores, name))
+        c, o, h, n = _explain_node(
+            fr, names, rows, pid=pid, per_process=per_process, cores=_cores_of(cores, name), storage=storage
+        )
         chains += c
         ops += o
         hosts[name] = h
@@ -119,7 +124,9 @@ def _explain_node(
     pid: int | None,
     per_process: bool,
     cores: int | None = None,
+    storage: Storage | None = None,
 ) -> tuple[list[Chain], list[OpStats], HostSummary, list[str]]:
+    storage = storage or Storage()
     grid = Grid.for_span(fr.first_ns, fr.last_ns)
     snaps = Snapshots.from_rows(grid, snap_rows)
     gpu = fr.select(fr.gpu_mask())
@@ -132,6 +139,7 @@ def _explain_node(
     else:
         host = host_summary_from_columns(fr.source, fr.op, fr.dur)
         all_ops = _ops(fr, node=fr.node)
+    all_ops = with_true_counts(all_ops, storage)
     ops = all_ops if not per_process or pid is not None else []
     if gpu.size == 0:
         notes.append(f"{fr.node}: no CUDA/driver/NCCL events in the window — nothing to explain on the GPU side")
@@ -191,12 +199,19 @@ def _explain_node(
         for st in unexplained:
             if st.name not in explained:
                 who = f" (pid {ctx.pid})" if ctx.pid is not None else ""
+                if st.source == NCCL:
+                    notes.append(
+                        f"{fr.node}{who}: {st.name} p99 is {st.tail_ratio:.1f}x p50: time inside a collective is mostly "
+                        "waiting for the other ranks (a rank that waits is not slow) — compare the ranks with "
+                        "ingero explain --nodes"
+                    )
+                    continue
                 notes.append(
                     f"{fr.node}{who}: {st.name} p99 is {st.tail_ratio:.1f}x p50 but nothing on the host corroborates "
                     "it in the same windows (a GPU-side or in-process cause)"
                 )
         notes += ctx.notes
-    notes += context_notes(node_ctx)
+    notes += context_notes(node_ctx) + storage.notes(fr.node)
     return chains, ops, host, notes
 
 

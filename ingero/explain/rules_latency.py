@@ -30,11 +30,13 @@ TAIL_RATIO = 3.0
 MIN_CALLS = 10
 DROP = 0.40
 MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
+IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
 SPIKE_RATIO = 10.0
 MIN_SPIKES = 4
 MAX_CV = 0.35
 SYNC_OPS = ((1, 5), (1, 6), (4, 4))  # cudaStreamSync, cudaDeviceSync, cuCtxSynchronize
 ALLOC_OPS = {(1, 1), (1, 2), (1, 8), (4, 5), (4, 6)}
+COPY_OPS = {(1, 4), (1, 7), (4, 2), (4, 3)}  # arg0 = bytes
 
 
 def _fmt(ns: float) -> str:
@@ -118,6 +120,14 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
         excess = np.clip(rows.dur - st.p50_ns, 0, None).astype(np.int64)
         collective = st.source == NCCL
         slow = rows.dur >= TAIL_RATIO * st.p50_ns
+        if (st.source, st.op) in COPY_OPS:
+            # copies are judged in bytes/s: a 16 MB copy is not a slow 256 KB one
+            nbytes = ctx.arg0_of(rows)
+            if nbytes is not None and (nbytes > 0).all():
+                per_byte = rows.dur / nbytes
+                slow = per_byte >= TAIL_RATIO * float(np.median(per_byte))
+                if int(slow.sum()) < max(1, rows.dur.size // 100):
+                    continue  # the latency tail is the size mix, not slow copies
         episodes = runs(_mask(ctx, rows.ts_ns[slow]), max_gap=2)  # runs ± one bucket that touch merge
         active = _mask(ctx, rows.ts_ns)
         dilated = _mask(ctx, rows.ts_ns[slow], dilate=1)
@@ -295,8 +305,8 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
     g = ctx.grid
     width_s = g.width_ns / NS_PER_S
     w = max(3, round(5 / width_s)) if width_s < 5 else 1
-    if st.count < MIN_CALLS:
-        return None
+    if st.count < MIN_CALLS or (st.stored is not None and st.stored < st.count):
+        return None  # a sampled op's stored rows do not give its rate (event_aggregates do, per minute)
     rows = ctx.rows(st)
     idx = g.index(rows.ts_ns)
     lo, hi = int(idx.min()) + 1, int(idx.max()) - 1  # first and last buckets are partial
@@ -309,7 +319,13 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
     if peak < MIN_PEAK_RATE:
         return None
     low = (rate < (1 - DROP) * peak) & (rate >= 1.0)
-    if low.all():
+    # buckets where the process was idle by its own choice (no calls, or its GPU thread asleep far more
+    # than usual: an evaluation pause, waiting for input) are not drops
+    vol = ctx.series.vol[lo : hi + 1] / g.width_ns
+    idle = (counts == 0) | (vol > float(np.median(vol)) + IDLE_SLEEP)
+    idle = np.convolve(idle.astype(np.float64), np.ones(w), mode="same") > 0
+    low &= ~idle
+    if low.all() or not low.any():
         return None
     base_mask = np.zeros(g.n, dtype=bool)
     base_mask[lo : hi + 1] = ~low

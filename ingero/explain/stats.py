@@ -35,6 +35,7 @@ class OpStats:
     errors: int
     node: str = ""  # set when computed for one node (explain, merged databases)
     pid: int | None = None  # set when computed per process (explain --per-process)
+    stored: int | None = None  # rows the percentiles come from, when selective storage kept fewer than count
 
     @property
     def tail_ratio(self) -> float:
@@ -64,6 +65,9 @@ class OpStats:
             d["node"] = self.node
         if self.pid is not None:
             d["pid"] = self.pid
+        if self.stored is not None and self.stored < self.count:
+            d["stored"] = self.stored
+            d["sampled"] = True
         return d
 
 
