@@ -55,7 +55,8 @@ class AdmissionLimits:
     meta_slots: int = 2
     quantum_ms: int = 250  # execution time after which a job moves from the short to the heavy lane
     max_waiting: int = 64  # requests waiting over all lanes before new ones are answered 503
-    max_wait_s: float = 10.0  # longest a request waits for a slot before it is answered 503
+    max_wait_s: float = 3.0  # longest a request waits for a slot before it is answered 503 (below
+    # the fleet client's 5 s per-node timeout, so a waiting client hears 503 rather than timing out)
 
     def __post_init__(self) -> None:
         for name in ("short_slots", "heavy_slots", "meta_slots", "quantum_ms", "max_waiting"):
