@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ingero.errors import ConfigError, IngeroError, UsageError
 from ingero.timeutil import NS_PER_MS, NS_PER_S, parse_duration
 
@@ -326,6 +324,8 @@ def parse_config_file(path: Path) -> Config:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(where, "(file)", f"cannot read: {e}") from None
+    import yaml  # ~30 ms of imports: only when there is a config file to read
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
