@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("ingero.cli.merge", "merge node databases into one cluster database (offline analysis)"),
     "export": ("ingero.cli.export", "export a timeline for Perfetto (Chrome Trace Event JSON)"),
     "mcp": ("ingero.cli.mcp", "MCP server (stdio or HTTPS) so an AI assistant can query traces and the fleet"),
+    "dashboard": ("ingero.cli.dashboard", "HTTPS browser dashboard for one database or the fleet"),
 }
 COMMAND_MODULES = [module for module, _ in COMMANDS.values()]
 

@@ -1,0 +1,236 @@
+"""``ingero dashboard`` in a real headless browser: Debian's chromium + chromium-driver driven by Selenium.
+
+The dashboard (fleet of the three sample nodes, real mTLS agents on loopback) is served over TLS 1.3 with
+a certificate of the test fleet CA; Chromium trusts that CA through its own NSS database (certutil), so
+certificate errors are never ignored. The test logs in (a wrong token first), then checks the three nodes,
+the straggler verdict and a chain against the tools' own answers, runs a SQL query, and checks the session
+cookie's flags and the CSRF header rule. Screenshots go to ``$INGERO_ARTIFACTS`` (default
+``build/test-artifacts``) — look at them. Marked ``browser`` and ``slow``; skipped where Chromium is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from ingero.api.https import Listen
+from ingero.api.server import BoundServer
+from ingero.config import NodeSpec
+from ingero.dashboard.app import DashboardSettings, serve_dashboard
+from ingero.tls.context import client_ssl_context
+from ingero.tools.registry import ToolEnv
+from tests.fleet_agents import Pki, agents_in_thread, client_settings, make_pki
+from tests.tools_surfaces import NODE_NAMES, node_agents
+
+TOKEN = "dashboard-s3cret"
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+CERTUTIL = shutil.which("certutil")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (CHROMIUM and CHROMEDRIVER and CERTUTIL),
+        reason="needs Debian chromium, chromium-driver and libnss3-tools (scripts/setup.sh --system installs them)",
+    ),
+]
+
+
+def artifacts() -> Path:
+    d = Path(os.environ.get("INGERO_ARTIFACTS", ROOT / "build" / "test-artifacts")) / "dashboard"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@contextmanager
+def dashboard_in_thread(settings: DashboardSettings, listen: Listen) -> Iterator[BoundServer]:
+    ready: queue.Queue[BoundServer | BaseException] = queue.Queue()
+    token_box: list[trio.lowlevel.TrioToken] = []
+    stop: list[trio.CancelScope] = []
+
+    async def main() -> None:
+        token_box.append(trio.lowlevel.current_trio_token())
+        try:
+            async with trio.open_nursery() as nursery:
+                stop.append(nursery.cancel_scope)
+                ready.put(await nursery.start(serve_dashboard, settings, listen))
+        except BaseException as e:
+            ready.put(e)
+            raise
+
+    thread = threading.Thread(target=lambda: trio.run(main), daemon=True)
+    thread.start()
+    got = ready.get(timeout=60)
+    if isinstance(got, BaseException):
+        raise RuntimeError(f"dashboard failed to start: {got!r}") from got
+    try:
+        yield got
+    finally:
+        trio.from_thread.run_sync(stop[0].cancel, trio_token=token_box[0])
+        thread.join(30)
+
+
+@contextmanager
+def chromium_trusting(ca: Path, home: Path) -> Iterator[Any]:
+    """Headless Chromium whose NSS database trusts ``ca`` (and nothing was switched off to get there)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    nssdb = home / ".pki" / "nssdb"
+    nssdb.mkdir(parents=True)
+    subprocess.run([CERTUTIL, "-N", "-d", f"sql:{nssdb}", "--empty-password"], check=True)
+    subprocess.run(
+        [CERTUTIL, "-A", "-d", f"sql:{nssdb}", "-t", "C,,", "-n", "ingero-test-ca", "-i", str(ca)], check=True
+    )
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1800"):
+        opts.add_argument(arg)
+    opts.add_argument(f"--user-data-dir={home / 'profile'}")
+    service = Service(executable_path=str(CHROMEDRIVER), env={**os.environ, "HOME": str(home)})
+    driver = webdriver.Chrome(options=opts, service=service)
+    try:
+        driver.set_page_load_timeout(60)
+        yield driver
+    finally:
+        driver.quit()
+
+
+def tool_answer(url: str, pki: Pki, name: str, args: dict[str, Any]) -> Any:
+    """The same tool through the HTTP API with the bearer token: what the page must show."""
+    ctx = client_ssl_context(ca_cert=pki.ca)
+    r = httpx.post(
+        f"{url}api/v1/tools/{name}", json=args, verify=ctx, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def demo_dbs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The three demo nodes of ``make demo`` (``ingero investigations``), made fresh."""
+    from ingero.demo.investigations import generate
+
+    out = tmp_path_factory.mktemp("demo")
+    generate(out)
+    return out
+
+
+def test_dashboard_in_chromium(tmp_path: Path, demo_dbs: Path, pki: Pki) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    shots = artifacts()
+    with agents_in_thread(pki, node_agents(demo_dbs)) as servers:
+        env = ToolEnv(
+            nodes=tuple(NodeSpec("127.0.0.1", s.port, name=n) for n, s in zip(NODE_NAMES, servers, strict=True)),
+            fleet=client_settings(pki, timeout_s=10.0),
+        )
+        listen = Listen(tls_cert=pki.node_cert, tls_key=pki.node_key, token=TOKEN)
+        with (
+            dashboard_in_thread(DashboardSettings(env=env, token=TOKEN), listen) as bound,
+            chromium_trusting(pki.ca, tmp_path / "home") as driver,
+        ):
+            url = bound.url  # https://127.0.0.1:PORT/
+            assert url.startswith("https://")
+            wait = WebDriverWait(driver, 60)
+
+            # not logged in: the page sends the browser to the login form
+            driver.get(url)
+            wait.until(ec.presence_of_element_located((By.ID, "login-form")))
+            assert driver.current_url.endswith("/login")
+            # the TLS connection is trusted (no interstitial): Chromium validated the fleet CA's certificate
+            assert "Privacy error" not in driver.title
+
+            # a wrong token is refused
+            driver.find_element(By.ID, "token").send_keys("not-the-token")
+            driver.find_element(By.ID, "login").click()
+            wait.until(ec.text_to_be_present_in_element((By.ID, "login-error"), "wrong token"))
+            assert "error=wrong-token" in driver.current_url and not driver.get_cookies()
+            driver.save_screenshot(str(shots / "01-wrong-token.png"))
+
+            driver.find_element(By.ID, "token").send_keys(TOKEN)
+            driver.find_element(By.ID, "login").click()
+            wait.until(lambda d: d.execute_script("return document.body.dataset.loaded") == "1")
+            cookie = driver.get_cookie("ingero_session")
+            assert cookie is not None
+            assert (cookie["secure"], cookie["httpOnly"], cookie["sameSite"]) == (True, True, "Strict")
+
+            # the three demo nodes, reachable
+            rows = driver.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")
+            assert [r.get_attribute("data-node") for r in rows] == list(NODE_NAMES)
+            assert all(r.get_attribute("class") == "up" for r in rows)
+            # the straggler verdict and the chains: exactly what the tools answer
+            outliers = tool_answer(url, pki, "find_outlier_nodes", {})
+            assert driver.find_element(By.ID, "verdict").text == outliers["straggler"]["line"]
+            chains = tool_answer(url, pki, "query_fleet", {"action": "chains", "limit": 20})["chains"]
+            shown = driver.find_elements(By.CSS_SELECTOR, "#chains .chain")
+            assert chains and [c.get_attribute("data-chain") for c in shown] == [c["id"] for c in chains]
+            assert chains[0]["summary"] in shown[0].text
+            # per-op latency table with percentiles, and one zoomable chart per node
+            heads = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#ops thead th")]
+            assert heads[:7] == ["node", "source", "op", "count", "p50_us", "p95_us", "p99_us"]
+            assert len(driver.find_elements(By.CSS_SELECTOR, "#ops tbody tr")) > 3
+            charts = driver.find_elements(By.CSS_SELECTOR, "#timeline .node-chart")
+            assert [c.get_attribute("data-node") for c in charts] == list(NODE_NAMES)
+            assert all(c.find_elements(By.CSS_SELECTOR, "canvas") for c in charts)
+            driver.save_screenshot(str(shots / "02-fleet.png"))
+
+            # a SQL query through the guarded tool
+            box = driver.find_element(By.ID, "sql-query")
+            box.clear()
+            sql = "SELECT node, count(*) AS n FROM events GROUP BY node"
+            box.send_keys(sql)
+            driver.find_element(By.ID, "sql-run").click()
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#sql-result tbody tr")) == 3)
+            cells = [
+                [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+                for tr in driver.find_elements(By.CSS_SELECTOR, "#sql-result tbody tr")
+            ]
+            counted = tool_answer(url, pki, "query_fleet", {"action": "sql", "sql": sql, "limit": 200})["rows"]
+            assert cells == [[n, str(c)] for n, c in counted] and [c[0] for c in cells] == list(NODE_NAMES)
+            # a write is refused by the SQL guard, in one line
+            box.clear()
+            box.send_keys("DELETE FROM events")
+            driver.find_element(By.ID, "sql-run").click()
+            wait.until(ec.text_to_be_present_in_element((By.ID, "sql-error"), "read-only"))
+            driver.execute_script("document.getElementById('sql').scrollIntoView()")
+            driver.save_screenshot(str(shots / "03-sql.png"))
+
+            # the cookie alone is not enough for a tool call: the page's X-Ingero header is (CSRF)
+            status = driver.execute_async_script(
+                "const done = arguments[0];"
+                "fetch('/api/v1/tools/run_sql', {method: 'POST', headers: {'Content-Type': 'application/json'},"
+                " body: JSON.stringify({query: 'SELECT 1'})}).then(r => done(r.status));"
+            )
+            assert status == 401
+
+            # logging out ends the session
+            driver.find_element(By.CSS_SELECTOR, "#logout button").click()
+            wait.until(ec.presence_of_element_located((By.ID, "login-form")))
+            driver.get(url)
+            wait.until(ec.presence_of_element_located((By.ID, "login-form")))
+
+    written = sorted(p.name for p in shots.glob("*.png"))
+    assert written == ["01-wrong-token.png", "02-fleet.png", "03-sql.png"]
+    (shots / "README.json").write_text(json.dumps({"url": url, "screenshots": written}))
