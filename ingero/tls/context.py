@@ -26,11 +26,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-from cryptography import x509
+from typing import TYPE_CHECKING
 
 from ingero.errors import TLSConfigError, UsageError
-from ingero.tls import pki
+
+if TYPE_CHECKING:  # cryptography is imported where certificates are made or read: a client context needs only ssl
+    from cryptography import x509
 
 ALPN = ["h2", "http/1.1"]
 AUTO_CERT = "server-cert.pem"
@@ -110,6 +111,8 @@ def _load_ca(ctx: ssl.SSLContext, path: Path, what: str) -> None:
 
 
 def cert_fingerprint(path: Path) -> str:
+    from ingero.tls import pki
+
     return pki.fingerprint_sha256(pki.load_cert(path))
 
 
@@ -127,6 +130,8 @@ class AutoCert:
 def ensure_auto_cert(tls_dir: Path | None = None, *, common_name: str, extra_names: Iterable[str] = ()) -> AutoCert:
     """Reuse the self-signed certificate in ``tls_dir`` when it is valid for a while yet and covers
     ``extra_names`` (the listen address); otherwise make a new one. Safe across processes (flock)."""
+    from ingero.tls import pki
+
     d = (tls_dir or default_tls_dir()).expanduser()
     try:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -157,6 +162,8 @@ def ensure_auto_cert(tls_dir: Path | None = None, *, common_name: str, extra_nam
 
 
 def _reusable(cert_path: Path, key_path: Path, wanted: list[x509.GeneralName]) -> x509.Certificate | None:
+    from ingero.tls import pki
+
     if not cert_path.is_file() or not key_path.is_file():
         return None
     try:
@@ -186,6 +193,10 @@ def _locked(path: Path) -> Iterator[None]:
 
 def host_sans() -> list[x509.GeneralName]:
     """This host's names and addresses: hostname, FQDN, localhost, loopback, every interface address."""
+    from cryptography import x509
+
+    from ingero.tls import pki
+
     names: list[str] = ["localhost"]
     for n in (socket.gethostname(), socket.getfqdn()):
         if n and n not in names:
