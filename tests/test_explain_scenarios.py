@@ -174,3 +174,17 @@ def test_copies_are_judged_in_bytes_per_second(reports: dict[str, ExplainReport]
     assert copy.tail_ratio >= 3  # in raw latency it looks like a tail...
     assert not any("cudaMemcpy" in n for n in r.notes), r.notes  # ...but the bandwidth never changed
     assert not any(c.cuda_op == "cudaMemcpy" for c in r.chains)
+
+
+def test_first_launches_are_said_and_never_called_contention(reports: dict[str, ExplainReport]) -> None:
+    r = reports["healthy"]
+    assert any("6 kernels' first launches" in n and "not contention" in n for n in r.notes), r.notes
+
+
+def test_new_kernels_mid_run_are_recompilation(reports: dict[str, ExplainReport]) -> None:
+    r = reports["recompiling"]
+    c = next(c for c in r.chains if c.family == "recompile")
+    assert c.evidence["kernels"] >= 20 and c.evidence["lost_share"] > 0.05, c.evidence
+    assert any("torch.compile" in x or "mark_dynamic" in x for x in c.recommendations)
+    # the same slow first launches are not also a periodic spike or a tail
+    assert not [x for x in r.chains if x.family in ("periodic",) or x.family.startswith("tail/")], _shown(r)

@@ -171,7 +171,33 @@ def collective_wait(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
+def recompiling(base_ns: int, seed: int) -> Recorder:
+    """torch.compile meets new batch shapes: every ~4 s, four new kernels are generated and JIT-loaded
+    on their first launch (~150-400 ms each) — in the middle of the run."""
+    rec = _rec("recompile-node", base_ns, seed)
+    pid, seconds = 5300, 40.0
+    rec.process(pid, "python3 train.py --compile", 0.0, exec_event=False)
+    seen: set[int] = set()
+    t, shape = 0.3, 0
+    while t < seconds:
+        if t > 12.0 + 4.0 * shape:
+            shape += 1
+            for k in range(4):  # the new shape's kernels
+                fn = 0x7F3B_0000_0000 + 0x1000 * shape + 0x40 * k
+                dur = float(rec.rng.uniform(150, 400)) * NS_PER_MS
+                rec.ev(t, pid, CUDA, 3, dur, arg0=fn)
+                rec.sleep(t + 1e-3, pid, dur * 0.3, waker=0)  # waiting on the compiler's files
+                t += dur / 1e9 + 1e-4
+        t = _launches(rec, t, pid, seen)
+        t = _sync(rec, t, pid, 8.0)
+        rec.sleep(t, pid, rec.jitter(1 * NS_PER_MS, 0.1))
+        t += 1.1e-3
+    _noise(rec, pid, seconds)
+    return rec
+
+
 REALISTIC: dict[str, Expectation] = {
+    "recompiling": Expectation(recompiling, (("recompile", "MEDIUM"),), ("tail/", "drop/", "cold-start")),
     "healthy": Expectation(healthy, (), ("tail/", "drop/", "idle/", "network", "cold-start"), no_high_or_medium=True),
     "dataloader-starved": Expectation(dataloader_starved, (("idle/input", "HIGH"),), ("tail/cpu", "drop/cpu")),
     "collective-wait": Expectation(collective_wait, (), ("tail/cpu", "drop/cpu", "tail/offcpu", "network")),

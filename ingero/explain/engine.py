@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ingero.errors import StoreError
-from ingero.explain import rules_events, rules_idle, rules_latency
+from ingero.explain import rules_events, rules_idle, rules_latency, rules_launch
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
@@ -195,6 +195,7 @@ def _explain_node(
         chains += tail + periodic + rules_latency.drop_chains(ctx)
         cold = rules_events.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx) + rules_idle.starvation_chains(ctx)
+        chains += rules_launch.first_launch_chains(ctx, ctx.notes)
         explained |= {c.cuda_op for c in periodic} | {op for c in cold for op in c.evidence.get("ops", {})}
         for st in unexplained:
             if st.name not in explained:

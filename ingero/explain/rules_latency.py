@@ -22,6 +22,7 @@ from ingero.explain.context import Context, Culprit, OpRows, layer_of, us
 from ingero.explain.evidence import Evidence, runs
 from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL
+from ingero.explain.rules_launch import LAUNCH_OPS, first_launch_mask
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import NCCL
 from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
@@ -120,6 +121,10 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
         excess = np.clip(rows.dur - st.p50_ns, 0, None).astype(np.int64)
         collective = st.source == NCCL
         slow = rows.dur >= TAIL_RATIO * st.p50_ns
+        if (st.source, st.op) in LAUNCH_OPS:
+            first = first_launch_mask(ctx, rows)  # a kernel's first launch: loading/JIT, not contention
+            if first is not None:
+                slow &= ~first
         if (st.source, st.op) in COPY_OPS:
             # copies are judged in bytes/s: a 16 MB copy is not a slow 256 KB one
             nbytes = ctx.arg0_of(rows)
@@ -413,7 +418,13 @@ def periodic_chains(ctx: Context, candidates: list[OpStats]) -> list[Chain]:
         if st.count < 5 * MIN_CALLS or st.p50_ns <= 0 or st.max_ns < SPIKE_RATIO * st.p50_ns:
             continue
         rows = ctx.rows(st)
+        keep = np.ones(rows.ts_ns.size, dtype=bool)
+        if (st.source, st.op) in LAUNCH_OPS:
+            first = first_launch_mask(ctx, rows)  # first launches are the launch rule's, not spikes
+            if first is not None:
+                keep = ~first
         order = np.argsort(rows.ts_ns, kind="stable")
+        order = order[keep[order]]
         ts, dur = rows.ts_ns[order], rows.dur[order]
         spike_ts = ts[dur >= SPIKE_RATIO * st.p50_ns]
         if spike_ts.size < MIN_SPIKES:
