@@ -34,7 +34,7 @@ then, from the laptop:
 Without --tls-cert/--tls-key the agent makes (once) a self-signed ECDSA P-256 certificate in
 ~/.ingero/tls/ (mode 0600) covering this host's names and addresses, and prints its SHA-256
 fingerprint. Only TLS 1.3 is spoken. --client-ca turns on mutual TLS; --token-file (or $INGERO_TOKEN,
-or agent.token) requires 'Authorization: Bearer <token>' on every request; the token never needs to be
+agent.token_file) requires 'Authorization: Bearer <token>' on every request; the token never needs to be
 on the command line, where 'ps' shows it. Listening beyond loopback with neither --client-ca nor a
 token is refused unless --insecure-no-auth is given. Queries are admitted fairly per client: cheap
 ones are never stuck behind heavy ones; when saturated the agent answers 503 with Retry-After.
@@ -76,7 +76,7 @@ def add_server_args(p: argparse.ArgumentParser, g: argparse._ArgumentGroup) -> N
     g.add_argument(
         "--token-file",
         metavar="PATH",
-        help="require the bearer token held in this file (default: $INGERO_TOKEN, then agent.token)",
+        help="require the bearer token held in this file (else $INGERO_TOKEN, agent.token_file, agent.token)",
     )
     g.add_argument("--token", metavar="TOKEN", help="the bearer token itself (visible in 'ps': prefer --token-file)")
     g.add_argument(
