@@ -7,9 +7,12 @@
 3. A fleet config (``fleet.nodes`` + client TLS) in the same directory, used through ``--config``.
 4. ``ingero fleet status``, the seed's query with ``ingero query``, and ``ingero explain``, all
    ``--config``-driven; the explain output must name gpu-node-01 as the straggler.
-5. The agents are stopped — always, also on errors and Ctrl-C. No root, no GPU.
+5. The dashboard's URL is printed at the end; with ``--dashboard`` it is served (``ingero dashboard``
+   over the same config, a certificate of the fleet CA, a one-off login token) and the agents keep
+   running until Ctrl-C.
+6. The agents are stopped — always, also on errors and Ctrl-C. No root, no GPU.
 
-Usage: .venv/bin/python scripts/fleet_demo.py [--keep]   (--keep leaves the temp dir for a look)
+Usage: .venv/bin/python scripts/fleet_demo.py [--keep] [--dashboard]   (--keep leaves the temp dir for a look)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ingero.fleet import local_agents
 ROOT = Path(__file__).resolve().parents[1]
 INVESTIGATIONS = ROOT / "investigations"
 NODES = ["gpu-node-01", "gpu-node-02", "gpu-node-03"]
+DASHBOARD_PORT = 8470
 SEED_QUERY = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
 
 
@@ -123,7 +127,56 @@ def write_config(path: Path, addrs: dict[str, str], pki: Path) -> None:
     )
 
 
-def demo(work: Path) -> None:
+def run_dashboard(cfg: Path, pki: Path, work: Path) -> None:
+    """``ingero dashboard`` over the demo fleet until Ctrl-C: prints its URL, the token and the CA to trust."""
+    import secrets
+
+    run([*ingero_cmd(), "cert", "node", "dashboard", "--san", "127.0.0.1,localhost", "--ca-dir", str(pki)], quiet=True)
+    token = work / "dashboard.token"
+    token.write_text(secrets.token_urlsafe(16) + "\n", encoding="utf-8")
+    token.chmod(0o600)
+    ready = work / "dashboard.ready.json"
+    argv = [
+        *ingero_cmd(),
+        "dashboard",
+        "--config",
+        str(cfg),
+        "--listen",
+        f"127.0.0.1:{DASHBOARD_PORT}",
+        "--tls-cert",
+        str(pki / "node-dashboard.pem"),
+        "--tls-key",
+        str(pki / "node-dashboard-key.pem"),
+        "--token-file",
+        str(token),
+        "--ready-file",
+        str(ready),
+    ]
+    show(argv)
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, info = local_agents.wait_ready(proc, ready, "dashboard")
+        print(
+            f"\ndashboard: {info['url']}\n  token: {token.read_text().strip()}\n"
+            f"  trust the fleet CA {pki / 'ca.pem'} in your browser (or accept the certificate,"
+            f" sha256 {info['fingerprint_sha256']})\n  the agents keep running until Ctrl-C",
+            flush=True,
+        )
+        proc.wait()
+        raise DemoError(f"the dashboard exited (rc={proc.returncode})")
+    finally:
+        local_agents.stop([proc])
+
+
+def demo(work: Path, dashboard: bool = False) -> None:
     dbs = ensure_investigations()
     pki = work / "pki"
     make_pki(pki)
@@ -145,6 +198,14 @@ def demo(work: Path) -> None:
         if "straggler: gpu-node-01 is the outlier" not in explained:
             raise DemoError("explain --nodes did not name gpu-node-01 as the straggler")
         print("\nthe fleet agrees: gpu-node-01 is the straggler (CPU contention + checkpoint I/O).", flush=True)
+        if dashboard:
+            run_dashboard(cfg, pki, work)
+        else:
+            print(
+                f"\ndashboard: https://127.0.0.1:{DASHBOARD_PORT}/ — run 'python scripts/fleet_demo.py --dashboard'"
+                " to browse this fleet (the agents then keep running until Ctrl-C)",
+                flush=True,
+            )
     finally:
         local_agents.stop(procs)
         if procs:
@@ -154,11 +215,12 @@ def demo(work: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (certificates, config)")
+    ap.add_argument("--dashboard", action="store_true", help="serve the dashboard and keep the agents running")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ingero-demo-"))
     os.chmod(work, 0o700)
     try:
-        demo(work)
+        demo(work, dashboard=args.dashboard)
         return 0
     except (DemoError, IngeroError) as e:
         print(f"fleet demo: error: {e}", file=sys.stderr)

@@ -60,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(serve_dashboard, dash, listen)
-            fp = f"\n  certificate sha256 {bound.fingerprint_sha256}" if bound.fingerprint_sha256 else ""
-            login = " (log in with the token)" if listen.token else ""
-            print(f"ingero dashboard: {bound.url}{login}{fp}", file=sys.stderr, flush=True)
-            if args.ready_file:
+            if args.ready_file:  # written before the line that says so
                 doc = {"url": bound.url, "port": bound.port, "fingerprint_sha256": bound.fingerprint_sha256}
                 await trio.Path(args.ready_file).write_text(json.dumps(doc))
+            fp = f" (certificate sha256 {bound.fingerprint_sha256})" if bound.fingerprint_sha256 else ""
+            login = "; log in with the token" if listen.token else ""
+            print(f"ingero dashboard: listening on {bound.url}{fp}{login}", file=sys.stderr, flush=True)
 
     try:
         trio.run(main)

@@ -161,7 +161,7 @@ def _run_http(args: argparse.Namespace, settings: object) -> int:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(serve_http, settings, listen)
             fp = f" (certificate sha256 {bound.fingerprint_sha256})" if bound.fingerprint_sha256 else ""
-            print(f"ingero mcp: Streamable HTTP at {bound.url} [{bound.tls_mode}]{fp}", file=sys.stderr, flush=True)
+            print(f"ingero mcp: listening on {bound.url} [{bound.tls_mode}]{fp}", file=sys.stderr, flush=True)
 
     try:
         trio.run(main)
