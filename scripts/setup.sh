@@ -10,7 +10,7 @@ SYSTEM=0
 [[ "${1:-}" == "--system" ]] && SYSTEM=1
 say() { printf 'setup: %s\n' "$*" >&2; }
 
-APT_PACKAGES=(python3-bpfcc bpfcc-tools linux-headers-amd64 faketime iproute2 nftables iptables sqlite3 gcc make libc6-dev prometheus
+APT_PACKAGES=(python3-bpfcc bpfcc-tools linux-headers-amd64 faketime iproute2 nftables iptables sqlite3 openssh-server pdsh gcc make libc6-dev prometheus
   chromium chromium-driver libnss3-tools)  # the last three: the dashboard's browser tests (Selenium)
 
 system_setup() {
