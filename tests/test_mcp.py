@@ -205,7 +205,8 @@ def test_query_fleet_over_three_loopback_agents(tmp_path: Path, samples: Path, p
                 assert [r[1] for r in res["rows"][:3]] == ["gpu-node-01", "gpu-node-02", "gpu-node-03"]
 
                 err, res = await call(s, "query_fleet", {"action": "chains"})
-                assert not err and {c["node"] for c in res["chains"]} == {"gpu-node-01", "gpu-node-02", "gpu-node-03"}
+                assert not err and res["answered"] == 3  # the chains are explain's to decide; each names its node
+                assert {c["node"] for c in res["chains"]} <= {"gpu-node-01", "gpu-node-02", "gpu-node-03"}
                 assert "straggler" in res
 
                 err, res = await call(s, "query_fleet", {"action": "ops", "since": "1h"})

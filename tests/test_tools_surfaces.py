@@ -43,6 +43,8 @@ ARGS: dict[str, list[dict[str, Any]]] = {
     "processes": [{"node": "gpu-node-02", "limit": 3}],
     "event_history": [{"node": "gpu-node-02", "limit": 20}, {"op": "sched_switch", "limit": 5}],
     "run_demo": [{"scenario": "incident"}],
+    "find_outlier_nodes": [{}, {"metric": "wait", "threshold": 2.0}],
+    "get_cost": [{}, {"usd_per_gpu_hour": 2.5, "since": "1h"}],
     "query_fleet": [
         {"action": "sql", "sql": SQL},
         {"action": "chains", "limit": 5},
@@ -60,6 +62,8 @@ FAILURES: list[tuple[str, dict[str, Any], str]] = [
     ("run_sql", {"query": "SELECT 1", "limit": 0}, "validation"),
     ("run_sql", {"query": "SELECT 1", "colour": "blue"}, "validation"),
     ("no_such_tool", {}, "not_found"),
+    ("find_outlier_nodes", {"metric": "speed"}, "validation"),
+    ("get_cost", {"usd_per_gpu_hour": -1}, "validation"),
 ]
 
 

@@ -22,7 +22,7 @@ Claude Desktop / any MCP client (stdio):
 
 Tools (read-only; the same on MCP, the agent's /api/v1/tools and the dashboard): get_trace_stats,
 get_causal_chains, run_sql, get_stacks, processes, event_history (on --db), get_check, run_demo (this
-host), query_fleet, fleet_status, find_outlier_nodes (over fleet.nodes or --nodes). Prompt:
+host), query_fleet, fleet_status, find_outlier_nodes, get_cost (over fleet.nodes or --nodes). Prompt:
 investigate(symptom, since). On stdio the protocol speaks on stdout; diagnostics go to stderr.
 Over HTTP: TLS 1.3 (self-signed certificate unless --tls-cert), a bearer token (--token-file, $INGERO_TOKEN)
 and/or mutual TLS (--client-ca); listening beyond loopback needs one of them.
@@ -132,7 +132,7 @@ def settings_from(args: argparse.Namespace) -> object:
             "nothing to serve: no database and no fleet nodes",
             hint="pass --db PATH, or a --config with fleet.nodes (or --nodes)",
         )
-    return McpSettings(db=db, nodes=nodes, fleet=settings_from_args(args))
+    return McpSettings(db=db, nodes=nodes, fleet=settings_from_args(args), rates=cfg.fleet.gpu_hourly_usd)
 
 
 def run(args: argparse.Namespace) -> int:

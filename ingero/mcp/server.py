@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ingero import __version__
-from ingero.config import NodeSpec
+from ingero.config import GpuRates, NodeSpec
 from ingero.fleet.settings import ClientSettings
 from ingero.mcp.prompt import INSTRUCTIONS, investigate_prompt
 from ingero.tools import registry
@@ -42,9 +42,10 @@ class McpSettings:
     db: Path | None = None
     nodes: list[NodeSpec] = field(default_factory=list)
     fleet: ClientSettings = field(default_factory=ClientSettings)
+    rates: GpuRates = field(default_factory=GpuRates)
 
     def env(self) -> ToolEnv:
-        return ToolEnv(self.db, tuple(self.nodes), self.fleet)
+        return ToolEnv(self.db, tuple(self.nodes), self.fleet, self.rates)
 
 
 def _mcp_function(t: Tool, env: ToolEnv) -> Callable[..., Any]:

@@ -11,17 +11,16 @@ first. Unreachable nodes are listed, never raised: partial answers are answers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import Field
 
-from ingero.config import NodeSpec
+from ingero.config import GpuRates, NodeSpec
 from ingero.errors import UsageError
 from ingero.fleet.outcome import NodeOutcome
 from ingero.fleet.settings import ClientSettings
 from ingero.tools.local import MAX_SQL_ROWS, Since, chain_dict, check_limit, check_since
-from ingero.tools.registry import ToolEnv, tool
+from ingero.tools.registry import ToolEnv, iso_us, tool
 
 Action = Literal["chains", "sql", "ops", "overview", "status"]
 ACTIONS: tuple[str, ...] = get_args(Action)
@@ -75,31 +74,53 @@ async def fleet_status(env: ToolEnv) -> dict[str, Any]:
 OutlierMetric = Literal["lag", "last", "wait"]
 
 
+if TYPE_CHECKING:
+    Metric = str
+else:  # the enum published in the schema is the metric table of ingero.fleet.outliers itself
+    from ingero.fleet.outliers import METRICS
+
+    Metric = Literal[tuple(METRICS)]
+Comm = Annotated[str | None, Field(description="one communicator (its 16-hex-digit id)")]
+
+
+async def _stragglers(env: ToolEnv, since: str | None, comm: str | None, *, with_chain: bool, rates: GpuRates) -> Any:
+    from ingero.fleet.collective_ops import fleet_stragglers
+
+    return await fleet_stragglers(
+        _nodes(env), env.fleet, since=check_since(since), comm=comm or None, rates=rates, with_chain=with_chain
+    )
+
+
+def _report_fields(report: Any) -> dict[str, Any]:
+    """The straggler report without what the header already says (outcomes, counts, timing)."""
+    doc: dict[str, Any] = report.as_dict()
+    for key in ("nodes", "answered", "failed", "elapsed_ms"):
+        doc.pop(key, None)
+    if isinstance(doc.get("chain"), dict) and isinstance(doc["chain"].get("detected_at"), int):
+        doc["chain"] = {**doc["chain"], "detected_at": iso_us(doc["chain"]["detected_at"])}
+    return doc
+
+
 @tool("Outlier nodes", scope="fleet")
 async def find_outlier_nodes(
     env: ToolEnv,
     since: Since = None,
-    metric: Annotated[
-        OutlierMetric,
-        Field(description="lag: median lag when arriving last (ms); last: share of calls last; wait: share waited"),
-    ] = "lag",
-    threshold: Annotated[float, Field(gt=0, le=100, description="robust z-score (median absolute deviation)")] = 3.5,
+    metric: Annotated[Metric, Field(description="lag (median ms late), last (share arriving last), wait")] = "lag",
+    threshold: Annotated[float, Field(gt=0, le=100, description="robust z-score a slow rank must reach")] = 3.5,
+    comm: Comm = None,
 ) -> dict[str, Any]:
-    """Which rank drags the job: NCCL collectives joined across nodes (the k-th call of each
-    communicator, clock-skew corrected) name the rank that arrives last, its median lag and the others'
-    waiting; 'outliers' ranks slow ranks by median absolute deviation on the metric. Without collectives,
-    the per-node verdict (robust z-scores of host events, off-CPU/I-O time, GPU-API latency, p99)."""
-    from ingero.fleet.collective_ops import fleet_stragglers
+    """Which rank/node is dragging the job: NCCL collectives aligned across ranks (the k-th call of each
+    communicator, clock-skew corrected), each rank's lag and waiting, slow ranks by median absolute
+    deviation on the metric; without collectives, the host/latency verdict. With the straggler's top
+    causal chain."""
     from ingero.fleet.outliers import outlier_ranks
 
-    since = check_since(since)
-    report = await fleet_stragglers(_nodes(env), env.fleet, since=since, with_chain=False)
-    cv = report.collectives
-    outliers = outlier_ranks(cv.ranks if cv is not None else [], metric, threshold)
+    report = await _stragglers(env, since, comm, with_chain=True, rates=env.rates)
+    ranks = report.collectives.ranks if report.collectives is not None else []
+    outliers = outlier_ranks(ranks, metric, threshold)
     return {
         **_header(report.outcomes, env.fleet),
-        "headline": report.headline(),
-        "straggler": report.verdict.as_dict(),
+        **_report_fields(report),
         "outliers": {"metric": metric, "threshold": threshold, "ranks": [o.as_dict() for o in outliers]},
     }
 
@@ -109,23 +130,14 @@ async def get_cost(
     env: ToolEnv,
     since: Since = None,
     usd_per_gpu_hour: Annotated[
-        float | None, Field(ge=0, description="one rate for every GPU (default: fleet.gpu_hourly_usd in the config)")
+        float | None, Field(ge=0, description="one rate for every GPU (default: fleet.gpu_hourly_usd)")
     ] = None,
+    comm: Comm = None,
 ) -> dict[str, Any]:
     """Dollars of GPU time the ranks burned waiting for peers inside NCCL collectives in the window, per
-    rank, at the GPU-hour rates of fleet.gpu_hourly_usd (default, by GPU model, by node), with the
-    straggler verdict that explains the waiting."""
-    from ingero.config import GpuRates, parse_config_file
-    from ingero.fleet.collective_ops import fleet_stragglers
-
-    since = check_since(since)
-    if usd_per_gpu_hour is not None:
-        rates = GpuRates(default=usd_per_gpu_hour)
-    elif env.fleet.config_path:
-        rates = parse_config_file(Path(env.fleet.config_path)).fleet.gpu_hourly_usd
-    else:
-        rates = GpuRates()
-    report = await fleet_stragglers(_nodes(env), env.fleet, since=since, rates=rates, with_chain=False)
+    rank, at each GPU's hourly rate (fleet.gpu_hourly_usd in the config, or usd_per_gpu_hour)."""
+    rates = env.rates if usd_per_gpu_hour is None else GpuRates(default=usd_per_gpu_hour)
+    report = await _stragglers(env, since, comm, with_chain=False, rates=rates)
     return {**_header(report.outcomes, env.fleet), "headline": report.headline(), "cost": report.cost.as_dict()}
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ingero.config import NodeSpec
+from ingero.config import GpuRates, NodeSpec
 from ingero.errors import ToolNotFoundError, UsageError
 from ingero.fleet.settings import ClientSettings
 
@@ -38,11 +38,13 @@ SyncRunner = Callable[[Callable[[], dict[str, Any]]], Awaitable[dict[str, Any]]]
 
 @dataclass(frozen=True)
 class ToolEnv:
-    """What a tool may read: one local database and/or the fleet's nodes (with the client settings)."""
+    """What a tool may read: one local database and/or the fleet's nodes (with the client settings and
+    the GPU-hour rates of ``fleet.gpu_hourly_usd`` for ``get_cost``)."""
 
     db: Path | None = None
     nodes: tuple[NodeSpec, ...] = ()
     fleet: ClientSettings = field(default_factory=ClientSettings)
+    rates: GpuRates = field(default_factory=GpuRates)
 
     def need_db(self) -> Path:
         if self.db is None:

@@ -69,9 +69,8 @@ async function loadNodes() {
       "data-node": fmt(r[cols.indexOf("node")]),
       class: String(r[0]).startsWith("yes") ? "up" : "down",
     }));
-    const line = outliers.straggler.line || "no verdict";
-    verdict.textContent = line;
-    verdict.className = "verdict" + (outliers.straggler.outlier ? " outlier" : "");
+    verdict.textContent = outliers.headline || "no verdict";
+    verdict.className = "verdict" + (outliers.outlier ? " outlier" : "");
     const problems = [...status.clock_skew_warnings, ...status.unreachable];
     document.getElementById("unreachable").textContent = problems.join(" · ");
     return;
