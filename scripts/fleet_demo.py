@@ -40,6 +40,20 @@ class DemoError(Exception):
     pass
 
 
+def spawn(argv: list[str]) -> subprocess.Popen[str]:
+    """A child ``ingero`` process with its output piped to us, in its own session: Ctrl-C goes to us
+    and we stop the children ourselves."""
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def ingero_cmd() -> list[str]:
     return [sys.executable, "-m", "ingero"]
 
@@ -104,16 +118,7 @@ def start_agent(node: str, db: Path, pki: Path, work: Path) -> tuple[subprocess.
         "--ready-file",
         str(ready),
     ]
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # Ctrl-C goes to us; we stop the agents ourselves
-    )
-    return proc, ready
+    return spawn(argv), ready
 
 
 def write_config(path: Path, addrs: dict[str, str], pki: Path) -> None:
@@ -153,15 +158,7 @@ def run_dashboard(cfg: Path, pki: Path, work: Path) -> None:
         str(ready),
     ]
     show(argv)
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = spawn(argv)
     try:
         _, info = local_agents.wait_ready(proc, ready, "dashboard")
         print(
