@@ -1,14 +1,15 @@
 """Loading events into numpy, fast: the one place the explain engine reads ``events`` row by row.
 
 Materialising a million rows through ``sqlite3`` cursors costs about a microsecond per value; SQLite's
-own ``group_concat`` over integer expressions costs a fraction of that. So each row is packed into
-two 64-bit integers *inside SQLite* and read back as two comma-separated strings that numpy parses in C:
+own ``group_concat`` over integer expressions costs a fraction of that. So each row is packed *inside
+SQLite* and read back as comma-separated strings that numpy parses in C, in one pass over the events:
 
 * ``a = node_idx << 56 | source << 52 | op << 44 | failed << 43 | duration`` (duration capped at 2^43 ns ≈ 2.4 h)
 * ``b = ((timestamp - t0) // ts_div) << 22 | pid``             (pid_max is at most 2^22)
+* ``tid - pid`` (``0`` for a process's main thread: short strings)
+* ``arg0`` and ``arg1`` of the rows some rule reads (:data:`ARG_OPS`), ``0`` for the others.
 
-The few columns only some rules need (``arg0``/``arg1`` of block I/O, page allocations, socket and
-memcpy rows; GPU ids) come from narrower queries over the rows that have them.
+Only GPU ids per process come from a second, narrower query (when a node has several GPU processes).
 
 Node names map to small integers through a ``CASE`` expression built from the database's node list;
 databases written by several nodes (a merged cluster DB) are split into one :class:`Frame` per node,
@@ -44,11 +45,32 @@ CHUNK_ROWS = 2_000_000  # rows per group_concat string (keeps each string well u
 # (bytes, pointer), kernel launches (the kernel function: ingero's tracer records it in arg0), and the
 # scheduler rows the per-thread off-CPU intervals are built from (sched_switch: arg0 = prev_state,
 # arg1 = the preemptor's tid — Ingero's own rows carry the thread itself there; sched_wakeup: the waker).
-ARG_ROWS_SQL = (
-    f"(source = {IO} OR source = {NET} OR source = {TCP} OR (source = {HOST} AND op IN (1, 2, 3, 4, 5, 6, 7, 12))"
-    f" OR (source = {CUDA} AND op IN (1, 2, 4, 7)) OR (source = {DRIVER} AND op IN (2, 3, 5))"
-    f" OR (((source = {CUDA} AND op = 3) OR (source = {DRIVER} AND op = 1)) AND arg0 != 0))"
-)
+ARG_OPS: dict[int, tuple[int, ...] | None] = {  # source -> ops whose arguments are read (None: all)
+    IO: None,
+    NET: None,
+    TCP: None,
+    HOST: (1, 2, 3, 4, 5, 6, 7, 12),
+    CUDA: (1, 2, 4, 7),
+    DRIVER: (2, 3, 5),
+}
+LAUNCH_ARG_OPS = ((CUDA, 3), (DRIVER, 1))  # launches: arg0 = the kernel function, when recorded (not 0)
+
+
+_ARG_TABLE = np.zeros(16 * 256, dtype=bool)
+for _src, _ops in ARG_OPS.items():
+    _ARG_TABLE[_src * 256 : _src * 256 + 256] = _ops is None
+    for _op in _ops or ():
+        _ARG_TABLE[_src * 256 + _op] = True
+_LAUNCH_TABLE = np.zeros(16 * 256, dtype=bool)
+for _src, _op in LAUNCH_ARG_OPS:
+    _LAUNCH_TABLE[_src * 256 + _op] = True
+
+
+def arg_row_mask(source: I64, op: I64, arg0: I64) -> npt.NDArray[np.bool_]:
+    """The rows whose arguments some rule reads (:data:`ARG_OPS`, launches with a kernel function)."""
+    key = source * 256 + op
+    out: npt.NDArray[np.bool_] = _ARG_TABLE[key] | (_LAUNCH_TABLE[key] & (arg0 != 0))
+    return out
 
 
 def _parse(text: str | None) -> I64:
@@ -59,7 +81,7 @@ def _parse(text: str | None) -> I64:
 
 @dataclass
 class ArgRows:
-    """Rows that carry meaningful ``arg0``/``arg1`` (see ARG_ROWS_SQL), for one node."""
+    """Rows that carry meaningful ``arg0``/``arg1`` (see :func:`arg_row_mask`), for one node."""
 
     source: I64
     op: I64
@@ -256,30 +278,41 @@ def _load_batch(
         f"SELECT group_concat(({case} << 56) | ((source & 15) << 52) | ((op & 255) << 44)"
         f" | ((ret_code != 0) << 43) | min(max(duration, 0), {MAX_DUR})),"
         f" group_concat((((timestamp - ?) / ?) << {PID_BITS}) | (pid & {(1 << PID_BITS) - 1})),"
-        f" group_concat(coalesce(tid, pid) - pid)"
+        f" group_concat(coalesce(tid, pid) - pid),"
+        f" group_concat(coalesce(arg0, 0)), group_concat(coalesce(arg1, 0))"
         f" FROM events WHERE {where}"
     )
     a_parts: list[I64] = []
     b_parts: list[I64] = []
     t_parts: list[I64] = []
+    x_parts: list[I64] = []
+    y_parts: list[I64] = []
     for sl in slices:
         # one slice = the whole window: no extra range (it would steer SQLite to the index, ~30% slower)
         sw, sp = sl.clause("timestamp") if len(slices) > 1 else ("1", [])
-        a_txt, b_txt, t_txt = conn.execute(sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]).fetchone()
+        a_txt, b_txt, t_txt, x_txt, y_txt = conn.execute(
+            sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]
+        ).fetchone()
         a_parts.append(_parse(a_txt))
         b_parts.append(_parse(b_txt))
         t_parts.append(_parse(t_txt))
+        x_parts.append(_parse(x_txt))
+        y_parts.append(_parse(y_txt))
     a = np.concatenate(a_parts) if a_parts else np.zeros(0, dtype=np.int64)
     b = np.concatenate(b_parts) if b_parts else np.zeros(0, dtype=np.int64)
     dt = np.concatenate(t_parts) if t_parts else np.zeros(0, dtype=np.int64)
     if dt.size != a.size:  # tid NULL somewhere (not written by a tracer): threads unknown
         dt = np.zeros(a.size, dtype=np.int64)
+    x = np.concatenate(x_parts) if x_parts else np.zeros(0, dtype=np.int64)
+    y = np.concatenate(y_parts) if y_parts else np.zeros(0, dtype=np.int64)
+    if x.size != a.size or y.size != a.size:  # NULL arguments (foreign rows): no argument rows
+        x = y = np.zeros(a.size, dtype=np.int64)
     idx = a >> 56
     missing = bool(np.any(idx == NODES_PER_QUERY))
     out: dict[str, Frame] = {}
     if idx.size and not (idx[0] == idx).all():  # several nodes: group their rows
         order = np.argsort(idx, kind="stable")
-        a, b, dt, idx = a[order], b[order], dt[order], idx[order]
+        a, b, dt, x, y, idx = a[order], b[order], dt[order], x[order], y[order], idx[order]
     bounds = np.searchsorted(idx, np.arange(len(names) + 1))
     for i, name in enumerate(names):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
@@ -287,7 +320,7 @@ def _load_batch(
             continue
         aa, bb = a[lo:hi], b[lo:hi]
         pid = bb & ((1 << PID_BITS) - 1)
-        out[name] = Frame(
+        fr = Frame(
             node=name,
             source=(aa >> 52) & 0xF,
             op=(aa >> 44) & 0xFF,
@@ -297,6 +330,10 @@ def _load_batch(
             pid=pid,
             tid=pid + dt[lo:hi],
         )
+        arg0, arg1 = x[lo:hi], y[lo:hi]
+        m = arg_row_mask(fr.source, fr.op, arg0)
+        fr.args = ArgRows(fr.source[m], fr.op[m], fr.pid[m], fr.ts_ns[m], arg0[m], arg1[m], fr.tid[m], fr.dur[m])
+        out[name] = fr
     return out, missing
 
 
@@ -308,36 +345,8 @@ def _attach_args(
     names: Sequence[str],
     trusted: bool,
 ) -> None:
-    """Arguments and GPU ids for the frames of one batch of nodes (one or two scans)."""
+    """GPU ids per process, when a node has several GPU processes (one more scan, of GPU rows only)."""
     case, case_params = _node_case(names, trusted)
-    row = conn.execute(
-        f"SELECT group_concat(({case} << 56) | (source << 52) | (op << 44) | (pid & {(1 << 44) - 1})),"
-        f" group_concat(timestamp), group_concat(arg0), group_concat(arg1),"
-        f" group_concat(coalesce(tid, pid) - pid), group_concat(max(duration, 0))"
-        f" FROM events WHERE {where} AND {ARG_ROWS_SQL}",
-        [*case_params, *params],
-    ).fetchone()
-    a = _parse(row[0])
-    if a.size:
-        ts, arg0, arg1, dtid, dur = (_parse(row[k]) for k in range(1, 6))
-        idx = a >> 56
-        for i, name in enumerate(names):
-            fr = frames.get(name)
-            if fr is None:
-                continue
-            m = idx == i
-            am = a[m]
-            pid = am & ((1 << 44) - 1)
-            fr.args = ArgRows(
-                source=(am >> 52) & 0xF,
-                op=(am >> 44) & 0xFF,
-                pid=pid,
-                ts_ns=ts[m],
-                arg0=arg0[m],
-                arg1=arg1[m],
-                tid=pid + dtid[m],
-                dur=dur[m],
-            )
     if not any(np.unique(fr.pid[fr.gpu_mask()]).size > 1 for fr in frames.values()):
         return
     for i_node, p, g in conn.execute(
