@@ -156,3 +156,53 @@ def test_rate_limit_refills_with_time() -> None:
     limit.take("a")
     with pytest.raises(Exception, match="rate limit"):
         limit.take("a")
+
+
+RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+
+
+def test_time_limits_answer_timeout(samples: Path, pki: Pki) -> None:
+    """A statement that never ends is stopped by the guard's limit: kind ``timeout``, 408, one line."""
+    spec = AgentSpec(samples / "sample-cluster.db", "cluster", token=TOKEN)
+    with agents_in_thread(pki, [spec]) as servers:
+
+        async def main() -> None:
+            async with https_client(servers[0].url, pki, TOKEN) as c:
+                r = await c.post("/api/v1/tools/run_sql", json={"query": RUNAWAY})
+                assert (r.status_code, r.json()["kind"]) == (408, "timeout"), r.text
+                r = await c.post("/api/v1/tools/run_sql", json={"query": "SELECT count(*) FROM events"})
+                assert r.status_code == 200  # the agent goes on answering
+
+        anyio.run(main, backend="trio")
+
+
+def test_analysis_deadline_is_a_timeout(samples: Path) -> None:
+    from ingero.errors import QueryTimeoutError
+    from ingero.tools import local
+    from ingero.tools.failures import classify
+
+    with pytest.raises(QueryTimeoutError) as e, local._reader(samples / "sample-cluster.db", budget_s=0.0) as conn:
+        conn.execute(
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 100000) SELECT count(*) FROM c"
+        )
+    assert classify(e.value).kind == "timeout" and classify(e.value).status == 408
+
+
+def test_mcp_http_needs_the_token(samples: Path, pki: Pki) -> None:
+    from ingero.mcp.server import McpSettings, serve_http
+
+    listen = Listen(tls_cert=pki.node_cert, tls_key=pki.node_key, token=TOKEN)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve_http, McpSettings(db=samples / "sample-cluster.db"), listen)
+            assert bound.url.endswith("/mcp") and bound.tls_mode == "tls"
+            async with https_client(bound.url.removesuffix("/mcp"), pki) as anon:
+                hello = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+                r = await anon.post("/mcp", json=hello, headers={"Accept": "application/json, text/event-stream"})
+                assert r.status_code == 401 and r.json()["kind"] == "unauthorized"
+                r = await anon.get("/api/versions")
+                assert r.status_code == 200 and "mcp-streamable-http" in r.json()["capabilities"]
+            nursery.cancel_scope.cancel()
+
+    anyio.run(main, backend="trio")

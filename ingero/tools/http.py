@@ -27,6 +27,8 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
+
 from ingero import API_VERSION, __version__
 from ingero.errors import (
     AuthError,
@@ -51,6 +53,7 @@ TOOLS_PREFIX = "/api/v1/tools/"
 OPENAPI_PATH = "/api/v1/openapi.json"
 PUBLIC_PATHS = frozenset({VERSIONS_PATH})
 MAX_ARGS_BYTES = 256 * 1024
+TOOL_THREADS = 4  # blocking tool calls (statistics, explain, SQL) running at once per server
 CAPABILITIES = ("tools", "openapi", "mcp-streamable-http", "dashboard")
 JSON_HEADERS = [
     (b"content-type", b"application/json; charset=utf-8"),
@@ -224,6 +227,13 @@ class ToolsAPI:
         self.env = env
         self.app = fallback
         self.title = title
+        self._threads: trio.CapacityLimiter | None = None  # made on the serving loop, at the first call
+
+    async def _run_sync(self, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Blocking tool work in a worker thread, at most ``TOOL_THREADS`` at once per server."""
+        if self._threads is None:
+            self._threads = trio.CapacityLimiter(TOOL_THREADS)
+        return await trio.to_thread.run_sync(fn, limiter=self._threads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -262,7 +272,7 @@ class ToolsAPI:
         if method != "POST":
             raise MethodNotAllowedError(f"{method} is not allowed on {path}; use POST with a JSON object")
         args = _json_object(await _read_body(receive))
-        return registry.encode_answer(await registry.call(tool, args, self.env))
+        return registry.encode_answer(await registry.call(tool, args, self.env, run_sync=self._run_sync))
 
 
 async def lifespan(receive: Receive, send: Send) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field
 
 from ingero.demo.scenarios import SCENARIOS
-from ingero.errors import UsageError
+from ingero.errors import QueryTimeoutError, StoreError, UsageError
 from ingero.explain.model import SEVERITIES, Chain, sort_chains, stored_chains
 from ingero.store import guard
 from ingero.store.catalog import GPU_API_SOURCES, IO, SOURCE_NAMES, lookup_op, op_name
@@ -31,6 +32,7 @@ from ingero.tools.registry import ToolEnv, iso_us, tool
 MAX_SQL_ROWS = 1000
 DEFAULT_SQL_ROWS = 200
 MAX_ITEMS = 100
+ANALYSIS_TIMEOUT_S = 30.0  # statistics and explain on one database (free SQL has the guard's own limit)
 
 
 # --- input validation --------------------------------------------------------------------------
@@ -66,12 +68,22 @@ def check_severity(severity: str | None) -> str | None:
 
 
 @contextmanager
-def _reader(db: Path) -> Iterator[sqlite3.Connection]:
+def _reader(db: Path, budget_s: float = ANALYSIS_TIMEOUT_S) -> Iterator[sqlite3.Connection]:
+    """A read-only connection whose statements stop ``budget_s`` after it opened: a failure after the
+    deadline passed is this tool's timeout (whatever layer translated the interrupted statement)."""
     conn = open_readonly(db)
+    deadline = time.monotonic() + budget_s
+    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 10_000)
     try:
         yield conn
-    except sqlite3.Error as e:
-        raise translate(e, db) from None
+    except (sqlite3.Error, StoreError) as e:
+        if time.monotonic() > deadline:
+            raise QueryTimeoutError(
+                f"analysis stopped at its {budget_s:g} s limit", hint="ask for a shorter window (since=5m)"
+            ) from None
+        if isinstance(e, sqlite3.Error):
+            raise translate(e, db) from None
+        raise
     finally:
         conn.close()
 
