@@ -123,3 +123,31 @@ def test_subprocess_entry_point_and_help(db: Path) -> None:
     assert proc.returncode != 0 and proc.stderr.startswith("ingero: error:") and "Traceback" not in proc.stderr
     helps = subprocess.run([str(exe), "query", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert helps.returncode == 0 and "examples:" in helps.stdout and "--nodes" in helps.stdout
+
+
+def test_tsv_nl_no_headers_and_sql_from_file_or_stdin(
+    capsys: pytest.CaptureFixture[str], db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sql = "SELECT source, count(*) AS n FROM events GROUP BY source ORDER BY source"
+    _, out, _ = run_cli(capsys, "query", "--db", str(db), "--tsv", sql)
+    assert out.splitlines() == ["source\tn", "1\t100", "3\t100"]
+    _, out, _ = run_cli(capsys, "query", "--db", str(db), "--tsv", "--no-headers", sql)
+    assert out.splitlines() == ["1\t100", "3\t100"]
+    _, out, _ = run_cli(capsys, "query", "--db", str(db), "--nl", sql)
+    assert [json.loads(line) for line in out.splitlines()] == [{"source": 1, "n": 100}, {"source": 3, "n": 100}]
+    _, out, _ = run_cli(capsys, "query", "--db", str(db), "--no-headers", sql)
+    assert [line.split() for line in out.splitlines()] == [["1", "100"], ["3", "100"]]
+    f = tmp_path / "q.sql"
+    f.write_text(sql + "\n")
+    _, out, _ = run_cli(capsys, "query", "--db", str(db), "--csv", "-f", str(f))
+    assert out.splitlines() == ["source,n", "1,100", "3,100"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(sql))
+    _, out, _ = run_cli(capsys, "query", "--db", str(db), "--csv", "-")
+    assert out.splitlines() == ["source,n", "1,100", "3,100"]
+    code, out, err = run_cli(capsys, "query", "--db", str(db), "-f", str(tmp_path / "missing.sql"))
+    assert code == 2 and out == "" and "--file" in err and "cannot read" in err
+
+
+def test_bad_sql_is_exit_2_locally_too(capsys: pytest.CaptureFixture[str], db: Path) -> None:
+    code, out, err = run_cli(capsys, "query", "--db", str(db), "SELEC 1")
+    assert code == 2 and out == "" and err.count("ingero: error:") == 1

@@ -143,7 +143,7 @@ def run_query(args: argparse.Namespace, sql: str) -> int:
         raise bad_sql
     fmt = getattr(args, "format", "table")
     if result.answered and result.columns:
-        emit_rows(result.columns, result.rows, fmt, meta=result.meta())
+        emit_rows(result.columns, result.rows, fmt, meta=result.meta(), headers=getattr(args, "headers", True))
     elif fmt == "json":
         emit_rows([], [], fmt, meta=result.meta())
     for line in truncated_lines(result.outcomes):

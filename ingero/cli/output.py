@@ -11,13 +11,19 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 
-def add_output_args(parser: argparse.ArgumentParser, *, csv_ok: bool = True) -> None:
+def add_output_args(parser: argparse.ArgumentParser, *, csv_ok: bool = True, rows_ok: bool = False) -> None:
+    """``--json`` (and ``--csv``); with ``rows_ok`` (commands that print one result set) also ``--tsv``,
+    ``--nl`` (one JSON object per row) and ``--no-headers``."""
     g = parser.add_argument_group("output")
     fmt = g.add_mutually_exclusive_group()
     fmt.add_argument("--json", dest="format", action="store_const", const="json", help="JSON for machines")
     if csv_ok:
         fmt.add_argument("--csv", dest="format", action="store_const", const="csv", help="CSV with a header row")
-    parser.set_defaults(format="table")
+    if rows_ok:
+        fmt.add_argument("--tsv", dest="format", action="store_const", const="tsv", help="tab-separated values")
+        fmt.add_argument("--nl", dest="format", action="store_const", const="nl", help="JSON lines: one object per row")
+        g.add_argument("--no-headers", dest="headers", action="store_false", help="no header row (table, CSV, TSV)")
+    parser.set_defaults(format="table", headers=True)
 
 
 def warn(message: str) -> None:
@@ -38,7 +44,7 @@ def _cell(v: Any) -> Any:
     return v
 
 
-def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, headers: bool = True) -> str:
     if not columns:
         return ""
     from tabulate import tabulate  # ~20 ms of imports: only when a table is printed
@@ -50,8 +56,8 @@ def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     ]
     return tabulate(
         cells,
-        headers=list(columns),
-        tablefmt="simple",
+        headers=list(columns) if headers else (),
+        tablefmt="simple" if headers else "plain",
         disable_numparse=True,
         missingval="",
         colalign=align,
@@ -65,6 +71,7 @@ def emit_rows(
     *,
     meta: dict[str, Any] | None = None,
     stream: IO[str] | None = None,
+    headers: bool = True,
 ) -> None:
     """Print a result set. ``meta`` (truncated, elapsed, nodes, ...) goes into the JSON object only."""
     out = stream or sys.stdout
@@ -73,12 +80,18 @@ def emit_rows(
         doc.update(meta or {})
         json.dump(doc, out, ensure_ascii=False, default=str)
         out.write("\n")
-    elif fmt == "csv":
-        w = csv.writer(out, lineterminator="\n")
-        w.writerow(columns)
+    elif fmt == "nl":
+        names = list(columns)
+        for r in rows:
+            json.dump(dict(zip(names, r, strict=True)), out, ensure_ascii=False, default=str)
+            out.write("\n")
+    elif fmt in ("csv", "tsv"):
+        w = csv.writer(out, lineterminator="\n", delimiter="\t" if fmt == "tsv" else ",")
+        if headers:
+            w.writerow(columns)
         w.writerows(rows)
     else:
-        text = render_table(columns, rows)
+        text = render_table(columns, rows, headers=headers)
         if text:
             out.write(text + "\n")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ingero.cli import common
 from ingero.cli.output import add_output_args, emit_rows, note
@@ -20,6 +21,8 @@ examples:
   ingero query --db trace.db --since 5m --pid 4242 --csv "SELECT op, duration FROM events"
   ingero query --nodes gpu-node-01:8080,gpu-node-02:8080 "SELECT count(*) AS n FROM events"
   ingero query --config configs/ingero.yaml --json "SELECT * FROM causal_chains"
+  ingero query --db trace.db -f slow_calls.sql --tsv --no-headers | sort -t$'\t' -k2 -n
+  echo "SELECT count(*) FROM events" | ingero query --db trace.db --nl -
 
 --since/--from/--to/--op/--pid restrict what the table 'events' shows to your SQL (joins included).
 Without SQL, the most recent events are listed. Queries are read-only: writes, ATTACH, PRAGMA writes and
@@ -37,7 +40,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         epilog=EXAMPLES,
         formatter_class=common.help_formatter(),
     )
-    p.add_argument("sql", nargs="?", help="one SELECT statement (default: the latest events)")
+    p.add_argument("sql", nargs="?", help="one SELECT statement; '-' reads it from stdin (default: the latest events)")
+    p.add_argument("-f", "--file", metavar="PATH", help="read the statement from a file")
     common.add_db_arg(p)
     common.add_window_args(p)
     p.add_argument("--op", metavar="NAME", help="only events of this op (cudaMalloc, sched_switch, ...)")
@@ -45,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     p.add_argument("--limit", type=int, metavar="N", help="row cap (per node with --nodes); default 1000, max 10000")
     p.add_argument("--timeout-ms", type=int, metavar="MS", help="query time limit (default 2000)")
     common.add_fleet_args(p)
-    add_output_args(p)
+    add_output_args(p, rows_ok=True)
     p.set_defaults(func=run)
 
 
@@ -58,8 +62,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def sql_from(args: argparse.Namespace) -> str:
-    """The statement to run: the argument, else the latest events."""
-    return args.sql if args.sql and args.sql.strip() else DEFAULT_SQL
+    """The statement to run: the argument, ``-`` (stdin) or ``-f FILE``; else the latest events."""
+    import sys
+
+    from ingero.errors import UsageError
+
+    if args.file and args.sql:
+        raise UsageError("both a statement and --file given", hint="pass one of them")
+    text = args.sql
+    if args.file:
+        try:
+            text = Path(args.file).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--file {args.file}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    elif text == "-":
+        text = sys.stdin.read()
+    return text if text and text.strip() else DEFAULT_SQL
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -87,6 +105,7 @@ def run_local(args: argparse.Namespace) -> int:
         result.columns,
         result.rows,
         args.format,
+        headers=args.headers,
         meta={
             "truncated": result.truncated,
             "truncated_reason": result.truncated_reason,
