@@ -232,6 +232,36 @@ def test_dashboard_in_chromium(tmp_path: Path, demo_dbs: Path, pki: Pki) -> None
             driver.get(url)
             wait.until(ec.presence_of_element_located((By.ID, "login-form")))
 
-    written = sorted(p.name for p in shots.glob("*.png"))
+    written = sorted(p.name for p in shots.glob("0[123]-*.png"))
     assert written == ["01-wrong-token.png", "02-fleet.png", "03-sql.png"]
     (shots / "README.json").write_text(json.dumps({"url": url, "screenshots": written}))
+
+
+def test_dashboard_of_one_database_in_chromium(tmp_path: Path, demo_dbs: Path, pki: Pki) -> None:
+    """One (merged cluster) database, no token on loopback: the same page, fed by the local tools."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    shots = artifacts()
+    db = demo_dbs / "sample-cluster.db"
+    listen = Listen(tls_cert=pki.node_cert, tls_key=pki.node_key)
+    with (
+        dashboard_in_thread(DashboardSettings(env=ToolEnv(db=db)), listen) as bound,
+        chromium_trusting(pki.ca, tmp_path / "home") as driver,
+    ):
+        driver.get(bound.url)
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script("return document.body.dataset.loaded") == "1")
+        assert driver.find_element(By.ID, "status").get_attribute("class") == "muted"  # no tool failed
+        rows = driver.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")
+        assert [r.get_attribute("data-node") for r in rows] == list(NODE_NAMES)
+        assert "one database (sample-cluster.db)" in driver.find_element(By.ID, "verdict").text
+        assert not driver.find_element(By.ID, "logout").is_displayed()  # nothing to log out of
+        chains = driver.find_elements(By.CSS_SELECTOR, "#chains .chain")
+        assert chains and chains[0].get_attribute("data-chain").split(":")[0] in NODE_NAMES
+        charts = driver.find_elements(By.CSS_SELECTOR, "#timeline .node-chart")
+        assert [c.get_attribute("data-node") for c in charts] == list(NODE_NAMES)
+        driver.find_element(By.ID, "sql-run").click()  # the default query
+        WebDriverWait(driver, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#sql-result tbody tr"))
+        heads = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#sql-result thead th")]
+        assert heads == ["node", "source", "cnt", "avg_us"]
+        driver.save_screenshot(str(shots / "04-one-database.png"))
