@@ -66,6 +66,7 @@ class Context:
     offcpu: OffCpu | None = None  # per-thread off-CPU intervals of the node
     tree: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # GPU processes + forked children
     cpu_cores: int | None = None  # from the recording's sessions row
+    _rows: dict[tuple[int, int], OpRows] = field(default_factory=dict, repr=False)
 
     @property
     def off(self) -> OffCpu:
@@ -74,9 +75,15 @@ class Context:
         return self.offcpu
 
     def rows(self, st: OpStats) -> OpRows:
+        key = (st.source, st.op)
+        cached = self._rows.get(key)
+        if cached is not None:
+            return OpRows(st, cached.ts_ns, cached.dur, cached.pid, cached.tid)
         m = (self.gpu.source == st.source) & (self.gpu.op == st.op)
         tid = self.gpu.tid[m] if self.gpu.tid.size == self.gpu.pid.size else self.gpu.pid[m]
-        return OpRows(st, self.gpu.ts_ns[m], self.gpu.dur[m], self.gpu.pid[m], tid)
+        out = OpRows(st, self.gpu.ts_ns[m], self.gpu.dur[m], self.gpu.pid[m], tid)
+        self._rows[key] = out
+        return out
 
     def arg0_of(self, rows: OpRows) -> I64 | None:
         """``arg0`` of each call in ``rows`` (bytes of a copy, the kernel function of a launch), aligned

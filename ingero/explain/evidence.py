@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ingero.explain.frame import I64, Frame
+from ingero.explain.frame import I64, Frame, member
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, OffCpu, is_runnable
 from ingero.store.catalog import HOST, IO, NET, TCP
 from ingero.timeutil import NS_PER_MS, NS_PER_S
@@ -209,19 +209,19 @@ class HostSeries:
         self.snap = snapshots
         offcpu = offcpu or OffCpu(frame.args)
         if tids is None:
-            tids = np.unique(frame.tid[frame.gpu_mask() & np.isin(frame.pid, traced_pids)])
+            tids = np.unique(frame.tid[frame.gpu_mask() & member(frame.pid, traced_pids)])
         tree = traced_pids if tree is None else tree
         edges = grid.start_ns + np.arange(grid.n + 1, dtype=np.int64) * grid.width_ns
-        sched = frame.is_op(HOST, 1) & np.isin(frame.tid, tids)
+        sched = frame.is_op(HOST, 1) & member(frame.tid, tids)
         a = frame.args
-        inv = (a.source == HOST) & (a.op == 1) & np.isin(a.tid, tids) & (a.arg1 != a.tid) & is_runnable(a.arg0)
+        inv = (a.source == HOST) & (a.op == 1) & member(a.tid, tids) & (a.arg1 != a.tid) & is_runnable(a.arg0)
         self.sched_n = (
             _sum(grid, grid.index(a.ts_ns[inv])) if offcpu.has_state else _sum(grid, grid.index(frame.ts_ns[sched]))
         )
         self.offcpu = offcpu.per_bucket(INVOL, tids, edges)
         self.vol = offcpu.per_bucket(VOL, tids, edges)
         self.unknown = offcpu.per_bucket(UNKNOWN, tids, edges)
-        mine = np.isin(frame.pid, tree)
+        mine = member(frame.pid, tree)
         io_all = frame.source == IO
         self.io_other_n = _sum(grid, grid.index(frame.ts_ns[io_all & ~mine]))
         self.tcp_other_n = _sum(grid, grid.index(frame.ts_ns[(frame.source == TCP) & ~mine]))
@@ -234,7 +234,7 @@ class HostSeries:
         self.io_reads = _sum(grid, idx, (frame.op[io] == 1).astype(np.float64))
         self.io_writes = _sum(grid, idx, (frame.op[io] == 2).astype(np.float64))
         args = frame.args
-        amine = np.isin(args.pid, tree)
+        amine = member(args.pid, tree)
         aio = (args.source == IO) & amine
         self.io_bytes = _sum(grid, grid.index(args.ts_ns[aio]), args.arg0[aio].astype(np.float64) * SECTOR_BYTES)
         page = (args.source == HOST) & (args.op == 3)

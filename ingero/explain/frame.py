@@ -61,9 +61,24 @@ for _src, _ops in ARG_OPS.items():
     _ARG_TABLE[_src * 256 : _src * 256 + 256] = _ops is None
     for _op in _ops or ():
         _ARG_TABLE[_src * 256 + _op] = True
+_GPU_TABLE = np.zeros(16, dtype=bool)
+_GPU_TABLE[list(GPU_SOURCES)] = True
 _LAUNCH_TABLE = np.zeros(16 * 256, dtype=bool)
 for _src, _op in LAUNCH_ARG_OPS:
     _LAUNCH_TABLE[_src * 256 + _op] = True
+
+
+def member(arr: I64, values: Sequence[int] | I64) -> npt.NDArray[np.bool_]:
+    """``np.isin`` for the usual case of a few values (the GPU processes, their threads): one
+    comparison per value instead of a sort of the whole column."""
+    v = np.unique(np.asarray(values, dtype=np.int64))
+    if v.size > 8:
+        out: npt.NDArray[np.bool_] = np.isin(arr, v)
+        return out
+    m = np.zeros(arr.shape, dtype=bool)
+    for x in v.tolist():
+        m |= arr == x
+    return m
 
 
 def arg_row_mask(source: I64, op: I64, arg0: I64) -> npt.NDArray[np.bool_]:
@@ -155,7 +170,8 @@ class Frame:
         return np.unique(self.pid)
 
     def gpu_mask(self) -> npt.NDArray[np.bool_]:
-        return np.isin(self.source, np.asarray(GPU_SOURCES, dtype=np.int64))
+        out: npt.NDArray[np.bool_] = _GPU_TABLE[self.source & 0xF]
+        return out
 
     def select(self, mask: npt.NDArray[np.bool_]) -> Frame:
         return Frame(
@@ -207,12 +223,17 @@ def _only_node(conn: sqlite3.Connection, name: str) -> bool:
 
 
 def _time_slices(conn: sqlite3.Connection, where: str, params: list[Any]) -> tuple[int, int, list[Window]]:
-    lo, hi, count = conn.execute(
-        f"SELECT min(timestamp), max(timestamp), count(*) FROM events WHERE {where}", params
-    ).fetchone()
-    if lo is None:
+    # two queries: SQLite answers a lone min() or max() from the timestamp index, not both at once
+    lo = conn.execute(f"SELECT min(timestamp) FROM events WHERE {where}", params).fetchone()[0]
+    hi = conn.execute(f"SELECT max(timestamp) FROM events WHERE {where}", params).fetchone()[0]
+    if lo is None or hi is None:
         return 0, 0, []
-    lo, hi, count = int(lo), int(hi), int(count)
+    lo, hi = int(lo), int(hi)
+    # the table's size bounds the window's rows (max(rowid) is O(1)); count only when it might not fit
+    bound = conn.execute("SELECT max(rowid) FROM events").fetchone()[0]
+    if bound is not None and int(bound) <= CHUNK_ROWS:
+        return lo, hi, [Window(lo, hi)]
+    count = int(conn.execute(f"SELECT count(*) FROM events WHERE {where}", params).fetchone()[0])
     n = max(1, math.ceil(count / CHUNK_ROWS))
     if n == 1:
         return lo, hi, [Window(lo, hi)]

@@ -88,7 +88,6 @@ class OffCpu:
 
     def __init__(self, args: ArgRows) -> None:
         self.threads: dict[str, dict[int, _Thread]] = {k: {} for k in KINDS}
-        self.tgid: dict[int, int] = {}
         sw = (args.source == HOST) & (args.op == SCHED_SWITCH)
         wk = (args.source == HOST) & (args.op == SCHED_WAKEUP)
         tid, end, dur = args.tid[sw], args.ts_ns[sw], args.dur[sw]
@@ -97,8 +96,6 @@ class OffCpu:
         unknown = prev == tid  # Ingero's rows: the thread itself, no state
         self.has_state = bool((~unknown).any())
         self.has_rows = bool(sw.any())
-        for t, p in zip(args.tid[sw].tolist(), args.pid[sw].tolist(), strict=True):
-            self.tgid.setdefault(int(t), int(p))
         runnable = is_runnable(state) & ~unknown
         sleep = ~runnable & ~unknown
         # a sleep ended by a wakeup: asleep until woken, then waiting in the run queue for a CPU

@@ -11,7 +11,7 @@ import numpy as np
 
 from ingero.explain import causes as cz
 from ingero.explain.context import Context, layer_of, us
-from ingero.explain.frame import I64
+from ingero.explain.frame import I64, member
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import CUDA, DRIVER, HOST, TCP, op_name
@@ -106,7 +106,7 @@ def oom_chains(ctx: Context) -> list[Chain]:
 def tcp_chains(ctx: Context) -> list[Chain]:
     """Retransmit bursts of the traced process tree. Softirq retransmits (pid 0) and other processes'
     have no owner among the GPU processes: they are context (a note), never a chain."""
-    mine = np.isin(ctx.frame.pid, ctx.tree) if ctx.tree.size else np.isin(ctx.frame.pid, ctx.traced)
+    mine = member(ctx.frame.pid, ctx.tree if ctx.tree.size else ctx.traced)
     ts = np.sort(ctx.frame.ts_ns[(ctx.frame.source == TCP) & mine])
     n = int(ts.size)
     if n <= TCP_CHAIN:
