@@ -13,8 +13,8 @@ import httpx
 import pytest
 import trio
 
-from ingero.api.https import Listen
-from ingero.dashboard.app import DashboardSettings, serve_dashboard
+from ingero.api.https import Listen, serve_asgi
+from ingero.dashboard.app import Dashboard, DashboardSettings, serve_dashboard
 from ingero.tls.context import client_ssl_context
 from ingero.tools.registry import ToolEnv
 from tests.fleet_agents import Pki, make_pki
@@ -86,6 +86,28 @@ def test_login_cookie_csrf_and_pages(pki: Pki, samples: Path) -> None:
             r = await c.post("/logout", headers=jar)
             assert r.status_code == 303 and "Max-Age=0" in r.headers["set-cookie"]
             assert (await c.get("/", headers=jar)).status_code == 303
+
+    anyio.run(main, backend="trio")
+
+
+def test_login_attempts_are_rate_limited(pki: Pki, samples: Path) -> None:
+    from ingero.tools.http import RateLimit
+
+    dash = Dashboard(
+        DashboardSettings(env=ToolEnv(samples / "sample-cluster.db"), token=TOKEN),
+        limit=RateLimit(per_second=0.1, burst=3, clock=lambda: 0.0),  # frozen: no refill
+    )
+    listen = Listen(tls_cert=pki.node_cert, tls_key=pki.node_key, token=TOKEN)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve_asgi, dash, listen)
+            async with httpx.AsyncClient(base_url=bound.url, verify=client_ssl_context(ca_cert=pki.ca)) as c:
+                codes = [(await c.post("/login", data={"token": f"guess-{i}"})).status_code for i in range(5)]
+                assert codes == [303, 303, 303, 429, 429]
+                r = await c.post("/login", data={"token": TOKEN})
+                assert r.status_code == 429 and r.headers["retry-after"] == "10"  # even the right one, for now
+            nursery.cancel_scope.cancel()
 
     anyio.run(main, backend="trio")
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ingero import __version__
+from ingero.errors import RateLimitedError
 from ingero.store.catalog import GPU_API_SOURCES, SOURCE_NAMES
 from ingero.tools import registry
 from ingero.tools.http import (
@@ -211,6 +212,17 @@ class Dashboard:
             return
         if scope["method"] != "POST":
             await _page(send, 405, b"use GET or POST")
+            return
+        peer = scope.get("client")
+        try:  # guessing the token is rate-limited like any call (per address)
+            self.tools.limit.take(f"login:{peer[0] if peer else 'unknown'}")
+        except RateLimitedError as e:
+            await _send(
+                send,
+                429,
+                b"too many login attempts; wait and retry",
+                [(b"content-type", b"text/plain; charset=utf-8"), (b"retry-after", str(e.retry_after_s).encode())],
+            )
             return
         form = urllib.parse.parse_qs((await _read_form(receive)).decode("utf-8", "replace"))
         given = (form.get("token") or [""])[0].strip()
