@@ -2,7 +2,7 @@
 
 One agent per offset (−200 ms … +1 s), each a real ``ingero serve`` (mTLS on 127.0.0.1) started with
 ``LD_PRELOAD=libfaketime.so.1 FAKETIME=<offset>``, so its wall clock — and the receive/transmit
-timestamps of its /api/v1/time — is shifted by exactly that much. This process (real clock) then runs
+timestamps every answer carries (headers) and /api/v1/time returns — is shifted by exactly that much. This process (real clock) then runs
 ``fleet_status`` several times; every estimate must contain the injected offset within its stated
 uncertainty (offset ± delay/2). Printed per offset: median estimate, median uncertainty, worst
 |error| and worst |error| / uncertainty (must stay <= 1.0), and how many rounds held.
@@ -100,7 +100,10 @@ def main() -> int:
             for o in status.outcomes:
                 if o.skew is not None:
                     est[o.spec.label].append((o.skew.offset_ms, o.skew.uncertainty_ms))
-        print(f"clock skew vs injected offsets (libfaketime): {rounds} rounds × {args.samples} samples per node")
+        print(
+            f"clock skew vs injected offsets (libfaketime): {rounds} rounds; per node the /info answer's own "
+            "sample (headers) and one /time sample, the lowest-delay one wins"
+        )
         print(
             f"{'injected':>9} {'estimate':>10} {'±uncert.':>9} {'worst |err|':>12} {'worst err/unc':>14} "
             f"{'held':>6}  target: |err| <= uncertainty every time"
