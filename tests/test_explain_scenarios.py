@@ -188,3 +188,39 @@ def test_new_kernels_mid_run_are_recompilation(reports: dict[str, ExplainReport]
     assert any("torch.compile" in x or "mark_dynamic" in x for x in c.recommendations)
     # the same slow first launches are not also a periodic spike or a tail
     assert not [x for x in r.chains if x.family in ("periodic",) or x.family.startswith("tail/")], _shown(r)
+
+
+def test_empty_cache_at_irregular_steps_is_allocator_churn(tmp_path: Path) -> None:
+    """Bursts of cudaFree (the cache handed back) followed by slow cudaMallocs, at irregular steps:
+    no period to find, but the churn itself is measured."""
+    from ingero.demo.synth import Recorder
+    from ingero.store.catalog import CUDA
+
+    rec = Recorder("churn-node", BASE, 5)
+    pid = 5400
+    rec.process(pid, "python3 train.py", 0.0, exec_event=False)
+    t, step = 0.2, 0
+    releases = {int(x) for x in rec.rng.choice(np.arange(20, 1500), 14, replace=False)}
+    while t < 25.0:
+        if step in releases:
+            for k in range(10):
+                rec.ev(t, pid, CUDA, 2, rec.jitter(400_000, 0.2), arg0=0x7F00_0000 + k)
+                t += 0.45e-3
+            for _ in range(5):
+                d = float(rec.rng.uniform(20, 40)) * 1e6
+                rec.ev(t, pid, CUDA, 1, d, arg0=256 << 20)
+                t += d / 1e9
+        rec.ev(t, pid, CUDA, 1, rec.jitter(80_000, 0.1), arg0=32 << 20)
+        for k in range(4):
+            rec.ev(t + 1e-4 + k * 2e-5, pid, CUDA, 3, rec.jitter(8000, 0.1))
+        sync = rec.jitter(12e6, 0.05)
+        rec.ev(t + 2e-4, pid, CUDA, 5, sync)
+        t += 2e-4 + sync / 1e9 + 1e-3
+        step += 1
+    path = tmp_path / "churn.db"
+    rec.write(path)
+    r = _explain(path)
+    c = next((c for c in r.chains if c.family == "alloc-churn"), None)
+    assert c is not None, _shown(r)
+    assert c.evidence["releases"] >= 12 and c.evidence["frees_in_releases"] >= 120, c.evidence
+    assert c.severity in ("HIGH", "MEDIUM") and any("empty_cache" in x for x in c.recommendations)

@@ -143,6 +143,9 @@ def periodic_spike(base_ns: int, seed: int) -> Recorder:
     t, batch = 0.2, 0
     while t < 26.0:
         if batch % 200 == 199:
+            for k in range(8):  # torch.cuda.empty_cache(): the cached blocks go back to the driver at once
+                rec.ev(t, pid, CUDA, 2, rec.jitter(300 * NS_PER_US, 0.2), arg0=0x7F00_0000 + k * 0x1000)
+                t += 0.35e-3
             for _ in range(6):  # the cache was just emptied: every block comes from the driver again
                 d = float(rec.rng.uniform(20, 45)) * NS_PER_MS
                 rec.ev(t, pid, CUDA, 1, d, arg0=256 << 20, stack=alloc_stack)
