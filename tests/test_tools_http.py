@@ -74,6 +74,8 @@ def test_agent_serves_the_tools_api_beside_its_endpoints(
                 assert r.status_code == 400 and "JSON object" in r.json()["error"]
                 r = await c.post("/api/v1/tools/query_fleet", json={"action": "status"})
                 assert r.status_code == 400 and "no fleet nodes" in r.json()["error"]
+                r = await c.post("/api/v1/tools/event_history", json={"fleet": True})
+                assert r.status_code == 400 and "no fleet nodes" in r.json()["error"]
                 # the agent's own endpoints are untouched (the fleet client uses them)
                 r = await c.post("/api/v1/query", json={"sql": "SELECT count(*) AS n FROM events"})
                 assert r.status_code == 200 and r.json()["rows"] == [[600]]
@@ -92,6 +94,7 @@ def test_agent_serves_the_tools_api_beside_its_endpoints(
         ("/api/v1/tools/run_sql", 405),
         ("/api/v1/tools/run_sql", 400),
         ("/api/v1/tools/query_fleet", 400),
+        ("/api/v1/tools/event_history", 400),
     ]
     assert lines[1]["client"] == "refused" and lines[4]["client"].startswith("token:127.0.0.1")
     assert all(x["surface"] == "agent" and x["ts"].endswith("Z") and len(x["ts"]) == 27 for x in lines)

@@ -19,8 +19,10 @@ from ingero.config import NodeSpec
 from ingero.mcp.server import McpSettings, serve_http
 from ingero.tools import registry
 from ingero.tools.failures import STATUS_OF_KIND
+from ingero.tools.registry import ToolEnv
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, client_settings, make_pki
 from tests.tools_surfaces import (
+    NODE_DBS,
     NODE_NAMES,
     decoded,
     fleet_config,
@@ -64,6 +66,7 @@ FAILURES: list[tuple[str, dict[str, Any], str]] = [
     ("no_such_tool", {}, "not_found"),
     ("find_outlier_nodes", {"metric": "speed"}, "validation"),
     ("get_cost", {"usd_per_gpu_hour": -1}, "validation"),
+    ("event_history", {"op": "cudaFrobnicate"}, "validation"),
 ]
 
 
@@ -153,5 +156,17 @@ def test_fleet_tools_answer_with_the_straggler_and_every_node(tmp_path: Path, sa
                 assert out["straggler"]["line"].startswith(("no straggler", "straggler", "gpu-node"))
                 err, text = await mcp_call(s, "get_trace_stats", {})
                 assert err and "no local database" in text
+
+                # the fleet's event history: every node's latest events merged, newest first ...
+                err, text = await mcp_call(s, "event_history", {"fleet": True, "limit": 30})
+                hist = decoded(text)
+                assert not err and hist["columns"][:2] == ["time", "node"] and len(hist["rows"]) == 30
+                assert [r[0] for r in hist["rows"]] == sorted((r[0] for r in hist["rows"]), reverse=True)
+                # ... and one node's is exactly what its own database says
+                args = {"node": "gpu-node-02", "op": "sched_switch", "limit": 7}
+                err, text = await mcp_call(s, "event_history", {**args, "fleet": True})
+                own = await registry.call("event_history", args, ToolEnv(samples / NODE_DBS[1]))
+                assert not err and decoded(text)["rows"] == own["rows"] and len(own["rows"]) == 7
+                assert {(r[1], r[5]) for r in own["rows"]} == {("gpu-node-02", "sched_switch")}
 
         anyio.run(main, backend="trio")

@@ -19,6 +19,7 @@ from ingero.config import GpuRates, NodeSpec
 from ingero.errors import UsageError
 from ingero.fleet.outcome import NodeOutcome
 from ingero.fleet.settings import ClientSettings
+from ingero.store.catalog import lookup_op
 from ingero.tools.local import MAX_SQL_ROWS, Since, chain_dict, check_limit, check_since
 from ingero.tools.registry import ToolEnv, iso_us, tool
 
@@ -139,6 +140,46 @@ async def get_cost(
     rates = env.rates if usd_per_gpu_hour is None else GpuRates(default=usd_per_gpu_hour)
     report = await _stragglers(env, since, comm, with_chain=False, rates=rates)
     return {**_header(report.outcomes, env.fleet), "headline": report.headline(), "cost": report.cost.as_dict()}
+
+
+@tool("Event history", scope="local")
+async def event_history(
+    env: ToolEnv,
+    since: Since = None,
+    node: Annotated[str | None, Field(description="only this node's events")] = None,
+    op: Annotated[str | None, Field(description="only this op (e.g. cuLaunchKernel, sched_switch)")] = None,
+    limit: Annotated[int, Field(ge=1, le=MAX_SQL_ROWS, description=f"latest events (1..{MAX_SQL_ROWS})")] = 200,
+    fleet: Annotated[bool, Field(description="ask every node of the fleet instead of the local database")] = False,
+) -> dict[str, Any]:
+    """The latest events in the window, newest first: time (ISO-8601 µs), node, pid, tid, source, op,
+    duration (µs) — a timeline of ops and host events per node; fleet=true merges every node's."""
+    import anyio
+
+    from ingero.tools.local import EVENT_COLUMNS, event_history_local, event_row
+
+    since = check_since(since)
+    if op:
+        lookup_op(op)  # an unknown op is this call's error, not every node's
+    if not fleet:
+        db = env.need_db()
+        return await anyio.to_thread.run_sync(lambda: event_history_local(db, since, node, op, limit))
+    from ingero.fleet import operations as ops
+
+    nodes = _nodes(env)
+    named = [n for n in nodes if node and n.name == node]
+    sql = f"SELECT timestamp, pid, tid, source, op, duration FROM events ORDER BY timestamp DESC, id LIMIT {limit + 1}"
+    result = await ops.fleet_query(named or nodes, env.fleet, sql, limit=limit + 1, since=since, op=op)
+    col = {c: i for i, c in enumerate(result.columns)}
+    picked = [r for r in result.rows if not node or r[col["node"]] == node]
+    picked.sort(key=lambda r: r[col["timestamp"]], reverse=True)
+    keys = ("timestamp", "node", "pid", "tid", "source", "op", "duration")
+    return {
+        **_header(result.outcomes, env.fleet),
+        "limit": limit,
+        "truncated": len(picked) > limit or bool(result.truncated),
+        "columns": EVENT_COLUMNS,
+        "rows": [event_row(*(r[col[k]] for k in keys)) for r in picked[:limit]],
+    }
 
 
 async def fleet_action(

@@ -377,17 +377,21 @@ def run_demo(env: ToolEnv, scenario: DemoScenario = "incident") -> dict[str, Any
     }
 
 
-@tool("Event history", scope="local")
-def event_history(
-    env: ToolEnv,
-    since: Since = None,
-    node: Node = None,
-    op: Annotated[str | None, Field(description="only this op (e.g. cuLaunchKernel, sched_switch)")] = None,
-    limit: Annotated[int, Field(ge=1, le=MAX_SQL_ROWS, description=f"latest events (1..{MAX_SQL_ROWS})")] = 200,
-) -> dict[str, Any]:
-    """The latest events in the window, newest first: time (ISO-8601 µs), node, pid, tid, source, op,
-    duration (µs) — a timeline of ops and host events per node."""
-    db = env.need_db()
+def event_row(ts: int, node: str, pid: int, tid: int, source: int, op: int, duration: int | None) -> list[Any]:
+    """One ``event_history`` row (columns ``EVENT_COLUMNS``), from the database's raw columns."""
+    return [
+        iso_us(ts),
+        node,
+        pid,
+        tid,
+        SOURCE_NAMES.get(source, str(source)),
+        op_name(source, op),
+        round((duration or 0) / 1000, 3),
+    ]
+
+
+def event_history_local(db: Path, since: str | None, node: str | None, op: str | None, limit: int) -> dict[str, Any]:
+    """``event_history`` on one database (the tool itself is in :mod:`ingero.tools.fleet`: it also fans out)."""
     node_sql, node_params = _node_clause(node)
     op_sql, op_params = "", []
     if op:
@@ -406,10 +410,7 @@ def event_history(
         "limit": limit,
         "truncated": len(rows) > limit,
         "columns": EVENT_COLUMNS,
-        "rows": [
-            [iso_us(ts), n, pid, tid, SOURCE_NAMES.get(src, str(src)), op_name(src, o), round((dur or 0) / 1000, 3)]
-            for ts, n, pid, tid, src, o, dur in rows[:limit]
-        ],
+        "rows": [event_row(*r) for r in rows[:limit]],
     }
 
 
