@@ -32,6 +32,8 @@ from ingero.tools.registry import ToolEnv, iso_us, tool
 MAX_SQL_ROWS = 1000
 DEFAULT_SQL_ROWS = 200
 MAX_ITEMS = 100
+TOP_OPS = 10  # get_trace_stats: slowest ops by total time
+TOP_CHAINS = 5  # get_trace_stats: one line per strongest chain
 ANALYSIS_TIMEOUT_S = 30.0  # statistics and explain on one database (free SQL has the guard's own limit)
 
 
@@ -145,7 +147,7 @@ def get_trace_stats(env: ToolEnv, since: Since = None) -> dict[str, Any]:
     counts = {sev: 0 for sev in SEVERITIES}
     for c in report.chains:
         counts[c.severity] = counts.get(c.severity, 0) + 1
-    ops = sorted(report.ops, key=lambda o: o.total_ns, reverse=True)[:10]
+    ops = sorted(report.ops, key=lambda o: o.total_ns, reverse=True)[:TOP_OPS]
     return {
         "database": db.name,
         "layout": s.layout,
@@ -160,7 +162,8 @@ def get_trace_stats(env: ToolEnv, since: Since = None) -> dict[str, Any]:
         "events_in_window_by_node": by_node,
         "top_ops_by_total_time": [o.as_dict() for o in ops],
         "chain_counts": counts,
-        "top_chains": [f"[{c.severity}] {c.node}: {c.summary}" for c in report.chains[:5]],
+        "top_chains": [f"[{c.severity}] {c.node}: {c.summary}" for c in report.chains[:TOP_CHAINS]],
+        "limits": {"top_ops_by_total_time": TOP_OPS, "top_chains": TOP_CHAINS},
         "notes": report.notes,
         "next_steps": "get_causal_chains() for root causes; get_stacks(op) for the code behind a slow op; "
         "processes() for who is busy; run_sql() for anything else",

@@ -62,7 +62,6 @@ class Tool:
     scope: Scope
     title: str
     meta: FuncMetadata
-    alias_of: str | None = None
 
     @property
     def description(self) -> str:
@@ -97,7 +96,6 @@ class Tool:
             "name": self.name,
             "title": self.title,
             "scope": self.scope,
-            "alias_of": self.alias_of,
             "description": self.description,
             "input_schema": self.input_schema,
         }
@@ -119,12 +117,6 @@ def tool(title: str, *, scope: Scope, name: str | None = None) -> Callable[[Tool
         return fn
 
     return register
-
-
-def alias(name: str, of: str, title: str) -> None:
-    """``name`` answers exactly like ``of`` (our older names kept where they add something)."""
-    target = _TOOLS[of]
-    _TOOLS[name] = Tool(name, target.fn, target.scope, title, target.meta, alias_of=of)
 
 
 def tools() -> dict[str, Tool]:
