@@ -54,7 +54,7 @@ def test_agent_serves_the_tools_api_beside_its_endpoints(
         async def main() -> None:
             async with https_client(url, pki) as anon, https_client(url, pki, TOKEN) as c:
                 r = await anon.get("/api/versions")  # no token needed
-                assert r.status_code == 200 and r.json()["current"] == API_VERSION
+                assert r.status_code == 200 and r.json()["current"] == f"{API_VERSION}.1" == r.json()["versions"][0]
                 assert set(r.json()) == {"versions", "current", "capabilities"}
                 r = await anon.get("/api/v1/tools/list")
                 assert r.status_code == 401 and r.json()["kind"] == "unauthorized"

@@ -54,6 +54,7 @@ OPENAPI_PATH = "/api/v1/openapi.json"
 PUBLIC_PATHS = frozenset({VERSIONS_PATH})
 MAX_ARGS_BYTES = 256 * 1024
 TOOL_THREADS = 4  # blocking tool calls (statistics, explain, SQL) running at once per server
+API_MINOR = 1  # 1.1: the tool registry (tools, OpenAPI) beside the v1 endpoints
 CAPABILITIES = ("tools", "openapi", "mcp-streamable-http", "dashboard")
 JSON_HEADERS = [
     (b"content-type", b"application/json; charset=utf-8"),
@@ -217,7 +218,9 @@ async def send_failure(send: Send, failure: Failure) -> None:
 
 
 def versions_doc() -> dict[str, Any]:
-    return {"versions": [API_VERSION], "current": API_VERSION, "capabilities": list(CAPABILITIES)}
+    """``major.minor``: the major is the agent API's (``/api/v1``), the minor counts compatible additions."""
+    current = f"{API_VERSION}.{API_MINOR}"
+    return {"versions": [current], "current": current, "capabilities": list(CAPABILITIES)}
 
 
 class ToolsAPI:
