@@ -51,6 +51,7 @@ def test_memcpy_bottleneck(tmp_path: Path) -> None:
     c = the_chain(run(tmp_path, "memcpy-bottleneck"))
     assert (c.severity, c.family, c.cuda_op) == ("HIGH", "transfer", "cudaMemcpy")
     assert c.evidence["wall_share"] > 0.6 and c.evidence["gb_per_s"] == pytest.approx(3.1, rel=0.1)
+    assert c.evidence["pageable"] is True and c.evidence["bandwidth_cv"] < 0.1  # one constant, low bandwidth
     assert "pinned host memory" in c.recommendations[0]
 
 

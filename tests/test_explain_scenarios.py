@@ -224,3 +224,14 @@ def test_empty_cache_at_irregular_steps_is_allocator_churn(tmp_path: Path) -> No
     assert c is not None, _shown(r)
     assert c.evidence["releases"] >= 12 and c.evidence["frees_in_releases"] >= 120, c.evidence
     assert c.severity in ("HIGH", "MEDIUM") and any("empty_cache" in x for x in c.recommendations)
+
+
+def test_workers_oversubscribing_the_cores_are_said(tmp_path: Path) -> None:
+    rec = REALISTIC["dataloader-starved"].builder(BASE, 3)
+    rec.session["cpu_cores"] = 4  # 4 forked workers + the trainer on 4 cores
+    path = tmp_path / "over.db"
+    rec.write(path)
+    r = _explain(path)
+    assert any("forked 4 processes on 4 cores" in n for n in r.notes), r.notes
+    c = next(c for c in r.chains if c.family == "idle/input")
+    assert c.evidence["cores"] == 4 and "oversubscribe" in c.recommendations[0]

@@ -26,6 +26,9 @@ CONTENTION_HIGH = 2.5
 COLD_RATIO = 20.0
 COLD_GATE = 10.0
 TRANSFER_SHARE = 0.30
+PAGEABLE_MIN_BYTES = 1 << 20  # copies this large show their bandwidth
+PAGEABLE_CV = 0.15  # per-call bandwidth this constant: one path, the staging buffer
+PAGEABLE_GBPS = 8.0  # below this, host↔device copies are not using pinned memory
 MEMCPY_OPS = ((CUDA, 4), (DRIVER, 2))  # synchronous copies (async ones only time the enqueue)
 DIRECTIONS = {0: "host→host", 1: "host→device", 2: "device→host", 3: "device→device", 4: "default"}
 
@@ -422,7 +425,13 @@ def transfer_chains(ctx: Context) -> list[Chain]:
     main_dir = max(dirs, key=lambda x: dirs[x]) if dirs else "host→device"
     n_calls = int(k.sum()) or st.count
     avg = nbytes / n_calls if n_calls else 0.0
-    slow_bw = 0 < bw < 8
+    # pageable host memory: long runs of large synchronous copies at one, low bandwidth (the driver stages
+    # them through a pinned bounce buffer); judged per call in bytes/s, so mixed sizes do not hide it
+    big = k & (a.arg0 >= PAGEABLE_MIN_BYTES) & (a.dur > 0)
+    per_call = a.arg0[big] / a.dur[big] if big.any() else np.zeros(0)  # bytes per ns = GB/s
+    cv = float(per_call.std() / per_call.mean()) if per_call.size >= MIN_CALLS and per_call.mean() > 0 else 1.0
+    pageable = cv < PAGEABLE_CV and 0 < float(np.median(per_call)) < PAGEABLE_GBPS if per_call.size else False
+    slow_bw = 0 < bw < PAGEABLE_GBPS
     recs = []
     if slow_bw:
         recs.append(
@@ -447,7 +456,12 @@ def transfer_chains(ctx: Context) -> list[Chain]:
             root_cause=(
                 f"synchronous host↔device copies dominate {ctx.proc(pid)}: {100 * share:.0f}% of its wall time and "
                 f"{100 * api_share:.0f}% of its GPU API time is {st.name}, mostly {main_dir}"
-                + (f", at {bw:.1f} GB/s — pageable-memory speed, far below PCIe" if slow_bw else "")
+                + (
+                    f", at a constant {float(np.median(per_call)):.1f} GB/s over {per_call.size} large copies — "
+                    "pageable host memory (staged through a bounce buffer), far below PCIe"
+                    if pageable
+                    else (f", at {bw:.1f} GB/s — pageable-memory speed, far below PCIe" if slow_bw else "")
+                )
             ),
             explanation=(
                 f"{ctx.proc(pid)} spent {_short(copy)} in {st.name} ({st.count} calls moving {gb:.2f} GB, "
@@ -464,6 +478,8 @@ def transfer_chains(ctx: Context) -> list[Chain]:
                 "api_share": round(api_share, 3),
                 "bytes": int(nbytes),
                 "gb_per_s": round(bw, 2),
+                "bandwidth_cv": round(cv, 3),
+                "pageable": bool(pageable),
                 "directions_gb": {k2: round(v / 1e9, 3) for k2, v in dirs.items()},
                 "score": round(share, 4),
             },

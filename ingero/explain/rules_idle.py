@@ -78,6 +78,12 @@ def starvation_chains(ctx: Context) -> list[Chain]:
         kids, forked_at = _children(ctx, int(pid))
         on_workers = {w: ns for w, ns in vol_by.items() if w in kids}
         waited = sum(on_workers.values())
+        cores = _cores(ctx)
+        if cores is not None and len(kids) >= cores:
+            ctx.notes.append(
+                f"{ctx.node}: {ctx.proc(int(pid))} forked {len(kids)} processes on {cores} cores: its workers "
+                "oversubscribe the CPU (self-inflicted contention: use fewer workers than cores)"
+            )
         if not kids or waited < MIN_SHARE * wall:
             continue
         sev = cz.severity_of_loss(waited, wall)
@@ -94,7 +100,6 @@ def starvation_chains(ctx: Context) -> list[Chain]:
             and 0 <= longest[2] - forked_at.get(longest[0], longest[2] + 1) <= CHILD_WAIT_NS
         )
         n_kids = len(kids)
-        cores = _cores(ctx)
         over = cores is not None and n_kids >= cores
         share = waited / wall
         if child_wait and longest is not None:
