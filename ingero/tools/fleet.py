@@ -2,10 +2,11 @@
 
 ``query_fleet`` (Ingero's name; actions chains, sql, ops, overview, status), ``fleet_status`` (ours:
 reachability, versions, clock skew), ``find_outlier_nodes`` (the straggler verdict — from aligned NCCL
-collectives where the nodes recorded them — with outlier ranks by median absolute deviation) and
-``get_cost`` (what the waiting cost). They run on the caller's trio loop. Every answer starts with the clock-skew warnings
-and the nodes that did not answer (with their reasons), then the merged data with a ``node`` column
-first. Unreachable nodes are listed, never raised: partial answers are answers.
+collectives where the nodes recorded them — with outlier ranks by median absolute deviation),
+``get_cost`` (what the waiting cost) and ``event_history`` (local, or every node's with fleet=true).
+They run on the caller's trio loop. Every answer starts with the clock-skew warnings and the nodes
+that did not answer (with their reasons), then the merged data with a ``node`` column first.
+Unreachable nodes are listed, never raised: partial answers are answers.
 """
 
 from __future__ import annotations
@@ -70,9 +71,6 @@ async def query_fleet(
 async def fleet_status(env: ToolEnv) -> dict[str, Any]:
     """Every node: reachable or why not, version, rank, TLS mode, events, clock offset ± uncertainty."""
     return await fleet_action(_nodes(env), env.fleet, "status")
-
-
-OutlierMetric = Literal["lag", "last", "wait"]
 
 
 if TYPE_CHECKING:
