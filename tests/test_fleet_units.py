@@ -307,6 +307,8 @@ def test_settings_from_config_and_flags(tmp_path: Path) -> None:
     assert settings_from(None, env={"INGERO_TOKEN": "t2"}).token == "t2"
     # one precedence rule, as the agent's: flag > environment > config file
     assert settings_from(cfg.fleet, env={"INGERO_TOKEN": "t2"}).token == "t2"
+    with pytest.raises(UsageError, match="line break"):
+        settings_from(None, env={"INGERO_TOKEN": "s3cret\n"})
     with pytest.raises(UsageError):
         settings_from(None, fanout=0)
     with pytest.raises(UsageError, match="needs its key"):

@@ -29,7 +29,7 @@ Pieces, one job per module:
 * :mod:`ingero.fleet.client` — :class:`FleetClient` (one shared transport, a ``CapacityLimiter``,
   one trio task per node, per-node deadline, skew samples concurrent with each node's job),
   :class:`NodeConn`.
-* :mod:`ingero.fleet.transport` — HTTP/1.1 over trio with h11: per-node keep-alive pools
+* :mod:`ingero.fleet.transport` — HTTP/1.1 over trio (:mod:`ingero.fleet.http1`): per-node keep-alive pools
   over trio (at most 2 connections a node; samples share the query's connection unless it is busy
   for half the deadline), wire-level t1/t4 for skew, per-node release on wide fleets.
 * :mod:`ingero.fleet.outcome` — :class:`NodeOutcome` and its kinds (ok, truncated, timeout, refused,

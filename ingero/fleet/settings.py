@@ -88,10 +88,16 @@ def settings_from(
     for flag, path in (("--ca-cert", ca_cert), ("--client-cert", client_cert), ("--client-key", client_key)):
         if path and not os.access(Path(path).expanduser(), os.R_OK):
             raise TLSConfigError(f"{flag} {path}: cannot read the file")
+    token = token or env.get("INGERO_TOKEN") or cfg.token or None
+    if token is not None and (token != token.strip() or any(c in token for c in "\r\n\x00")):
+        raise UsageError(
+            "the bearer token holds a line break, a NUL or surrounding spaces",
+            hint="check --token, $INGERO_TOKEN or fleet.token (a file read with $(cat ...) ends in a newline?)",
+        )
     return ClientSettings(
         timeout_s=timeout_s,
         fanout=width,
-        token=token or env.get("INGERO_TOKEN") or cfg.token or None,
+        token=token,
         ca_cert=_expand(ca_cert or cfg.ca_cert),
         client_cert=_expand(client_cert),
         client_key=_expand(client_key),

@@ -1,7 +1,7 @@
 """The fan-out's HTTP/1.1 client: per-node keep-alive connections over trio, one SSL context.
 
-:class:`NodeTransport` keeps a tiny pool per node (a dict lookup), speaks HTTP/1.1 with ``h11``
-directly on ``trio`` streams (TLS from the one shared :class:`ssl.SSLContext`), reads each answer
+:class:`NodeTransport` keeps a tiny pool per node (a dict lookup), speaks HTTP/1.1
+(:mod:`ingero.fleet.http1`) directly on ``trio`` streams (TLS from the one shared :class:`ssl.SSLContext`), reads each answer
 whole — within a per-answer cap and a byte budget shared by the whole fan-out
 (:class:`~ingero.fleet.budget.AnswerBudget`) — and can drop a node's connections the moment that node
 is done. It replaced an ``httpx.AsyncClient`` on this transport: the client's request layers and
@@ -29,14 +29,12 @@ import ssl
 import time
 from dataclasses import dataclass, field
 
-import h11
 import trio
 
+from ingero.fleet import http1
 from ingero.fleet.budget import MAX_ANSWER_BYTES, AnswerBudget, BudgetExceeded
 
 Origin = tuple[str, str, int]
-READ_CHUNK = 256 * 1024
-MAX_HEADER_BYTES = 64 * 1024
 
 
 # --- requests and answers ----------------------------------------------------------------------
@@ -109,7 +107,7 @@ class AnswerCutOff(TransportFailure):
 
 
 class MalformedAnswer(TransportFailure):
-    """The bytes that came back are not HTTP/1.1 (h11 refused them)."""
+    """The bytes that came back are not HTTP/1.1."""
 
 
 class ReadBroke(TransportFailure):
@@ -138,32 +136,18 @@ class _StaleConnectionError(Exception):
     """A reused connection turned out closed before any answer byte: safe to retry on a new one."""
 
 
-@dataclass
-class _Answer:
-    """One answer as it is read."""
-
-    sent_ns: int
-    sent_pc: int
-    status: int = 0
-    first_byte_ns: int = 0
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    chunks: list[bytes] = field(default_factory=list)
-    size: int = 0
-    got_any: bool = False
-
-
 # --- connections and pools ---------------------------------------------------------------------
 
 
 class _Conn:
     """One keep-alive HTTP/1.1 connection."""
 
-    __slots__ = ("h11", "stream", "tls", "used")
+    __slots__ = ("reader", "stream", "tls", "used")
 
     def __init__(self, stream: trio.abc.Stream, tls: bool) -> None:
         self.stream = stream
         self.tls = tls
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
+        self.reader = http1.Reader(stream)
         self.used = False
 
     async def aclose(self) -> None:
@@ -291,12 +275,7 @@ class NodeTransport:
         return _Conn(stream, tls)
 
     async def _exchange(self, conn: _Conn, request: Request, timeout_s: float | None) -> tuple[Response, bool]:
-        c = conn.h11
-        body = request.body
-        data = c.send(h11.Request(method=request.method, target=request.target, headers=request.headers))
-        if body:
-            data += c.send(h11.Data(data=body))
-        data += c.send(h11.EndOfMessage())
+        data = http1.encode_request(request.method, request.target, request.headers, request.body)
         sent_ns = time.time_ns()
         sent_pc = time.perf_counter_ns()
         fresh = not conn.used
@@ -311,87 +290,66 @@ class NodeTransport:
                 raise _StaleConnectionError from e
             raise SendFailed("sending the request failed") from e
 
-        answer = _Answer(sent_ns, sent_pc)
+        answer = http1.Answer()
+        first_byte = [0]
+
+        def on_head() -> None:
+            first_byte[0] = sent_ns + (time.perf_counter_ns() - sent_pc)
+
         budget = self.budget
         try:
             with trio.fail_after(_deadline(timeout_s)):
-                await self._read_answer(conn, answer, fresh)
-        except BudgetExceeded as e:
-            budget.give_back(answer.size)
-            raise AnswerTooLarge(
+                await conn.reader.read(answer, budget.take, self.max_answer_bytes, on_head)
+        except BaseException as e:
+            budget.give_back(answer.size)  # nothing of a failed answer is kept
+            failure = self._failure(e, answer, fresh, conn.tls)
+            if failure is e:
+                raise
+            raise failure from e
+        received_ns = sent_ns + (time.perf_counter_ns() - sent_pc)
+        chunks = answer.chunks
+        response = Response(
+            answer.status,
+            answer.headers,
+            b"".join(chunks) if len(chunks) != 1 else chunks[0],
+            sent_ns,
+            first_byte[0],
+            received_ns,
+        )
+        return response, answer.reusable
+
+    def _failure(self, e: BaseException, answer: http1.Answer, fresh: bool, tls: bool) -> BaseException:
+        """The typed failure for an exception that ended a read (others are returned as they are)."""
+        if isinstance(e, BudgetExceeded):
+            return AnswerTooLarge(
                 f"the fan-out's answer budget of {_mib(e.limit)} is spent; this answer was cut at {_mib(answer.size)}",
                 limit=e.limit,
                 shared=True,
                 bytes_read=answer.size,
-            ) from None
-        except BaseException as e:
-            budget.give_back(answer.size)  # nothing of a failed answer is kept
-            if isinstance(e, trio.TooSlowError):
-                raise ReadTimedOut("no complete answer in time") from e
-            if isinstance(e, h11.RemoteProtocolError):
-                raise MalformedAnswer("the answer is not valid HTTP/1.1") from e
-            if isinstance(e, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
-                if not answer.got_any and not fresh:
-                    raise _StaleConnectionError from e
-                raise ReadBroke("the connection broke mid-answer") from e
-            raise
-        chunks = answer.chunks
-        received_ns = sent_ns + (time.perf_counter_ns() - sent_pc)
-        reusable = c.our_state is h11.DONE and c.their_state is h11.DONE
-        if reusable:
-            try:
-                c.start_next_cycle()
-            except h11.LocalProtocolError:
-                reusable = False
-        response = Response(
-            answer.status,
-            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in answer.headers},
-            b"".join(chunks) if len(chunks) != 1 else chunks[0],
-            sent_ns,
-            answer.first_byte_ns,
-            received_ns,
-        )
-        return response, reusable
-
-    async def _read_answer(self, conn: _Conn, answer: _Answer, fresh: bool) -> None:
-        """Read one answer into ``answer``, charging every body chunk to the caps as it arrives."""
-        c = conn.h11
-        while True:
-            event = c.next_event()
-            if event is h11.NEED_DATA:
-                chunk = await conn.stream.receive_some(READ_CHUNK)
-                if not chunk:
-                    if answer.got_any:
-                        raise AnswerCutOff(
-                            f"the agent closed the connection mid-answer ({answer.size} bytes read)",
-                            bytes_read=answer.size,
-                        )
-                    if not fresh:
-                        raise _StaleConnectionError
-                    raise ClosedBeforeAnswer("the agent closed the connection without answering", tls=conn.tls)
-                answer.got_any = True
-                c.receive_data(bytes(chunk))
-            elif isinstance(event, h11.Response):
-                answer.status = event.status_code
-                answer.headers = list(event.headers)
-                answer.first_byte_ns = answer.sent_ns + (time.perf_counter_ns() - answer.sent_pc)
-            elif isinstance(event, h11.Data):
-                n = len(event.data)
-                if answer.size + n > self.max_answer_bytes:
-                    raise AnswerTooLarge(
-                        f"answer larger than {_mib(self.max_answer_bytes)}; not read",
-                        limit=self.max_answer_bytes,
-                        shared=False,
-                        bytes_read=answer.size,
-                    )
-                self.budget.take(n)  # raises BudgetExceeded: the fan-out's shared budget is spent
-                answer.size += n
-                answer.chunks.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return
-            elif isinstance(event, h11.ConnectionClosed):
-                raise AnswerCutOff("the agent closed the connection mid-answer", bytes_read=answer.size)
-            # h11.InformationalResponse (1xx): keep reading
+            )
+        if isinstance(e, http1.TooLarge):
+            return AnswerTooLarge(
+                f"answer larger than {_mib(self.max_answer_bytes)}; not read",
+                limit=self.max_answer_bytes,
+                shared=False,
+                bytes_read=answer.size,
+            )
+        if isinstance(e, trio.TooSlowError):
+            return ReadTimedOut("no complete answer in time")
+        if isinstance(e, http1.Malformed):
+            return MalformedAnswer(f"the answer is not valid HTTP/1.1: {e}")
+        if isinstance(e, http1.CutOff):
+            return AnswerCutOff(
+                f"the agent closed the connection mid-answer ({answer.size} bytes read)", bytes_read=answer.size
+            )
+        broken = isinstance(e, trio.BrokenResourceError | trio.ClosedResourceError | OSError)
+        if (broken or isinstance(e, http1.ClosedEarly)) and not fresh and not answer.got_any:
+            return _StaleConnectionError()
+        if isinstance(e, http1.ClosedEarly):
+            return ClosedBeforeAnswer("the agent closed the connection without answering", tls=tls)
+        if broken:
+            return ReadBroke("the connection broke mid-answer")
+        return e
 
     @property
     def open_nodes(self) -> int:
