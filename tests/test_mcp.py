@@ -214,6 +214,8 @@ def test_query_fleet_over_three_loopback_agents(tmp_path: Path, samples: Path, p
                 assert {r[0] for r in res["rows"]} == {"gpu-node-01", "gpu-node-02", "gpu-node-03"}
 
                 err, res = await call(s, "query_fleet", {"action": "overview"})
+                assert not err and res["columns"][2:4] == ["first", "last"]
+                assert res["rows"][0][2].endswith("Z") and len(res["rows"][0][2]) == 27  # ISO-8601, µs
                 assert not err and sorted(r[:2] for r in res["rows"]) == [
                     ["gpu-node-01", 200],
                     ["gpu-node-02", 200],

@@ -27,7 +27,7 @@ from ingero.tools.registry import ToolEnv, iso_us, tool
 Action = Literal["chains", "sql", "ops", "overview", "status"]
 ACTIONS: tuple[str, ...] = get_args(Action)
 OPS_COLUMNS = ["node", "source", "op", "count", "p50_us", "p95_us", "p99_us", "max_us", "tail_ratio", "total_ms"]
-OVERVIEW_COLUMNS = ["node", "events", "first_ns", "last_ns", "live", "high", "medium", "low", "top_op", "top_op_p99_us"]
+OVERVIEW_COLUMNS = ["node", "events", "first", "last", "live", "high", "medium", "low", "top_op", "top_op_p99_us"]
 
 
 def _header(outcomes: Sequence[NodeOutcome], settings: ClientSettings) -> dict[str, Any]:
@@ -260,8 +260,8 @@ async def _overview(nodes: Sequence[NodeSpec], settings: ClientSettings, since: 
             [
                 o.label,
                 body.get("events"),
-                body.get("first_ns"),
-                body.get("last_ns"),
+                iso_us(_int(body.get("first_ns"))),
+                iso_us(_int(body.get("last_ns"))),
                 body.get("live"),
                 counts.get("HIGH", 0),
                 counts.get("MEDIUM", 0),
@@ -271,3 +271,7 @@ async def _overview(nodes: Sequence[NodeSpec], settings: ClientSettings, since: 
             ]
         )
     return {**_header(outcomes, settings), "columns": OVERVIEW_COLUMNS, "rows": rows}
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
