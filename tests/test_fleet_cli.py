@@ -123,7 +123,8 @@ def query_error_free(fleet3: list[str], pki: Pki, capsys: pytest.CaptureFixture[
 def test_explain_nodes_honours_local_flags(
     fleet3: list[str], fleet3_dbs: dict[str, Path], pki: Pki, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--op, --node, --chains and --since select exactly the chains local explain selects on each database."""
+    """--op, --node, --chains, --per-process and --since select exactly the chains local explain selects on
+    each database."""
     nodes = ",".join(fleet3)
 
     def chains(argv: list[str]) -> set[tuple[str, str]]:
@@ -146,8 +147,12 @@ def test_explain_nodes_honours_local_flags(
     assert chains(["explain", "--nodes", nodes, *tls_flags(pki), "--chains", "--json"]) == stored
     assert main(["explain", "--nodes", nodes, *tls_flags(pki), "--node", "nobody"]) == 2
     assert "no node 'nobody' answered" in capsys.readouterr().err
-    assert main(["explain", "--nodes", nodes, *tls_flags(pki), "--per-process"]) == 2
-    assert "--per-process works on a local --db only" in capsys.readouterr().err
+    per_process = set()
+    for db in fleet3_dbs.values():
+        per_process |= chains(["explain", "--db", str(db), "--per-process", "--json"])
+    assert chains(["explain", "--nodes", nodes, *tls_flags(pki), "--per-process", "--json"]) == per_process
+    assert main(["explain", "--nodes", nodes, *tls_flags(pki), "--pid", "4242"]) == 2
+    assert "--pid works on a local --db only" in capsys.readouterr().err
 
 
 def test_config_file_drives_the_fleet(

@@ -84,7 +84,7 @@ class AgentAPI:
             "info": {"GET": (self._info, (), True)},
             "time": {"GET": (self._time, (), False)},
             "query": {"POST": (self._query, (), True)},
-            "chains": {"GET": (self._chains, endpoints.WINDOW_PARAMS, True)},
+            "chains": {"GET": (self._chains, endpoints.CHAINS_PARAMS, True)},
             "ops": {"GET": (self._ops, endpoints.WINDOW_PARAMS, True)},
             "overview": {"GET": (self._overview, endpoints.WINDOW_PARAMS, True)},
             "collectives": {"GET": (self._collectives, collectives.PARAMS, True)},

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 TOP_OPS = 10
 WINDOW_PARAMS = ("since", "from", "to")
+CHAINS_PARAMS = (*WINDOW_PARAMS, "per_process")  # per_process=1: chains for each GPU process, as explain --per-process
 
 
 @dataclass
@@ -216,7 +217,7 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
 
     with reader(ctx, cancel) as conn:
         window = window_from(conn, params)
-        computed = _explain(conn, window)
+        computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"))
         stored = stored_chains(conn, window)
     return encode(
         ok(
@@ -249,11 +250,11 @@ def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Eve
     )
 
 
-def _explain(conn: sqlite3.Connection, window: Window) -> ExplainReport:
+def _explain(conn: sqlite3.Connection, window: Window, *, per_process: bool = False) -> ExplainReport:
     """Every node in this database (a merged cluster database served by one agent has several)."""
     from ingero.explain.engine import explain
 
-    return explain(conn, window)
+    return explain(conn, window, per_process=per_process)
 
 
 # --- request validation (runs on the loop: cheap) ----------------------------------------------

@@ -158,12 +158,8 @@ def run_explain(args: argparse.Namespace) -> int:
     from ingero.fleet.operations import explain_sync
     from ingero.fleet.render import render_chains
 
-    for flag, attr in (("--pid", "pid"), ("--per-process", "per_process")):
-        if getattr(args, attr, None) not in (None, False):
-            raise UsageError(
-                f"{flag} works on a local --db only (the agents' /chains has no per-process split yet)",
-                hint=f"drop {flag}, or explain one node's database with --db",
-            )
+    if getattr(args, "pid", None) is not None:  # a pid means nothing across nodes
+        raise UsageError("--pid works on a local --db only", hint="drop --pid, or explain one node's database")
     op_name = None
     if getattr(args, "op", None):
         from ingero.store.catalog import lookup_op
@@ -183,6 +179,7 @@ def run_explain(args: argparse.Namespace) -> int:
             op=op_name,
             node=wanted_node,
             stored=bool(getattr(args, "chains", False)),
+            per_process=bool(getattr(args, "per_process", False)),
             on_outcome=progress,
         )
     finally:

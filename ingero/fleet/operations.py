@@ -85,13 +85,15 @@ async def fleet_explain(
     op: str | None = None,
     node: str | None = None,
     stored: bool = False,
+    per_process: bool = False,
     client: FleetClient | None = None,
     on_outcome: OutcomeCallback | None = None,
 ) -> FleetChains:
     """``/chains`` and ``/ops`` from every node: chains merged and the straggler verdict.
 
     ``op``/``node``/``stored`` select chains as local ``explain --op/--node/--chains`` does
-    (see :func:`~ingero.fleet.merge.merge_chains`).
+    (see :func:`~ingero.fleet.merge.merge_chains`); ``per_process`` has every agent compute its chains
+    for each GPU process (``explain --per-process``).
     """
     # numpy and the explain model are imported here, not with the module: a fleet query needs neither
     from ingero.fleet.collective_ops import collective_verdict, fetch_collectives, node_calls
@@ -99,8 +101,10 @@ async def fleet_explain(
 
     params = window_params(since, from_, to)
 
+    chain_params = {**(params or {}), "per_process": "1"} if per_process else params
+
     async def job(conn: NodeConn) -> dict[str, Any]:
-        chains = await conn.get("/api/v1/chains", params)
+        chains = await conn.get("/api/v1/chains", chain_params)
         ops = await conn.get("/api/v1/ops", params)
         for name, b in (("chains", chains), ("ops", ops)):
             if not isinstance(b.get(name), list):
