@@ -288,13 +288,11 @@ def test_connections_shared_per_node_and_released_on_wide_fleets(pki: Pki, sampl
             nodes = node_specs(await start_agents(nursery, pki, specs))
             narrow = client_settings(pki, timeout_s=20.0)  # patience 10 s: the query is long done by then
             async with FleetClient(nodes[:3], narrow) as fc:
-                assert fc.transport is not None
                 first = await fc.request_all("GET", "/api/v1/info")
                 opened = fc.transport.connections_opened
                 again = await fc.request_all("GET", "/api/v1/info")  # kept-alive connections reused
                 seen.update(first=first + again, opened=opened, reopened=fc.transport.connections_opened - opened)
             async with FleetClient(nodes, narrow.with_(fanout=2)) as fc:
-                assert fc.transport is not None
                 seen["wide"] = await fc.request_all("GET", "/api/v1/health")
                 seen["nodes_left"] = fc.transport.open_nodes
             nursery.cancel_scope.cancel()
