@@ -151,3 +151,17 @@ def test_tsv_nl_no_headers_and_sql_from_file_or_stdin(
 def test_bad_sql_is_exit_2_locally_too(capsys: pytest.CaptureFixture[str], db: Path) -> None:
     code, out, err = run_cli(capsys, "query", "--db", str(db), "SELEC 1")
     assert code == 2 and out == "" and err.count("ingero: error:") == 1
+
+
+def test_tables_fit_the_terminal_width_and_pipes_get_everything() -> None:
+    from ingero.cli.output import render_table
+
+    cols = ["node", "summary", "n"]
+    rows = [["gpu-node-01", "cuLaunchKernel p99 63x p50 — CPU preemption " * 3, 12], ["gpu-node-02", "short", 7]]
+    full = render_table(cols, rows)
+    assert max(len(line) for line in full.splitlines()) > 100
+    fitted = render_table(cols, rows, width=60)
+    lines = fitted.splitlines()
+    assert max(len(line) for line in lines) <= 60, fitted
+    assert "…" in lines[2] and lines[2].startswith("gpu-node-01") and lines[2].rstrip().endswith("12")
+    assert "short" in lines[3]
