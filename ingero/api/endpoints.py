@@ -225,6 +225,9 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
             window=window.as_dict(),
             chains=[c.as_dict() for c in computed.chains],
             stored=[c.as_dict() for c in stored],
+            # the same figures /ops gives, from the one explain run: a fleet explain asks once per node
+            ops=[o.as_dict() for o in computed.ops],
+            host=computed.host.as_dict(),
         )
     )
 

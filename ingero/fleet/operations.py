@@ -105,7 +105,10 @@ async def fleet_explain(
 
     async def job(conn: NodeConn) -> dict[str, Any]:
         chains = await conn.get("/api/v1/chains", chain_params)
-        ops = await conn.get("/api/v1/ops", params)
+        if isinstance(chains.get("ops"), list) and isinstance(chains.get("host"), dict) and not per_process:
+            ops = {"ops": chains["ops"], "host": chains["host"]}  # the agent computed them with the chains
+        else:  # an older agent, or per-process chains (whose op tables are per process): ask /ops
+            ops = await conn.get("/api/v1/ops", params)
         for name, b in (("chains", chains), ("ops", ops)):
             if not isinstance(b.get(name), list):
                 raise NodeFailure(Kind.SCHEMA, f"the /{name} answer has no '{name}' list")
