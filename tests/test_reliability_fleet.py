@@ -31,7 +31,7 @@ import pytest
 from tests.conftest import SAMPLES
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, closed_port, make_pki, stream
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]  # waits out its hostile nodes' timeouts (4 s)
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
