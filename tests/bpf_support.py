@@ -60,6 +60,14 @@ def _gcc(args: list[str]) -> None:
     subprocess.run(["gcc", *args], check=True, capture_output=True, text=True)
 
 
+def build_program(source: str, out: Path) -> Path:
+    """Compile one more fixture program (``bpf_fixtures/<source>``, pthreads and dlopen) into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    exe = out / Path(source).stem
+    _gcc(["-O0", "-fno-omit-frame-pointer", "-o", str(exe), str(FIXTURES / source), "-ldl", "-lpthread"])
+    return exe
+
+
 def build(out: Path) -> Built:
     """Compile the fixtures once per test session (cached by the first output directory)."""
     if "b" in _built:

@@ -158,6 +158,8 @@ class LiveView:
             f"aggregated only {_fmt_count(st.get('events_aggregated_only', 0))}",
             f"  dropped: kernel ring full {_fmt_count(st.get('events_dropped_ring', 0))}, "
             f"stack errors {_fmt_count(st.get('stack_errors', 0))}, nested too deep {_fmt_count(st.get('nest_overflow', 0))}",
+            f"  unpaired: calls whose return never came {_fmt_count(st.get('frames_discarded', 0))}, "
+            f"returns without their entry {_fmt_count(st.get('orphan_returns', 0))}",
         ]
         per_s = 1 / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
         ops = [

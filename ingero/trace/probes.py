@@ -80,7 +80,8 @@ GPU_FUNCTIONS: dict[str, list[tuple[tuple[str, ...], str, str]]] = {
     ],
 }
 
-COUNTER_NAMES = ("events_dropped_ring", "nest_overflow", "orphan_returns", "stack_errors")
+# The kernel counters, in CNT_* slot order (ingero_common.h).
+COUNTER_NAMES = ("events_dropped_ring", "nest_overflow", "orphan_returns", "stack_errors", "frames_discarded")
 STACK_MODES = {"off": 0, "site": 1, "full": 2}
 
 
@@ -214,7 +215,12 @@ class BpfProbes:
     # --- attaching -------------------------------------------------------------------------------
 
     def attach_library(self, kind: str, path: str) -> LibraryAttach:
-        """Attach every known function ``path`` exports. Idempotent per (inode, offset)."""
+        """Attach every known function ``path`` exports. Idempotent per (inode, offset).
+
+        Every return probe goes in before any entry probe: an entry whose return probe is not
+        there yet would leave a frame that no return pops (the BPF side discards such frames by
+        stack pointer and counts them, but none should be made in the first place).
+        """
         result = LibraryAttach(kind, path)
         try:
             image = elfsyms.load(path)
@@ -225,36 +231,36 @@ class BpfProbes:
         with self._lock:
             if self._closed:
                 return result
+            todo: list[tuple[tuple[int, int, int], int, str, str, AttachedProbe]] = []
             for names, enter, ret in GPU_FUNCTIONS[kind]:
                 name = next((n for n in names if n in image.symbols), None)
-                if name is None:
-                    result.missing.append(names[0])
+                where = elfsyms.probe_offset(image, name) if name is not None else None
+                vaddr = image.offset_to_vaddr(where[0]) if where is not None else None
+                if name is None or where is None or vaddr is None:
+                    result.missing.append(name or names[0])
                     continue
-                where = elfsyms.probe_offset(image, name)
-                if where is None:
-                    result.missing.append(name)
+                key = (st.st_dev, st.st_ino, where[0])
+                if key in self._attached or any(t[0] == key for t in todo):
                     continue
-                offset, insn = where
-                key = (st.st_dev, st.st_ino, offset)
-                if key in self._attached:
-                    continue
-                vaddr = image.offset_to_vaddr(offset)
-                if vaddr is None:
-                    result.missing.append(name)
-                    continue
-                try:
-                    self.bpf.attach_uprobe(name=path.encode(), addr=vaddr, fn_name=enter.encode())
-                    self.bpf.attach_uretprobe(name=path.encode(), addr=vaddr, fn_name=ret.encode())
-                except Exception as e:
-                    raise TracingUnavailableError(
-                        f"cannot attach a uprobe to {name} in {path}: {e}",
-                        hint="the kernel needs CONFIG_UPROBES; run 'ingero check'",
-                    ) from None
-                probe = AttachedProbe(kind, path, name, offset, insn)
+                todo.append((key, vaddr, enter, ret, AttachedProbe(kind, path, name, where[0], where[1])))
+            for _, vaddr, _, ret, probe in todo:
+                self._attach(probe, vaddr, ret, retprobe=True)
+            for key, vaddr, enter, _, probe in todo:
+                self._attach(probe, vaddr, enter, retprobe=False)
                 self._attached[key] = probe
                 result.probes.append(probe)
         self.libraries.append(result)
         return result
+
+    def _attach(self, probe: AttachedProbe, vaddr: int, fn: str, *, retprobe: bool) -> None:
+        attach = self.bpf.attach_uretprobe if retprobe else self.bpf.attach_uprobe
+        try:
+            attach(name=probe.path.encode(), addr=vaddr, fn_name=fn.encode())
+        except Exception as e:  # bcc raises plain Exception for every attach failure
+            raise TracingUnavailableError(
+                f"cannot attach a uprobe to {probe.symbol} in {probe.path}: {e}",
+                hint="the kernel needs CONFIG_UPROBES; run 'ingero check'",
+            ) from None
 
     def attached_probes(self) -> list[AttachedProbe]:
         with self._lock:

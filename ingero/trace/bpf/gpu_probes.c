@@ -37,36 +37,19 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 source_op, u64 arg0
     }
     if (s->allowed != 1)
         return 0;
-    u32 d = s->depth;
-    if (d >= MAX_NEST) {
-        // Too deep, or frames left behind by calls that never returned (longjmp): keep counting so
-        // the returns stay paired, and start over if it keeps growing.
-        s->depth = d >= 64 ? 0 : d + 1;
-        count(CNT_NEST_OVERFLOW);
-        return 0;
-    }
-    struct entry_frame *f = &s->f[d & (MAX_NEST - 1)];
+    struct entry_frame *f = push_frame(s, ENTRY_SP(ctx));
     f->ts = bpf_ktime_get_ns();
     f->arg0 = arg0;
     f->arg1 = arg1;
     f->source_op = source_op;
-    s->depth = d + 1;
     return 0;
 }
 
-// Pops the thread's newest frame. Returns it, or 0 when there is nothing to report.
-static __always_inline struct entry_frame *pop_frame(struct entry_stack *s) {
+// The returning call's frame (see pop_frame in ingero_common.h), or 0 when there is nothing to report.
+static __always_inline struct entry_frame *return_frame(struct pt_regs *ctx, struct entry_stack *s) {
     if (s->allowed != 1 || stopping())
         return 0;
-    if (s->depth == 0) {
-        count(CNT_ORPHAN_RETURN);
-        return 0;
-    }
-    u32 d = s->depth - 1;
-    s->depth = d;
-    if (d >= MAX_NEST)
-        return 0;
-    return &s->f[d & (MAX_NEST - 1)];
+    return pop_frame(s, RETURN_SP(ctx));
 }
 
 int on_return(struct pt_regs *ctx) {
@@ -75,7 +58,7 @@ int on_return(struct pt_regs *ctx) {
     struct entry_stack *s = thread_entries(tid, 0);
     if (!s)
         return 0;
-    struct entry_frame *f = pop_frame(s);
+    struct entry_frame *f = return_frame(ctx, s);
     if (!f)
         return 0;
     u64 now = bpf_ktime_get_ns();
@@ -189,7 +172,7 @@ int on_return_comm(struct pt_regs *ctx) {
     struct entry_stack *s = thread_entries(tid, 0);
     if (!s)
         return 0;
-    struct entry_frame *f = pop_frame(s);
+    struct entry_frame *f = return_frame(ctx, s);
     if (!f || (s32)PT_REGS_RC(ctx) != 0)
         return 0;
     u64 now = bpf_ktime_get_ns();

@@ -9,7 +9,7 @@
 //                       afterwards (see capture_stack); 2: walk every call
 //   INGERO_RING_PAGES   ring buffer size in pages (power of two)
 //
-// Every record is one fixed 64-byte struct ingero_event: the userspace reader (ingero/agent/ringbuf.py)
+// Every record is one fixed 64-byte struct ingero_event: the userspace reader (ingero/trace/ringbuf.py)
 // maps the ring buffer and decodes records in bulk with numpy, so every record must have this size.
 // Records are submitted with BPF_RB_NO_WAKEUP: the reader polls on a timer instead of being woken per
 // event (a wakeup costs ~16 µs here).
@@ -27,10 +27,11 @@
 #define OP_NCCL_COMM_INIT 100
 
 // Kernel-side counters (per-CPU array, read by userspace into session_stats).
-#define CNT_RING_FULL 0      // event lost: ring buffer full
-#define CNT_NEST_OVERFLOW 1  // probed calls nested deeper than MAX_NEST on one thread
-#define CNT_ORPHAN_RETURN 2  // a return without its entry (attached mid-call)
-#define CNT_STACK_ERROR 3    // user stack could not be captured (collision, no frames)
+#define CNT_RING_FULL 0        // event lost: ring buffer full
+#define CNT_NEST_OVERFLOW 1    // probed calls nested deeper than MAX_NEST on one thread (oldest dropped)
+#define CNT_ORPHAN_RETURN 2    // a return without its entry (probes attached mid-call)
+#define CNT_STACK_ERROR 3      // user stack could not be captured (collision, no frames)
+#define CNT_FRAME_DISCARDED 4  // an entry whose return never came (attach race, longjmp, cancelled thread)
 #define CNT_SLOTS 8
 
 #define MAX_NEST 4  // nested probed calls per thread (cudaMalloc -> cuMemAlloc_v2 -> ...)
@@ -52,6 +53,7 @@ struct ingero_event {
 };
 
 struct entry_frame {
+    u64 sp;  // the stack pointer at the probed function's entry: ties the frame to its return
     u64 ts;
     u64 arg0;
     u64 arg1;
@@ -61,7 +63,7 @@ struct entry_frame {
 
 #define SITE_SLOTS 4  // per-thread call-site cache of stack ids (direct-mapped)
 
-// Per-thread stack of in-flight probed calls. `allowed` caches the target check made on the thread's
+// Per-thread stack of in-flight probed calls (see "Pairing entries with returns" below). `allowed` caches the target check made on the thread's
 // first probed call (0 = not decided yet, 1 = traced, 2 = not a target), so the steady state costs
 // one map lookup per entry and one per return.
 struct entry_stack {
@@ -176,4 +178,121 @@ static __always_inline int capture_stack(struct pt_regs *ctx, struct entry_stack
     s->site_id[slot] = id;
     return id;
 #endif
+}
+
+// --- Pairing entries with returns -----------------------------------------------------------------
+//
+// Any entry/return probe pair (uprobe + uretprobe on one function) records its call like this:
+//
+//     int enter_x(struct pt_regs *ctx) {            // uprobe at the function's first instruction
+//         struct entry_stack *s = ...;              // thread_entries(tid, 1), target check done
+//         struct entry_frame *f = push_frame(s, ENTRY_SP(ctx));
+//         if (f) { f->ts = ...; f->arg0 = ...; }    // fill what the return needs
+//     }
+//     int on_return_x(struct pt_regs *ctx) {        // uretprobe on the same function
+//         struct entry_frame *f = pop_frame(s, RETURN_SP(ctx));
+//         if (f) emit(...);                         // f stays valid until the thread's next entry
+//     }
+//
+// Each frame is tied to the stack pointer at entry, so an entry whose return never comes cannot
+// pair with somebody else's return: the return probe was not attached yet (the attach race), the
+// call left by longjmp or an exception, the thread was cancelled inside it. Such a frame is
+// discarded (counted in CNT_FRAME_DISCARDED) as soon as the thread's stack shows it is dead:
+//   * at an entry, frames whose SP is at or below the new call's SP belong to calls that are over
+//     (a live enclosing call's frame always sits higher: the stack grows down);
+//   * at a return, frames below the returning call's SP are abandoned callees; a frame above it
+//     means this return has no entry (probes attached mid-call): CNT_ORPHAN_RETURN, nothing popped.
+// A thread whose MAX_NEST frames are all above its current SP (stale frames from another stack)
+// drops its oldest frame on the next entry (CNT_NEST_OVERFLOW): it is never blind for good.
+// Attach the return probe of a function before its entry probe: a return without an entry is
+// harmless, an entry without a return used to be the problem.
+
+#if defined(__aarch64__) || defined(__TARGET_ARCH_arm64)
+// The return address is in x30: the stack pointer is the same at entry and after the return.
+#define ENTRY_SP(ctx) ((u64)PT_REGS_SP(ctx))
+#define RETURN_SP(ctx) ((u64)PT_REGS_SP(ctx))
+#else
+// x86-64: at the first instruction [rsp] is the return address, popped by `ret`: rsp + 8 at return.
+#define ENTRY_SP(ctx) ((u64)PT_REGS_SP(ctx))
+#define RETURN_SP(ctx) ((u64)PT_REGS_SP(ctx) - 8)
+#endif
+
+// The frame in slot `i` (< MAX_NEST). The barrier keeps the mask: the compiler would drop it as
+// redundant, and the verifier needs it to bound the access.
+static __always_inline struct entry_frame *frame_at(struct entry_stack *s, u32 i) {
+    asm volatile("" : "+r"(i));
+    return &s->f[i & (MAX_NEST - 1)];
+}
+
+// One step of push_frame: drop the newest frame when its call is over (its SP at or below `sp`).
+static __always_inline u32 drop_if_dead(struct entry_stack *s, u32 d, u64 sp) {
+    if (d == 0 || frame_at(s, d - 1)->sp > sp)
+        return d;
+    count(CNT_FRAME_DISCARDED);  // that call is over, its return was never seen
+    return d - 1;
+}
+
+// A new frame for a call entering with stack pointer `sp` (ENTRY_SP): dead frames dropped first.
+// (Steps are written out, not looped: MAX_NEST is 4 and the verifier then sees no loop at all.)
+static __always_inline struct entry_frame *push_frame(struct entry_stack *s, u64 sp) {
+    u32 d = s->depth;
+    if (d > MAX_NEST)
+        d = MAX_NEST;
+    _Static_assert(MAX_NEST == 4, "push_frame and pop_frame take MAX_NEST steps, written out");
+    d = drop_if_dead(s, d, sp);
+    d = drop_if_dead(s, d, sp);
+    d = drop_if_dead(s, d, sp);
+    d = drop_if_dead(s, d, sp);
+    if (d >= MAX_NEST) {
+        // Every frame looks live: a deeper nest than we keep, or frames of a stack the thread left.
+        // Drop the oldest so the newest calls are recorded.
+        s->f[0] = s->f[1];
+        s->f[1] = s->f[2];
+        s->f[2] = s->f[3];
+        d = MAX_NEST - 1;
+        count(CNT_NEST_OVERFLOW);
+    }
+    struct entry_frame *f = frame_at(s, d);
+    f->sp = sp;
+    s->depth = d + 1;
+    return f;
+}
+
+#define PAIR_MATCHED 1
+#define PAIR_ENCLOSING 2
+// One step of pop_frame: is the newest frame the returning call's? Drops it when it is a callee
+// that never returned (below `sp`).
+static __always_inline int pair_step(struct entry_stack *s, u32 *d, u64 sp) {
+    if (*d == 0)
+        return PAIR_ENCLOSING;
+    u64 top = frame_at(s, *d - 1)->sp;
+    if (top == sp)
+        return PAIR_MATCHED;
+    if (top > sp)
+        return PAIR_ENCLOSING;  // an enclosing call: this return's entry was never seen
+    *d -= 1;                    // a callee that never returned (longjmp, exception, attach race)
+    count(CNT_FRAME_DISCARDED);
+    return 0;
+}
+
+// The frame of the call returning with its entry stack pointer `sp` (RETURN_SP), or 0 when none.
+// The frame stays valid until the thread's next entry.
+static __always_inline struct entry_frame *pop_frame(struct entry_stack *s, u64 sp) {
+    u32 d = s->depth;
+    if (d > MAX_NEST)
+        d = MAX_NEST;
+    int r = pair_step(s, &d, sp);
+    if (!r)
+        r = pair_step(s, &d, sp);
+    if (!r)
+        r = pair_step(s, &d, sp);
+    if (!r)
+        r = pair_step(s, &d, sp);
+    if (r == PAIR_MATCHED) {
+        s->depth = d - 1;
+        return frame_at(s, d - 1);
+    }
+    s->depth = d;
+    count(CNT_ORPHAN_RETURN);
+    return 0;
 }
