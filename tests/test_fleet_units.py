@@ -16,7 +16,7 @@ from ingero.explain.stats import host_summary, op_stats
 from ingero.fleet.client import FleetClient
 from ingero.fleet.merge import merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeOutcome, failure_summary
-from ingero.fleet.render import Progress, query_footer, render_chains, unanswered_lines
+from ingero.fleet.render import Progress, folded_failure_lines, query_footer, render_chains, unanswered_lines
 from ingero.fleet.settings import ClientSettings, check_plaintext, settings_from
 from ingero.fleet.skew import SkewEstimate, TimeSample, estimate, exceeds, warning
 from ingero.fleet.straggler import NodeFigures, robust_z, verdict
@@ -365,3 +365,19 @@ def test_progress_line_only_on_a_terminal() -> None:
     quiet = io.StringIO()
     Progress(1, quiet)(NodeOutcome(spec(1), Kind.OK, "a"))
     assert quiet.getvalue() == ""
+
+
+def test_failures_fold_like_clush_and_duplicates_are_flagged() -> None:
+    from ingero.fleet.client import flag_duplicates
+
+    refused = "connection refused (is the agent running? ingero serve / ingero trace --listen)"
+    outs = [NodeOutcome(spec(i), Kind.REFUSED, None, refused) for i in range(8)]
+    outs.append(NodeOutcome(spec(8), Kind.TIMEOUT, None, "no answer within 5s"))
+    lines = folded_failure_lines(outs)
+    assert lines == [
+        ", ".join(f"127.0.0.1:{9000 + i}" for i in range(6)) + f" and 2 more: refused — {refused}",
+        "127.0.0.1:9008: timeout — no answer within 5s",
+    ]
+    nodes = flag_duplicates([ok(0, "a", {}), ok(1, "b", {}), ok(2, "a", {"rows": [[1]]}), ok(3, "a", {})])
+    assert [o.kind for o in nodes] == [Kind.OK, Kind.OK, Kind.DUPLICATE, Kind.DUPLICATE]
+    assert nodes[2].data is None and "127.0.0.1:9000" in nodes[2].reason and not nodes[2].answered
