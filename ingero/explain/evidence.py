@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ingero.explain.frame import I64, Frame, member
+from ingero.explain.frame import I64, Frame, distinct, member
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, OffCpu, is_runnable
 from ingero.store.catalog import HOST, IO, NET, TCP
 from ingero.timeutil import NS_PER_MS, NS_PER_S
@@ -209,7 +209,7 @@ class HostSeries:
         self.snap = snapshots
         offcpu = offcpu or OffCpu(frame.args)
         if tids is None:
-            tids = np.unique(frame.tid[frame.gpu_mask() & member(frame.pid, traced_pids)])
+            tids = distinct(frame.tid[frame.gpu_mask() & member(frame.pid, traced_pids)])
         tree = traced_pids if tree is None else tree
         edges = grid.start_ns + np.arange(grid.n + 1, dtype=np.int64) * grid.width_ns
         sched = frame.is_op(HOST, 1) & member(frame.tid, tids)

@@ -68,6 +68,20 @@ for _src, _op in LAUNCH_ARG_OPS:
     _LAUNCH_TABLE[_src * 256 + _op] = True
 
 
+def distinct(arr: I64, few: int = 16) -> I64:
+    """``np.unique`` for columns that hold a few distinct values (pids, tids of GPU calls): peel them off
+    one comparison pass at a time, falling back to a sort when there are more than ``few``."""
+    rest = arr
+    found: list[int] = []
+    while rest.size and len(found) < few:
+        x = int(rest[0])
+        found.append(x)
+        rest = rest[rest != x]
+    if rest.size:
+        return np.unique(arr)
+    return np.asarray(sorted(found), dtype=np.int64)
+
+
 def member(arr: I64, values: Sequence[int] | I64) -> npt.NDArray[np.bool_]:
     """``np.isin`` for the usual case of a few values (the GPU processes, their threads): one
     comparison per value instead of a sort of the whole column."""
@@ -167,7 +181,7 @@ class Frame:
     @cached_property
     def pids(self) -> I64:
         """Distinct pids of the rows (computed once per frame)."""
-        return np.unique(self.pid)
+        return distinct(self.pid)
 
     def gpu_mask(self) -> npt.NDArray[np.bool_]:
         out: npt.NDArray[np.bool_] = _GPU_TABLE[self.source & 0xF]
@@ -358,6 +372,10 @@ def _load_batch(
     return out, missing
 
 
+def _several(pids: I64) -> bool:
+    return bool(pids.size) and bool((pids != pids[0]).any())
+
+
 def _attach_args(
     conn: sqlite3.Connection,
     frames: dict[str, Frame],
@@ -368,7 +386,7 @@ def _attach_args(
 ) -> None:
     """GPU ids per process, when a node has several GPU processes (one more scan, of GPU rows only)."""
     case, case_params = _node_case(names, trusted)
-    if not any(np.unique(fr.pid[fr.gpu_mask()]).size > 1 for fr in frames.values()):
+    if not any(_several(fr.pid[fr.gpu_mask()]) for fr in frames.values()):
         return
     for i_node, p, g in conn.execute(
         f"SELECT DISTINCT {case}, pid, gpu_id FROM events WHERE {where} AND source IN ({CUDA}, {DRIVER}, {NCCL})",

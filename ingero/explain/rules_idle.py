@@ -59,7 +59,7 @@ def starvation_chains(ctx: Context) -> list[Chain]:
     gpu = ctx.gpu
     if gpu.size == 0 or not ctx.off.has_state:
         return chains
-    for pid in np.unique(gpu.pid).tolist():
+    for pid in gpu.pids.tolist():
         m = gpu.pid == pid
         tids, counts = np.unique(gpu.tid[m], return_counts=True)
         tid = int(tids[np.argmax(counts)])  # the thread that drives the GPU

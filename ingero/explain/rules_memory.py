@@ -53,7 +53,7 @@ def churn_chains(ctx: Context, chains: list[Chain]) -> list[Chain]:
     out: list[Chain] = []
     g = ctx.gpu
     wall = max(1, g.last_ns - g.first_ns)
-    for pid in np.unique(g.pid).tolist():
+    for pid in g.pids.tolist():
         fm, mm = _mask(ctx, FREE_OPS, pid), _mask(ctx, MALLOC_OPS, pid)
         if int(fm.sum()) < MIN_FREES * MIN_EPISODES or int(mm.sum()) < 2:
             continue
