@@ -75,6 +75,16 @@ class SchemaError(StoreError):
     http_status = 409
 
 
+class WriterLockedError(StoreError):
+    """Another process is already recording into this database (one writer per database)."""
+
+    http_status = 409
+
+
+class DiskFullError(StoreError):
+    """The database's disk is full and pruning the oldest events freed nothing: recording stops."""
+
+
 class InvalidNodeNameError(UsageError):
     pass
 

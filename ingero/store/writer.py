@@ -10,6 +10,10 @@ Speed (``bench/bench_writer.py``): multi-row ``INSERT ... VALUES (...), (...), .
 statement as literals; WAL checkpoints run off the insert path, in a background thread with its own
 connection. The events table is append-optimised (see :mod:`ingero.store.schema`).
 
+One writer per database: the writer holds an exclusive ``flock`` (:mod:`ingero.store.writer_lock`)
+from open to close, so a second tracer on the same file fails at once, naming the first one's pid;
+read-only connections are never blocked.
+
 Event ids are ``{node}:{seq}``. Each write transaction (``BEGIN IMMEDIATE``, so writers serialise)
 reads the next ``seq`` from ``node_seq`` and stores the new one before committing: ids never repeat,
 across restarts, crashes, or two writers mistakenly sharing a node name.
@@ -29,6 +33,7 @@ from ingero import __version__
 from ingero.errors import StoreError
 from ingero.identity import Identity, validate_node_name
 from ingero.store.db import open_writable, translate
+from ingero.store.writer_lock import WriterLock
 from ingero.timeutil import now_ns
 
 # Column order of an event row handed to write_events().
@@ -120,7 +125,12 @@ class StoreWriter:
         self.path = Path(path).expanduser()
         self.identity = identity
         validate_node_name(identity.node)
-        self.conn = open_writable(self.path)
+        self._lock = WriterLock(self.path)  # one writer per database: a second one fails here, at once
+        try:
+            self.conn = open_writable(self.path)
+        except BaseException:
+            self._lock.release()
+            raise
         lit = ",".join(
             _sql_literal(v) for v in (identity.node, identity.rank, identity.local_rank, identity.world_size)
         )
@@ -137,6 +147,7 @@ class StoreWriter:
             self._seq = self._load_seq()
         except sqlite3.Error as e:
             self.conn.close()
+            self._lock.release()
             raise translate(e, self.path) from None
         self._checkpointer = _Checkpointer(self.path, checkpoint_interval_s)
         self._checkpointer.start()
@@ -379,6 +390,7 @@ class StoreWriter:
             pass  # another reader holds the WAL: the next open checkpoints it
         finally:
             self.conn.close()
+            self._lock.release()
 
     def __enter__(self) -> StoreWriter:
         return self
