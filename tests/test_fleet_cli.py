@@ -132,25 +132,22 @@ def test_explain_nodes_honours_local_flags(
         doc = json.loads(capsys.readouterr().out)
         return {(c["node"], c["summary"]) for c in doc["chains"]}
 
+    def local(*flags: str) -> set[tuple[str, str]]:
+        """What local explain names on each node's database, all together."""
+        return set().union(*(chains(["explain", "--db", str(db), *flags, "--json"]) for db in fleet3_dbs.values()))
+
+    def fleet(*flags: str) -> set[tuple[str, str]]:
+        return chains(["explain", "--nodes", nodes, *tls_flags(pki), *flags, "--json"])
+
     flags = ["--since", "10m", "--op", "cuLaunchKernel"]
-    local = set()
-    for db in fleet3_dbs.values():
-        local |= chains(["explain", "--db", str(db), *flags, "--json"])
-    fleet = chains(["explain", "--nodes", nodes, *tls_flags(pki), *flags, "--json"])
-    assert fleet == local and fleet
-    only = chains(["explain", "--nodes", nodes, *tls_flags(pki), *flags, "--node", "gpu-node-01", "--json"])
-    assert only == {c for c in local if c[0] == "gpu-node-01"} and only
-    assert chains(["explain", "--nodes", nodes, *tls_flags(pki), "--op", "cudaMalloc", "--json"]) == set()
-    stored = set()
-    for db in fleet3_dbs.values():
-        stored |= chains(["explain", "--db", str(db), "--chains", "--json"])
-    assert chains(["explain", "--nodes", nodes, *tls_flags(pki), "--chains", "--json"]) == stored
+    assert fleet(*flags) == local(*flags) and fleet(*flags)
+    only = fleet(*flags, "--node", "gpu-node-01")
+    assert only == {c for c in local(*flags) if c[0] == "gpu-node-01"} and only
+    assert fleet("--op", "cudaMalloc") == set()
+    assert fleet("--chains") == local("--chains")
     assert main(["explain", "--nodes", nodes, *tls_flags(pki), "--node", "nobody"]) == 2
     assert "no node 'nobody' answered" in capsys.readouterr().err
-    per_process = set()
-    for db in fleet3_dbs.values():
-        per_process |= chains(["explain", "--db", str(db), "--per-process", "--json"])
-    assert chains(["explain", "--nodes", nodes, *tls_flags(pki), "--per-process", "--json"]) == per_process
+    assert fleet("--per-process") == local("--per-process") and local("--per-process")
     assert main(["explain", "--nodes", nodes, *tls_flags(pki), "--pid", "4242"]) == 2
     assert "--pid works on a local --db only" in capsys.readouterr().err
 

@@ -320,18 +320,14 @@ class NodeTransport:
 
     def _failure(self, e: BaseException, answer: http1.Answer, fresh: bool, tls: bool) -> BaseException:
         """The typed failure for an exception that ended a read (others are returned as they are)."""
-        if isinstance(e, BudgetExceeded):
+        if isinstance(e, BudgetExceeded | http1.TooLarge):
+            shared = isinstance(e, BudgetExceeded)
+            limit = e.limit if isinstance(e, BudgetExceeded) else self.max_answer_bytes
+            what = "the fan-out's answer budget" if shared else "the per-answer cap"
             return AnswerTooLarge(
-                f"the fan-out's answer budget of {_mib(e.limit)} is spent; this answer was cut at {_mib(answer.size)}",
-                limit=e.limit,
-                shared=True,
-                bytes_read=answer.size,
-            )
-        if isinstance(e, http1.TooLarge):
-            return AnswerTooLarge(
-                f"answer larger than {_mib(self.max_answer_bytes)}; not read",
-                limit=self.max_answer_bytes,
-                shared=False,
+                f"{what} of {_mib(limit)} stops this answer at {_mib(answer.size)}",
+                limit=limit,
+                shared=shared,
                 bytes_read=answer.size,
             )
         if isinstance(e, trio.TooSlowError):
