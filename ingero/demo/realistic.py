@@ -196,7 +196,28 @@ def recompiling(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
+def disk_bound(base_ns: int, seed: int) -> Recorder:
+    """No DataLoader workers: the training loop reads each batch from disk itself (~20 ms in
+    uninterruptible sleep per step) while the GPU waits."""
+    rec = _rec("disk-node", base_ns, seed)
+    pid, seconds = 5500, 30.0
+    rec.process(pid, "python3 train.py --num-workers 0", 0.0, exec_event=False)
+    seen: set[int] = set()
+    t = 0.3
+    while t < seconds:
+        read = rec.jitter(20 * NS_PER_MS, 0.2)
+        rec.block_io(t + read / 2e9, pid, False, read * 0.8, 2048)
+        rec.sched(t, pid, read, state=2)  # D state: waiting for the read
+        t += read / 1e9 + 100e-6
+        t = _copy(rec, t, pid)
+        t = _launches(rec, t, pid, seen)
+        t = _sync(rec, t, pid, 12.0)
+    _noise(rec, pid, seconds)
+    return rec
+
+
 REALISTIC: dict[str, Expectation] = {
+    "disk-bound": Expectation(disk_bound, (("idle/io", "HIGH"),), ("tail/cpu", "drop/cpu", "idle/input")),
     "recompiling": Expectation(recompiling, (("recompile", "MEDIUM"),), ("tail/", "drop/", "cold-start")),
     "healthy": Expectation(healthy, (), ("tail/", "drop/", "idle/", "network", "cold-start"), no_high_or_medium=True),
     "dataloader-starved": Expectation(dataloader_starved, (("idle/input", "HIGH"),), ("tail/cpu", "drop/cpu")),

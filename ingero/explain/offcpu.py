@@ -11,6 +11,7 @@ of three kinds:
   between its wakeup and getting a CPU back. This, and only this, is CPU contention.
 * :data:`VOL` — voluntary: it went to sleep itself (S/D: futex, poll, usleep, I/O) until woken. That
   is waiting, not being starved of CPU; the waker says on what (a forked worker, the disk, a peer).
+* :data:`IOWAIT` — the voluntary sleeps taken in uninterruptible state (D), usually disk I/O;
 * :data:`UNKNOWN` — the recording has no ``prev_state`` (Ingero's databases put the thread's own id in
   ``arg1`` and 0 in ``arg0``): off-CPU, but nobody can say whether preempted or asleep.
 
@@ -31,7 +32,9 @@ from ingero.store.catalog import HOST
 F64 = npt.NDArray[np.float64]
 
 INVOL, VOL, UNKNOWN = "involuntary", "voluntary", "unknown"
-KINDS = (INVOL, VOL, UNKNOWN)
+IOWAIT = "iowait"  # the voluntary sleeps in uninterruptible state (D: usually disk I/O), also in VOL
+KINDS = (INVOL, VOL, UNKNOWN, IOWAIT)
+TASK_UNINTERRUPTIBLE = 2
 SCHED_SWITCH, SCHED_WAKEUP = 1, 2
 
 
@@ -122,6 +125,8 @@ class OffCpu:
         vol_e = np.where(woken, wake_at, end)
         self._fill(INVOL, inv_t, inv_s, inv_e, inv_w)
         self._fill(VOL, tid[sleep], start[sleep], vol_e[sleep], waker[sleep])
+        dsleep = sleep & ((state & TASK_UNINTERRUPTIBLE) != 0)
+        self._fill(IOWAIT, tid[dsleep], start[dsleep], vol_e[dsleep], waker[dsleep])
         self._fill(UNKNOWN, tid[unknown], start[unknown], end[unknown], np.zeros(int(unknown.sum()), dtype=np.int64))
 
     def _fill(self, kind: str, tid: I64, start: I64, end: I64, who: I64) -> None:

@@ -22,13 +22,14 @@ from ingero.explain import causes as cz
 from ingero.explain.context import Context
 from ingero.explain.frame import I64
 from ingero.explain.model import Chain, TimelineEntry
-from ingero.explain.offcpu import INVOL, VOL
+from ingero.explain.offcpu import INVOL, IOWAIT, VOL
 from ingero.store.catalog import HOST
 from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration, fmt_ts
 
 GAP_NS = NS_PER_MS  # gaps shorter than this are the launch loop itself
 MIN_SHARE = 0.05  # of the thread's wall time spent waiting on workers before it is a finding
 CHILD_WAIT_NS = NS_PER_S  # one wait this long right after a fork: waiting on a child
+IO_SHARE = 0.2  # of wall time asleep in D state between GPU calls: the loop waits on the disk
 
 
 def _gaps(ts: I64, dur: I64) -> tuple[I64, I64]:
@@ -84,6 +85,10 @@ def starvation_chains(ctx: Context) -> list[Chain]:
                 f"{ctx.node}: {ctx.proc(int(pid))} forked {len(kids)} processes on {cores} cores: its workers "
                 "oversubscribe the CPU (self-inflicted contention: use fewer workers than cores)"
             )
+        iowait = int(ctx.off.covered(IOWAIT, t_arr, a, b).sum())
+        if (not kids or waited < MIN_SHARE * wall) and iowait >= IO_SHARE * wall:
+            chains.append(_io_chain(ctx, int(pid), tid, a, b, iowait, idle, wall))
+            continue
         if not kids or waited < MIN_SHARE * wall:
             continue
         sev = cz.severity_of_loss(waited, wall)
@@ -225,3 +230,46 @@ def _longest_child_wait(ctx: Context, tid: int, a: I64, b: I64, kids: set[int]) 
 def _cores(ctx: Context) -> int | None:
     cores = ctx.cpu_cores
     return cores if cores and cores > 0 else None
+
+
+def _io_chain(ctx: Context, pid: int, tid: int, a: I64, b: I64, iowait: int, idle: int, wall: int) -> Chain:
+    """The GPU thread waits on disk I/O itself between its GPU calls (uninterruptible sleeps)."""
+    share = iowait / wall
+    ms = fmt_duration(round(iowait / NS_PER_MS) * NS_PER_MS)
+    return ctx.chain(
+        cid=ctx.chain_id("idle-io", f"pid{pid}" if ctx.pid is None else ""),
+        detected_at=int(b.max()),
+        severity=cz.severity_of_loss(iowait, wall),
+        summary=f"GPU idle on disk I/O: the GPU thread slept {100 * share:.0f}% of wall time in uninterruptible I/O ({ms})",
+        root_cause=(
+            f"synchronous disk I/O in the training loop — between its GPU calls the thread driving the GPU "
+            f"({ctx.proc(pid)}) waited {ms} in uninterruptible sleep (reading data or writing checkpoints itself)"
+        ),
+        explanation=(
+            f"The GPU thread left {a.size} gaps of ≥ 1 ms between GPU calls "
+            f"({fmt_duration(round(idle / NS_PER_MS) * NS_PER_MS)}); {ms} of them it slept in D state, "
+            "waiting for the disk. No work is queued meanwhile, so the GPU idles."
+        ),
+        recommendations=[
+            "Load data in DataLoader workers (num_workers > 0) so reads overlap GPU work; keep the dataset on "
+            "local NVMe or in /dev/shm",
+            "Write checkpoints asynchronously (torch.distributed.checkpoint.async_save) or from a background thread",
+        ],
+        family="idle/io",
+        evidence={
+            "rule": "starvation",
+            "pid": pid,
+            "tid": tid,
+            "iowait_ms": round(iowait / 1e6, 1),
+            "idle_ms": round(idle / 1e6, 1),
+            "lost_ms": round(iowait / 1e6, 1),
+            "lost_share": round(share, 4),
+            "score": round(share, 4),
+        },
+        timeline=[
+            TimelineEntry(
+                "IO", "uninterruptible", f"GPU thread asleep in D state {ms} between GPU calls", iowait // 1000
+            ),
+            TimelineEntry("CUDA", "idle", f"{a.size} gaps, {100 * idle / wall:.0f}% of wall time", idle // 1000),
+        ],
+    )
