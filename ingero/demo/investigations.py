@@ -110,7 +110,10 @@ def build_node(spec: NodeSpec) -> Recorder:
             rec.sched(t_sync, pid, off, by=3350)
             sync += off
         if ckpt and rng.random() < 0.6:
-            sync += float(rng.uniform(10, 30)) * NS_PER_MS  # the save's page-cache flush stalls the loop
+            stall = float(rng.uniform(10, 30)) * NS_PER_MS  # the save's page-cache flush stalls the loop
+            sync += stall
+            # the checkpoint's writes in flight while the sync is held up
+            rec.block_io(t_sync + sync / 1e9 - 1e-3, pid, True, rec.jitter(0.6 * stall, 0.2), 2048)
         rec.ev(t_sync, pid, CUDA, 5, sync, stack=sync_stack if it % 100 == 0 else 0)
         t = t_sync + sync / 1e9 + 0.5e-3
         it += 1

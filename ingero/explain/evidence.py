@@ -144,6 +144,7 @@ class Evidence:
     slow_vol_ns: int = 0
     slow_unk_ns: int = 0
     excess_ns: int = 0  # time lost: the slow calls' excess over the op's steady p50
+    io_overlap_ns: int = 0  # the slow calls' time with the traced tree's block I/O in flight
     cpu_max: float | None = None
     mem_max: float | None = None
     swap_max: float | None = None

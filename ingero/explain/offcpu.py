@@ -46,14 +46,14 @@ def is_runnable(state: I64) -> npt.NDArray[np.bool_]:
 
 
 @dataclass
-class _Thread:
+class Intervals:
     start: I64
     end: I64
     cum: I64  # cum[k] = total length of intervals before k (len = n + 1)
     who: I64  # preemptor tid (INVOL), waker tgid (VOL, 0 = no wakeup seen), 0 (UNKNOWN)
 
     @classmethod
-    def build(cls, start: I64, end: I64, who: I64) -> _Thread:
+    def build(cls, start: I64, end: I64, who: I64) -> Intervals:
         order = np.argsort(start, kind="stable")
         s, e, w = start[order], end[order], who[order]
         if s.size > 1:  # keep intervals disjoint (clock jitter between rows): clip each at the next start
@@ -90,7 +90,7 @@ class OffCpu:
     """Off-CPU intervals of every thread with scheduler rows in a frame's argument rows."""
 
     def __init__(self, args: ArgRows) -> None:
-        self.threads: dict[str, dict[int, _Thread]] = {k: {} for k in KINDS}
+        self.threads: dict[str, dict[int, Intervals]] = {k: {} for k in KINDS}
         sw = (args.source == HOST) & (args.op == SCHED_SWITCH)
         wk = (args.source == HOST) & (args.op == SCHED_WAKEUP)
         tid, end, dur = args.tid[sw], args.ts_ns[sw], args.dur[sw]
@@ -136,7 +136,7 @@ class OffCpu:
         tid, start, end, who = tid[order], start[order], end[order], who[order]
         bounds = np.flatnonzero(np.diff(tid)) + 1
         for lo, hi in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [tid.size])), strict=True):
-            self.threads[kind][int(tid[lo])] = _Thread.build(start[lo:hi], end[lo:hi], who[lo:hi])
+            self.threads[kind][int(tid[lo])] = Intervals.build(start[lo:hi], end[lo:hi], who[lo:hi])
 
     def covered(self, kind: str, tids: I64, a: I64, b: I64) -> I64:
         """Off-CPU time of ``kind`` of thread ``tids[i]`` inside [a[i], b[i]), per call."""
@@ -172,7 +172,7 @@ class OffCpu:
                 continue
             m = tids == t
             cs, ce = union(a[m], b[m])
-            calls = _Thread(cs, ce, np.concatenate(([0], np.cumsum(ce - cs))), np.zeros(cs.size, dtype=np.int64))
+            calls = Intervals(cs, ce, np.concatenate(([0], np.cumsum(ce - cs))), np.zeros(cs.size, dtype=np.int64))
             ov = calls.covered(th.start, th.end)
             hit = ov > 0
             for w, ns in zip(th.who[hit].tolist(), ov[hit].tolist(), strict=True):

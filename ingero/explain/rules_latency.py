@@ -20,17 +20,19 @@ import numpy as np
 from ingero.explain import causes as cz
 from ingero.explain.context import Context, Culprit, OpRows, layer_of, us
 from ingero.explain.evidence import Evidence, runs
+from ingero.explain.frame import member
 from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
-from ingero.explain.offcpu import INVOL, UNKNOWN, VOL
+from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, Intervals, union
 from ingero.explain.rules_launch import LAUNCH_OPS, first_launch_mask
 from ingero.explain.stats import OpStats
-from ingero.store.catalog import NCCL
+from ingero.store.catalog import IO, NCCL
 from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
 
 TAIL_RATIO = 3.0
 MIN_CALLS = 10
 DROP = 0.40
 MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
+MIN_IO_OVERLAP = 0.05  # share of the slow calls' time during which the traced tree's block I/O was in flight
 IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
 SPIKE_RATIO = 10.0
 MIN_SPIKES = 4
@@ -150,6 +152,14 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
             found = cz.assess(ep, base, st.p99_ns)
             if collective:  # inside a collective the thread waits for its peers
                 found = [c for c in found if c.family not in ("cpu", "offcpu")]
+            if any(c.family.startswith("io") for c in found):
+                # the traced tree's block I/O must overlap the slow calls in time, not just share a bucket
+                # judged on the slow calls that preemption does not explain
+                rest = in_ep & (inv < excess // 2)
+                rest = rest if rest.any() else in_ep
+                ep.io_overlap_ns = io_overlap(ctx, rows.ts_ns[rest], end_ns[rest])
+                if ep.io_overlap_ns < MIN_IO_OVERLAP * max(1, int(rows.dur[rest].sum())):
+                    found = [c for c in found if not c.family.startswith("io")]
             if not found:
                 continue
             fam = found[0].family
@@ -170,6 +180,18 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
             sev = cz.severity_of_loss(lost, wall, fam)
             chains.append(_tail_chain(ctx, st, rows, slow, fam, best, sev, len(eps), lost, wall, base))
     return chains, unexplained
+
+
+def io_overlap(ctx: Context, a: np.ndarray, b: np.ndarray) -> int:
+    """Time during the calls [a, b) when block I/O issued by the traced process tree was in flight."""
+    f = ctx.frame
+    m = (f.source == IO) & member(f.pid, ctx.tree if ctx.tree.size else ctx.traced)
+    if not m.any() or a.size == 0:
+        return 0
+    io_s, io_e = union(f.ts_ns[m] - f.dur[m], f.ts_ns[m])  # ts = completion, duration = device latency
+    in_flight = Intervals.build(io_s, io_e, np.zeros(io_s.size, dtype=np.int64))
+    cs, ce = union(a, b)
+    return int(in_flight.covered(cs, ce).sum())
 
 
 def _tail_chain(
@@ -238,6 +260,7 @@ def _tail_chain(
         "overlap_involuntary": round(ep.slow_inv_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
         "overlap_voluntary": round(ep.slow_vol_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
         "overlap_unknown": round(ep.slow_unk_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
+        "io_overlap_ms": round(ep.io_overlap_ns / 1e6, 1),
         "prev_state": "recorded" if ctx.off.has_state else ("unknown" if ctx.off.has_rows else "no sched rows"),
         "preempted_by": [c.name for c in culprits if c.ns],
         **_evidence_dict(ep, base),
