@@ -14,7 +14,7 @@ from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, OffCpu
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import DRIVER, HOST
-from ingero.timeutil import NS_PER_S
+from ingero.timeutil import NS_PER_S, fmt_duration
 
 CULPRIT_LEAD_NS = 5 * NS_PER_S  # a process started this long before an episode may have caused it
 MIN_PREEMPTIONS = 3  # a preemptor is named when it ran in the GPU process's place this often
@@ -223,3 +223,16 @@ def layer_of(source: int) -> str:
 
 def us(ns: float) -> float:
     return round(float(ns) / 1000, 1)
+
+
+def fmt_ns(ns: float) -> str:
+    """A duration rounded to the microsecond: 58.475ms, 14µs."""
+    return fmt_duration(round(ns / 1000) * 1000 if ns >= 1000 else ns)
+
+
+def short_ns(ns: float) -> str:
+    """Three significant digits: 2.54s, 41.2ms, 734µs."""
+    if ns <= 0:
+        return "0s"
+    step = 10 ** max(0, int(np.floor(np.log10(ns))) - 2)
+    return fmt_duration(round(ns / step) * step)

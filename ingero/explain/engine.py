@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ingero.errors import StoreError
-from ingero.explain import rules_events, rules_idle, rules_latency, rules_launch, rules_memory
+from ingero.explain import rules_events, rules_idle, rules_latency, rules_launch, rules_memory, rules_periodic
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
@@ -191,7 +191,7 @@ def _explain_node(
     for ctx in contexts:
         tail, unexplained = rules_latency.tail_chains(ctx)
         explained = {c.cuda_op for c in tail}
-        periodic = rules_latency.periodic_chains(ctx, [o for o in ctx.ops if o.name not in explained])
+        periodic = rules_periodic.periodic_chains(ctx, [o for o in ctx.ops if o.name not in explained])
         chains += tail + periodic + rules_latency.drop_chains(ctx) + rules_memory.churn_chains(ctx, periodic)
         cold = rules_events.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx) + rules_idle.starvation_chains(ctx)

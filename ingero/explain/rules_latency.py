@@ -6,9 +6,7 @@
   chain. Episodes are folded into one chain per (op, primary cause family), keeping the strongest.
 * **drop** — an op's call rate (moving average over ~5 s) falls ≥ 40 % below its baseline for ≥ 2
   buckets while it keeps running, corroborated the same way.
-* **periodic** — slow calls (≥ 10x p50) that recur at a regular interval with no host evidence:
-  an in-process cause (allocator churn, a periodic eval/checkpoint step), reported with its period
-  in iterations of the process's synchronisation op.
+(Periodic spikes: :mod:`ingero.explain.rules_periodic`.)
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ingero.explain import causes as cz
-from ingero.explain.context import Context, Culprit, OpRows, layer_of, us
+from ingero.explain.context import Context, Culprit, OpRows, fmt_ns, layer_of, short_ns, us
 from ingero.explain.evidence import Evidence, runs
 from ingero.explain.frame import member
 from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
@@ -26,7 +24,7 @@ from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, Intervals, union
 from ingero.explain.rules_launch import LAUNCH_OPS, first_launch_mask
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import IO, NCCL
-from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
+from ingero.timeutil import NS_PER_S, fmt_ts
 
 TAIL_RATIO = 3.0
 MIN_CALLS = 10
@@ -34,24 +32,11 @@ DROP = 0.40
 MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
 MIN_IO_OVERLAP = 0.05  # share of the slow calls' time during which the traced tree's block I/O was in flight
 IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
-SPIKE_RATIO = 10.0
-MIN_SPIKES = 4
-MAX_CV = 0.35
-SYNC_OPS = ((1, 5), (1, 6), (4, 4))  # cudaStreamSync, cudaDeviceSync, cuCtxSynchronize
-ALLOC_OPS = {(1, 1), (1, 2), (1, 8), (4, 5), (4, 6)}
 COPY_OPS = {(1, 4), (1, 7), (4, 2), (4, 3)}  # arg0 = bytes
 
 
-def _fmt(ns: float) -> str:
-    return fmt_duration(round(ns / 1000) * 1000 if ns >= 1000 else ns)
-
-
-def _short(ns: float) -> str:
-    """Three significant digits: 2.54s, 41.2ms, 734µs."""
-    if ns <= 0:
-        return "0s"
-    step = 10 ** max(0, int(np.floor(np.log10(ns))) - 2)
-    return fmt_duration(round(ns / step) * step)
+_fmt = fmt_ns
+_short = short_ns
 
 
 def _mask(ctx: Context, ts: np.ndarray, dilate: int = 0) -> np.ndarray:
@@ -430,121 +415,3 @@ def _drop_chain(ctx: Context, d: _Drop, others: list[_Drop]) -> Chain:
         timeline=tl,
         st=st,
     )
-
-
-# --- periodic spikes ---------------------------------------------------------------------------
-
-
-def periodic_chains(ctx: Context, candidates: list[OpStats]) -> list[Chain]:
-    chains: list[Chain] = []
-    for st in candidates:
-        if st.count < 5 * MIN_CALLS or st.p50_ns <= 0 or st.max_ns < SPIKE_RATIO * st.p50_ns:
-            continue
-        rows = ctx.rows(st)
-        keep = np.ones(rows.ts_ns.size, dtype=bool)
-        if (st.source, st.op) in LAUNCH_OPS:
-            first = first_launch_mask(ctx, rows)  # first launches are the launch rule's, not spikes
-            if first is not None:
-                keep = ~first
-        order = np.argsort(rows.ts_ns, kind="stable")
-        order = order[keep[order]]
-        ts, dur = rows.ts_ns[order], rows.dur[order]
-        spike_ts = ts[dur >= SPIKE_RATIO * st.p50_ns]
-        if spike_ts.size < MIN_SPIKES:
-            continue
-        gap = max(ctx.grid.width_ns, NS_PER_S)
-        starts = spike_ts[np.concatenate(([True], np.diff(spike_ts) > gap))]
-        if starts.size < MIN_SPIKES:
-            continue
-        intervals = np.diff(starts).astype(np.float64)
-        mean = float(intervals.mean())
-        cv = float(intervals.std() / mean) if mean > 0 else 1.0
-        if cv > MAX_CV:
-            continue
-        marker, unit = _marker(ctx, st)
-        mts = np.sort(marker)
-        between = np.diff(np.searchsorted(mts, starts))
-        per = float(np.median(between)) if between.size else 0.0
-        spikes = dur >= SPIKE_RATIO * st.p50_ns
-        excess = float((dur[spikes] - st.p50_ns).sum())
-        span = max(1, int(ts[-1] - ts[0]))
-        share = excess / span
-        sev = "HIGH" if share >= 0.10 else "MEDIUM"
-        alloc = (st.source, st.op) in ALLOC_OPS
-        every = f"every ~{per:.0f} {unit}" if per >= 2 else f"every {_short(mean)}"
-        summary = (
-            f"{st.name} spikes {every} ({_short(mean)} apart): {starts.size} spikes up to {_fmt(st.max_ns)} "
-            f"({st.max_ns / st.p50_ns:.0f}x p50)"
-        )
-        if alloc:
-            root = (
-                f"periodic allocator churn — {every} the caching allocator releases cached blocks and {st.name} "
-                "has to get fresh memory from the driver (torch.cuda.empty_cache(), a periodic eval/logging step, "
-                "or changing tensor shapes)"
-            )
-            recs = [
-                "Do not call torch.cuda.empty_cache() inside the training loop",
-                "Keep tensor shapes static (pad variable-length batches to a few fixed sizes) so cached blocks are reused",
-                "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation",
-                "If a periodic eval/checkpoint step allocates, pre-allocate its buffers once",
-            ]
-        else:
-            root = (
-                f"a periodic in-process step {every} stalls {st.name}; no host evidence in the same windows, "
-                "so the cause is inside the process (evaluation, checkpoint, logging, metric sync)"
-            )
-            recs = [
-                f"Find what runs {every} (eval, checkpoint, logging, metric sync) and make it asynchronous or less frequent",
-                "Query the slow calls' stacks: SELECT e.timestamp, e.duration, s.frames FROM events e "
-                f"JOIN stack_traces s ON e.stack_hash = s.hash WHERE e.duration > {int(SPIKE_RATIO * st.p50_ns)}",
-            ]
-        chains.append(
-            ctx.chain(
-                cid=ctx.chain_id("periodic", "", st.name),
-                detected_at=int(starts[-1]),
-                severity=sev,
-                summary=summary,
-                root_cause=root,
-                explanation=(
-                    f"{int(spikes.sum())} of {st.count} {st.name} calls took ≥ {SPIKE_RATIO:.0f}x p50 "
-                    f"({_fmt(st.p50_ns)}), in {starts.size} bursts {_short(mean)} apart (variation {100 * cv:.0f}%), "
-                    f"{every}. The regular period and the absence of host evidence point to the program's own "
-                    f"schedule rather than interference. Spikes cost {_short(excess)} ({100 * share:.1f}% of the time)."
-                ),
-                recommendations=recs,
-                family="periodic",
-                evidence={
-                    "rule": "periodic",
-                    "op": st.name,
-                    "spikes": int(spikes.sum()),
-                    "bursts": int(starts.size),
-                    "period_ms": round(mean / 1e6, 1),
-                    "period_cv": round(cv, 3),
-                    "iterations_between": round(per, 1),
-                    "iteration_unit": unit,
-                    "excess_ms": round(excess / 1e6, 1),
-                    "score": round(share, 4),
-                },
-                timeline=[
-                    TimelineEntry(
-                        layer_of(st.source),
-                        st.name,
-                        f"{starts.size} spikes {every}, worst {_fmt(st.max_ns)} ({st.max_ns / st.p50_ns:.0f}x p50={_fmt(st.p50_ns)})",
-                        round(st.max_ns / 1000),
-                    )
-                ],
-                st=st,
-            )
-        )
-    return chains
-
-
-def _marker(ctx: Context, st: OpStats) -> tuple[np.ndarray, str]:
-    """Timestamps of the op that marks iterations (the busiest sync op), and the word for them."""
-    best: OpStats | None = None
-    for o in ctx.ops:
-        if (o.source, o.op) in SYNC_OPS and (best is None or o.count > best.count):
-            best = o
-    if best is None or best.count < st.count / 10:
-        return ctx.rows(st).ts_ns, "calls"
-    return ctx.rows(best).ts_ns, "iterations"
