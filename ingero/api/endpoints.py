@@ -204,10 +204,12 @@ def _event_filter(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.
 
 def ops(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
     from ingero.explain.stats import host_summary, op_stats
+    from ingero.explain.storage import load_storage, with_true_counts
 
     with reader(ctx, cancel) as conn:
         window = window_from(conn, params)
-        stats = op_stats(conn, window)
+        # sampled ops (selective storage): true counts and totals from event_aggregates, marked "sampled"
+        stats = with_true_counts(op_stats(conn, window), load_storage(conn, window))
         host = host_summary(conn, window)
     return encode(ok(ctx, window=window.as_dict(), ops=[s.as_dict() for s in stats], host=host.as_dict()))
 
