@@ -235,3 +235,12 @@ def test_workers_oversubscribing_the_cores_are_said(tmp_path: Path) -> None:
     assert any("forked 4 processes on 4 cores" in n for n in r.notes), r.notes
     c = next(c for c in r.chains if c.family == "idle/input")
     assert c.evidence["cores"] == 4 and "oversubscribe" in c.recommendations[0]
+
+
+def test_run_queue_delay_after_a_wakeup_is_contention(reports: dict[str, ExplainReport]) -> None:
+    """The thread slept inside its sync by itself (voluntary), then waited runnable for a CPU: only the
+    wakeup → switch delay is counted, and the job that had the CPU is named."""
+    c = next(c for c in reports["runqueue-contention"].chains if c.family == "tail/cpu")
+    ev = c.evidence
+    assert ev["overlap_voluntary"] > 0.15 and ev["overlap_involuntary"] > 0.4, ev
+    assert ev["preempted_by"] == ["pid 6200 (python3 preprocess.py --workers 16)"], ev

@@ -216,7 +216,34 @@ def disk_bound(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
+def runqueue_contention(base_ns: int, seed: int) -> Recorder:
+    """From t=10 s a preprocessing job shares the trainer's cores. The trainer sleeps inside its blocking
+    syncs as always; when the GPU is done and it is woken, it waits in the run queue while the job runs
+    (wakeup → switch delay: involuntary), so its syncs return late."""
+    rec = _rec("runqueue-node", base_ns, seed)
+    pid, hog, seconds, start = 5600, 6200, 30.0, 10.0
+    rec.process(pid, "python3 train.py", 0.0, exec_event=False)
+    rec.process(hog, "python3 preprocess.py --workers 16", start - 0.2)
+    seen: set[int] = set()
+    t = 0.3
+    while t < seconds:
+        t = _launches(rec, t, pid, seen)
+        gpu = rec.jitter(9 * NS_PER_MS, 0.05)
+        delay = float(rec.rng.uniform(8, 30)) * NS_PER_MS if t >= start and rec.rng.random() < 0.5 else 0.0
+        rec.ev(t, pid, CUDA, 5, gpu + delay)
+        t_sleep = t + 100e-6
+        asleep = gpu - 150 * NS_PER_US
+        rec.ev(t_sleep + asleep / 1e9, pid, HOST, 2, asleep, arg0=0, arg1=0)  # woken when the GPU is done
+        rec.sched(t_sleep, pid, asleep + delay, state=1, by=hog if delay else 0)  # ... back on a CPU later
+        t += (gpu + delay) / 1e9 + 50e-6
+        rec.sleep(t, pid, rec.jitter(1.5 * NS_PER_MS, 0.1))
+        t += 1.6e-3
+    _noise(rec, pid, seconds)
+    return rec
+
+
 REALISTIC: dict[str, Expectation] = {
+    "runqueue-contention": Expectation(runqueue_contention, (("tail/cpu", "HIGH"),), ("idle/", "tail/io")),
     "disk-bound": Expectation(disk_bound, (("idle/io", "HIGH"),), ("tail/cpu", "drop/cpu", "idle/input")),
     "recompiling": Expectation(recompiling, (("recompile", "MEDIUM"),), ("tail/", "drop/", "cold-start")),
     "healthy": Expectation(healthy, (), ("tail/", "drop/", "idle/", "network", "cold-start"), no_high_or_medium=True),

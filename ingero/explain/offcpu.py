@@ -121,7 +121,7 @@ class OffCpu:
         inv_s = np.concatenate((start[runnable], wake_at[woken]))
         inv_e = np.concatenate((end[runnable], end[woken]))
         inv_t = np.concatenate((tid[runnable], tid[woken]))
-        inv_w = np.concatenate((prev[runnable], np.zeros(int(woken.sum()), dtype=np.int64)))
+        inv_w = np.concatenate((prev[runnable], prev[woken]))  # the run queue: who had the CPU meanwhile
         vol_e = np.where(woken, wake_at, end)
         self._fill(INVOL, inv_t, inv_s, inv_e, inv_w)
         self._fill(VOL, tid[sleep], start[sleep], vol_e[sleep], waker[sleep])
