@@ -21,11 +21,14 @@ examples:
   ingero explain --db tests/data/ingero-samples/sample-cluster.db --chains   chains stored while tracing
   ingero explain --nodes gpu-node-01:8080,gpu-node-02:8080   fleet: every node + straggler verdict
 
-A causal chain ties a GPU-side symptom (an op's p99 >= 3x its p50, a >= 40% throughput drop, another
-process on the same GPU, an OOM kill, a TCP retransmit burst, a cold start, copies dominating wall
-time) to host evidence in the same time window (sched_switch off-CPU time, block I/O, page
-allocations, TCP retransmits, CPU/memory snapshots), with a severity, a root cause and fixes. Chains
-are de-duplicated: one per (node, op, cause family). Nodes of a merged database are analysed apart.
+A causal chain ties a GPU-side symptom (an op's p99 >= 3x its p50, a >= 40% throughput drop, the GPU
+idle between calls, slow first launches or recompilation, copies dominating wall time, allocator churn,
+another process on the same GPU, an OOM kill) to evidence measured on the same thread at the same time:
+the GPU thread's involuntary off-CPU time inside its own slow calls (preempted, or runnable in the run
+queue; voluntary sleeps are waiting, not contention), forked workers it waited for, its own block I/O.
+Severity is the time lost, with an absolute floor; at most 6 chains per node. Host-wide evidence (other
+processes' I/O, softirq retransmits, the agent itself) is context, printed as a note. Nodes of a merged
+database are analysed apart; --chains only shows stored chains, never mixed into the diagnosis.
 """
 
 
