@@ -259,15 +259,15 @@ def test_nccl_bytes_communicators_and_ranks(recording: Recording) -> None:
         7: (40, comm),
     }
     for op, (nbytes, c) in expect.items():
-        assert r.all("SELECT DISTINCT arg0, arg1 FROM events WHERE pid = ? AND source = 8 AND op = ?", pid, op) == [
-            (nbytes, c)
-        ]
+        assert r.all(
+            f"SELECT DISTINCT arg0, arg1 FROM events WHERE pid = ? AND source = {NCCL} AND op = ?", pid, op
+        ) == [(nbytes, c)]
     comms = {row[0]: row[1:] for row in r.all("SELECT comm, rank, nranks, node FROM nccl_comms WHERE pid = ?", pid)}
     assert comms == {comm: (3, 8, "bpf-node"), comm_all0: (0, 2, "bpf-node"), comm_all1: (1, 2, "bpf-node")}
     # The documented join: rank of every collective.
     ranks = r.all(
         "SELECT DISTINCT c.rank FROM events e JOIN nccl_comms c ON c.comm = e.arg1 AND c.pid = e.pid "
-        "WHERE e.pid = ? AND e.source = 8 AND e.op = 1",
+        f"WHERE e.pid = ? AND e.source = {NCCL} AND e.op = 1",
         pid,
     )
     assert ranks == [(3,)]

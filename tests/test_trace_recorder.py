@@ -103,7 +103,7 @@ def test_nccl_communicator_records_become_nccl_comms_rows() -> None:
     ctl["arg1"] = [(8 << 32) | 3, (2 << 32) | 1]
     coll = events(3, source=8, op=1, pid=7, arg0=4096, arg1=0x5300)
     batch = rec.process(np.concatenate([ctl, coll]), OFFSET)
-    assert [(c, p, r, n) for c, p, r, n, _ in batch.nccl_comms] == [(0x5300, 7, 3, 8), (0x9100, 7, 1, 2)]
+    assert [(c, p, r, n) for c, p, r, n, *_ in batch.nccl_comms] == [(0x5300, 7, 3, 8), (0x9100, 7, 1, 2)]
     assert len(batch.events) == 3 and rec.seen == 3 and rec.control_records == 2
 
 

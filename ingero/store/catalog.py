@@ -134,6 +134,9 @@ def all_ops() -> list[OpRef]:
 
 U64 = (1 << 64) - 1
 NCCL_UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+# Private op ids of the tracer's control records (>= 100: never stored as events; see nccl_probes.c).
+NCCL_COMM_INIT_OP = 100  # a communicator: comm, rank, nranks, cluster-wide id
+NCCL_CALL_ENTER_OP = 101  # a call's entry: comm, seq, count, datatype, redop, peer
 
 # ncclDataType_t -> (name, bytes per element); ncclRedOp_t -> name. bytes = count × size.
 NCCL_DATATYPES: dict[int, tuple[str, int]] = {

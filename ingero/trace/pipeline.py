@@ -219,6 +219,7 @@ class Pipeline:
             snapshots=batch.snapshots,
             process_names=batch.process_names,
             nccl_comms=batch.nccl_comms,
+            nccl_calls=batch.nccl_calls,
         )
         self.writes += 1
         if stats:

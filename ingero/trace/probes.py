@@ -5,7 +5,7 @@ check``) works on machines without it. All bcc/OS failures leave this module as 
 :class:`~ingero.errors.TracingUnavailableError` messages with the fix.
 
 Programs live in ``ingero/trace/bpf/``: ``ingero_common.h`` (event record, shared maps, helpers) is
-prepended to ``gpu_probes.c`` (uprobes), ``host_probes.c`` and ``io_probes.c`` (tracepoints, attached
+prepended to ``gpu_probes.c`` and ``nccl_probes.c`` (uprobes), ``host_probes.c`` and ``io_probes.c`` (tracepoints, attached
 by bcc as soon as the program loads). Uprobes are attached per library file (an inode: every process
 mapping it is covered, including ones started later) at offsets computed by
 :mod:`ingero.trace.elfsyms`.
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ingero.errors import TracingUnavailableError
+from ingero.store import catalog
 from ingero.trace import elfsyms
 from ingero.trace.ringbuf import EMPTY, RingReader
 
@@ -158,7 +159,7 @@ def _first_clang_error(text: str) -> str:
 
 
 def program_text(options: ProbeOptions) -> str:
-    parts = [(BPF_DIR / "ingero_common.h").read_text(), (BPF_DIR / "gpu_probes.c").read_text()]
+    parts = [(BPF_DIR / name).read_text() for name in ("ingero_common.h", "gpu_probes.c", "nccl_probes.c")]
     if options.host:
         parts.append((BPF_DIR / "host_probes.c").read_text())
     if options.io:
@@ -179,6 +180,9 @@ def _cflags(options: ProbeOptions) -> list[str]:
         f"-DINGERO_STACK_MODE={STACK_MODES[options.stack_mode]}",
         f"-DINGERO_RING_PAGES={ring_pages(options)}",
         f"-DINGERO_HAVE_OOM={int(tracepoint_exists('oom', 'mark_victim'))}",
+        f"-DSRC_NCCL={catalog.NCCL}",
+        f"-DOP_NCCL_COMM_INIT={catalog.NCCL_COMM_INIT_OP}",
+        f"-DOP_NCCL_CALL_ENTER={catalog.NCCL_CALL_ENTER_OP}",
         "-Wno-unused-function",
         "-Wno-macro-redefined",
     ]

@@ -28,11 +28,12 @@ import numpy as np
 from ingero.store import catalog
 from ingero.timeutil import now_ns
 from ingero.trace import discovery
+from ingero.trace.nccl_calls import NcclCalls
 from ingero.trace.stacks import Symbolizer, stack_hash, stack_row
 
 NS_PER_S = 1_000_000_000
 NS_PER_MIN = 60 * NS_PER_S
-OP_NCCL_COMM_INIT = 100
+OP_NCCL_COMM_INIT = catalog.NCCL_COMM_INIT_OP  # control records (op >= this) are never events
 INT64_MAX = (1 << 63) - 1
 
 BULK_OPS = frozenset(
@@ -95,7 +96,8 @@ class WriteBatch:
     aggregates: list[tuple[int, ...]] = field(default_factory=list)
     snapshots: list[tuple[int, float, float, int, int, float]] = field(default_factory=list)
     process_names: list[tuple[int, str, int]] = field(default_factory=list)
-    nccl_comms: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    nccl_comms: list[tuple[int, ...]] = field(default_factory=list)  # (comm, pid, rank, nranks, seen_at, comm_id)
+    nccl_calls: list[tuple[int, ...]] = field(default_factory=list)  # see ingero.trace.nccl_calls
 
     def merge(self, other: WriteBatch) -> None:
         self.events += other.events
@@ -104,6 +106,7 @@ class WriteBatch:
         self.snapshots += other.snapshots
         self.process_names += other.process_names
         self.nccl_comms += other.nccl_comms
+        self.nccl_calls += other.nccl_calls
 
 
 @dataclass
@@ -142,6 +145,7 @@ class Recorder:
         self.stored = 0
         self.control_records = 0
         self.by_op: dict[tuple[int, int], int] = {}
+        self.nccl = NcclCalls()
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -153,8 +157,12 @@ class Recorder:
         if control.any():
             self._control(ev[control], out, monotonic_offset_ns() if offset_ns is None else offset_ns)
             ev = ev[~control]
-            if ev.size == 0:
-                return out
+        nccl = ev["source"] == catalog.NCCL
+        if nccl.any():
+            out.nccl_calls = self.nccl.returned(ev[nccl])
+        out.nccl_calls += self.nccl.in_flight()
+        if ev.size == 0:
+            return out
         offset = monotonic_offset_ns() if offset_ns is None else offset_ns
         ts = ev["ts"].astype(np.int64) + offset
         code = ev["source"].astype(np.int64) << 8 | ev["op"]
@@ -328,7 +336,12 @@ class Recorder:
             # (ts, duration, arg0, arg1, cgroup_id, pid, tid, ret, stack_id, source, op, cpu, flags)
             if e[10] == OP_NCCL_COMM_INIT and e[2]:
                 info = int(e[3])
-                out.nccl_comms.append((int(e[2]), int(e[5]), info & 0xFFFFFFFF, info >> 32, int(e[0]) + offset))
+                comm_id = catalog.as_sqlite_int(int(e[4]))  # cluster-wide id (0: unknown)
+                out.nccl_comms.append(
+                    (int(e[2]), int(e[5]), info & 0xFFFFFFFF, info >> 32, int(e[0]) + offset, comm_id)
+                )
+            elif e[10] == catalog.NCCL_CALL_ENTER_OP:
+                self.nccl.enter(e, offset)
 
     # --- kernel-aggregated page allocations ------------------------------------------------------
 

@@ -21,10 +21,8 @@
 #define SRC_DRIVER 4
 #define SRC_IO 5
 #define SRC_TCP 6
-#define SRC_NCCL 8
-
-// Private op ids (>= 100) are control records for the reader, never stored as events.
-#define OP_NCCL_COMM_INIT 100
+// SRC_NCCL and the NCCL control-record op ids (>= 100: never stored as events) come from
+// ingero/store/catalog.py as -D flags (probes.py); nccl_probes.c uses them.
 
 // Kernel-side counters (per-CPU array, read by userspace into session_stats).
 #define CNT_RING_FULL 0        // event lost: ring buffer full
