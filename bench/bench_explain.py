@@ -14,9 +14,9 @@ depends on the machine and its load.
 from __future__ import annotations
 
 import argparse
-import resource
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +105,10 @@ def main() -> int:
         t_cursor = best_of(cursor_rows, repeat)
         t_frames = best_of(lambda: load_frames(conn), repeat)
         t_stats = best_of(lambda: op_stats(conn), repeat)
+        tracemalloc.start()
         report = explain(conn)
+        peak_mb = tracemalloc.get_traced_memory()[1] / 2**20  # numpy arrays and the fetched strings
+        tracemalloc.stop()
         t_explain = best_of(lambda: explain(conn), repeat)
         conn.close()
     print(f"cursor fetch of 6 columns (baseline)   {t_cursor:6.2f} s")
@@ -119,7 +122,7 @@ def main() -> int:
         f"at {n / t_explain / 1e6:.2f} M events/s"
     )
     print(f"explain / cursor fetch of 6 columns    {t_explain / t_cursor:6.2f}x  (v1: ~1.45x)")
-    print(f"peak RSS of this process               {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:6.0f} MB")
+    print(f"explain's peak memory (tracemalloc)    {peak_mb:6.0f} MB  ({peak_mb * 2**20 / n:.0f} bytes/event)")
     print(f"chains found: {[(c.severity, c.family, c.cuda_op) for c in report.chains]}")
     return 0
 
