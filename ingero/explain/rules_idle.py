@@ -70,7 +70,7 @@ def starvation_chains(ctx: Context) -> list[Chain]:
         a, b = _gaps(gpu.ts_ns[k], gpu.dur[k])
         if a.size == 0:
             continue
-        wall = int(gpu.ts_ns[k].max() + gpu.dur[k][np.argmax(gpu.ts_ns[k])] - gpu.ts_ns[k].min())
+        wall = max(1, int(gpu.ts_ns[k].max() + gpu.dur[k][np.argmax(gpu.ts_ns[k])] - gpu.ts_ns[k].min()))
         t_arr = np.full(a.size, tid, dtype=np.int64)
         idle = int((b - a).sum())
         vol_by = ctx.off.by_who(VOL, t_arr, a, b)
