@@ -8,6 +8,7 @@ kernel emulates instead of single-stepping. Binaries go to a temporary directory
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,3 +113,32 @@ def record(opts: TraceOptions, action: Callable[[TraceReady], Any]) -> tuple[Tra
 
     trio.run(main)
     return result["summary"], result.get("action")
+
+
+class BusyJob:
+    """busy_threads (tests/bpf_fixtures/busy_threads.c) running until closed: its pid and thread ids."""
+
+    def __init__(self, exe: Path, built: Built, mode: str, threads: int) -> None:
+        self.proc = subprocess.Popen(
+            [str(exe), mode, str(built.dir), str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        # Lowest priority: the job still calls flat out whenever a CPU is free, but the tracer (and
+        # the other engineers' work on a shared CI machine) is not starved by a tight loop.
+        os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
+        self.tids: list[int] = []
+        for line in self.proc.stdout:
+            if line.strip() == "ready":
+                break
+            self.tids.append(int(line.split()[1]))
+        assert len(self.tids) == threads, "busy_threads did not start"
+
+    def close(self) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        out = self.proc.stdout.read()
+        assert self.proc.wait(timeout=30) == 0
+        return out

@@ -10,8 +10,6 @@ and what could not be paired is counted, never silent.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ import pytest
 from ingero.identity import Identity
 from ingero.store.catalog import CUDA
 from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary
-from tests.bpf_support import Built, build, build_program, record
+from tests.bpf_support import Built, BusyJob, build, build_program, record
 
 pytestmark = [pytest.mark.bpf, pytest.mark.reliability]
 
@@ -29,35 +27,6 @@ ATTACHES = 20
 BUSY_THREADS = 3
 NS = 1_000_000_000
 CUDA_MALLOC, CUDA_LAUNCH = 1, 3
-
-
-class Job:
-    """busy_threads (tests/bpf_fixtures/busy_threads.c) running until closed: its pid and thread ids."""
-
-    def __init__(self, exe: Path, built: Built, mode: str, threads: int) -> None:
-        self.proc = subprocess.Popen(
-            [str(exe), mode, str(built.dir), str(threads)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        # Lowest priority: the job still calls flat out whenever a CPU is free, but the tracer (and
-        # the other engineers' work on a shared CI machine) is not starved by a tight loop.
-        os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
-        self.tids: list[int] = []
-        for line in self.proc.stdout:
-            if line.strip() == "ready":
-                break
-            self.tids.append(int(line.split()[1]))
-        assert len(self.tids) == threads, "busy_threads did not start"
-
-    def close(self) -> str:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.close()
-        out = self.proc.stdout.read()
-        assert self.proc.wait(timeout=30) == 0
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +77,8 @@ def _first_call_per_thread(db: Path, session: int) -> dict[int, int]:
 
 
 @pytest.fixture
-def busy_job(busy_exe: Path, built: Built) -> Iterator[Job]:
-    job = Job(busy_exe, built, "busy", BUSY_THREADS)
+def busy_job(busy_exe: Path, built: Built) -> Iterator[BusyJob]:
+    job = BusyJob(busy_exe, built, "busy", BUSY_THREADS)
     try:
         yield job
     finally:
@@ -117,7 +86,7 @@ def busy_job(busy_exe: Path, built: Built) -> Iterator[Job]:
 
 
 def test_every_attach_to_a_busy_job_records_every_thread_within_a_second(
-    busy_job: Job, built: Built, tmp_path: Path
+    busy_job: BusyJob, built: Built, tmp_path: Path
 ) -> None:
     db = tmp_path / "attach.db"
     blind: list[str] = []
@@ -134,7 +103,7 @@ def test_calls_that_never_return_do_not_blind_the_thread(busy_exe: Path, built: 
     import sqlite3
 
     db = tmp_path / "escape.db"
-    job = Job(busy_exe, built, "escape", 2)
+    job = BusyJob(busy_exe, built, "escape", 2)
     try:
         summary, _ = _trace_for(_options(db, built, host=True), 1.5)
     finally:

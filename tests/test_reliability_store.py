@@ -86,3 +86,78 @@ def test_one_process_cannot_open_two_writers_either(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     with StoreWriter(db, Identity("n1")), pytest.raises(WriterLockedError, match=f"pid {os.getpid()}"):
         StoreWriter(db, Identity("n2"))
+
+
+# --- disk full (bpf: a real tracer, a real tmpfs) -------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_MB}m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+SMALL_DISK_MB = 32
+
+
+@pytest.mark.bpf
+def test_a_full_disk_prunes_the_oldest_events_and_recording_goes_on(
+    small_disk: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import sqlite3
+    import time
+
+    from ingero.trace.tracer import TraceOptions
+    from tests.bpf_support import BusyJob, build, build_program, record
+
+    built = build(tmp_path_factory.mktemp("bpf-build"))
+    job = BusyJob(build_program("busy_threads.c", tmp_path_factory.mktemp("bpf-busy")), built, "busy", 2)
+    db = small_disk / "full.db"
+    opts = TraceOptions(
+        db_path=db,
+        identity=Identity("full-node"),
+        overrides={"cudart": [str(built.cudart)], "cuda": [], "nccl": []},
+        system_search=False,
+        follow=False,
+        stack_mode="off",
+        store_mode="all",  # every call a row: the disk fills within a second or two
+        host=False,
+        io=False,
+        output="quiet",
+    )
+    reserve = db.with_name(db.name + ".reserve")  # given back to the file system at the first SQLITE_FULL
+
+    def until_full_and_beyond(ready: object) -> int:
+        deadline = time.monotonic() + 120  # bounded: a machine too slow to fill 32 MiB fails below
+        while reserve.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        full_at = time.time_ns()
+        time.sleep(2.5)  # keep recording on the full disk
+        return full_at
+
+    try:
+        summary, full_at = record(opts, until_full_and_beyond)
+    finally:
+        job.close()
+    st = summary.stats
+    assert st["disk_full_errors"] >= 1, st
+    assert st["rows_pruned_disk_full"] > 0, st
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+        assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        started, stopped = c.execute("SELECT started_at, stopped_at FROM sessions").fetchone()
+        assert stopped > started  # the session was closed with its counters despite the full disk
+        saved = dict(c.execute("SELECT key, value FROM session_stats"))
+        assert saved["rows_pruned_disk_full"] == st["rows_pruned_disk_full"]
+        # Recording went on after the disk filled: calls made well after it are stored.
+        newest, oldest = c.execute("SELECT max(timestamp), min(timestamp) FROM events").fetchone()
+        assert newest > full_at + 1_000_000_000
+        assert oldest > started  # the oldest events were pruned to make room
+        # Aggregates still count every call seen, stored or not.
+        counted = c.execute("SELECT sum(count) FROM event_aggregates").fetchone()[0]
+        stored = c.execute("SELECT count(*) FROM events").fetchone()[0]
+    assert counted == st["events_seen"] > stored

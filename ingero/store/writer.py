@@ -21,8 +21,10 @@ across restarts, crashes, or two writers mistakenly sharing a node name.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Sequence
@@ -30,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from ingero import __version__
-from ingero.errors import StoreError
+from ingero.errors import DiskFullError, StoreError
 from ingero.identity import Identity, validate_node_name
-from ingero.store.db import open_writable, translate
+from ingero.store.budget import errorname
+from ingero.store.db import open_writable
+from ingero.store.db import translate as _translate_sqlite
 from ingero.store.writer_lock import WriterLock
 from ingero.timeutil import now_ns
 
@@ -53,6 +57,9 @@ EVENT_FIELDS = (
 )
 EventRow = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
 ROWS_PER_STATEMENT = 128
+PRUNE_STEP_FRACTION = 0.02  # on a full disk, events are deleted this share at a time (small WAL)
+WAL_BYTES_PER_ROW = 256  # a generous estimate of one event's WAL bytes (row + timestamp index)
+FULL_DISK_ROWS_PER_TRANSACTION = 4096  # once the disk was full: smaller transactions, each checkpointed
 
 SESSION_FIELDS = (
     "gpu_model",
@@ -82,6 +89,18 @@ CHAIN_FIELDS = (
     "timeline",
     "node",
 )
+
+
+def is_disk_full(e: sqlite3.Error) -> bool:
+    """SQLITE_FULL, or the WAL index (``-shm``) that could not grow: what a full disk looks like."""
+    return errorname(e) == "SQLITE_FULL" or getattr(e, "sqlite_errorname", "") == "SQLITE_IOERR_SHMSIZE"
+
+
+def translate(e: sqlite3.Error, path: Path) -> StoreError:
+    """:func:`ingero.store.db.translate`, plus a full disk as :class:`DiskFullError` (by error name)."""
+    if is_disk_full(e):
+        return DiskFullError(f"the disk of {path} is full", hint="free some space, or set a smaller --max-db")
+    return _translate_sqlite(e, path)
 
 
 def _sql_literal(value: int | str | None) -> str:
@@ -118,6 +137,32 @@ class _Checkpointer(threading.Thread):
         self.join(timeout=5)
 
 
+class _Reserve:
+    """``<db>.reserve``: file-system space set aside at open and given back when the disk is full,
+    so that the database can still checkpoint and prune (1/16 of the file system, 1-256 MiB). The
+    WAL is kept within a quarter of it (``journal_size_limit`` and :meth:`StoreWriter._bound_wal`)."""
+
+    def __init__(self, db: Path, *, only_if_free: bool = False) -> None:
+        self.path = db.with_name(db.name + ".reserve")
+        self.size = 256 << 20
+        try:
+            st = os.statvfs(db.parent)
+            self.size = min(256 << 20, max(1 << 20, st.f_blocks * st.f_frsize // 16))
+            if only_if_free and st.f_bavail * st.f_frsize < 2 * self.size:
+                return  # the room is needed for the WAL now
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.release()  # no room even for the reserve: the writer will meet the full disk soon
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
 class StoreWriter:
     """Single writer. Not thread-safe: call it from one thread (the agent's writer task)."""
 
@@ -149,6 +194,12 @@ class StoreWriter:
             self.conn.close()
             self._lock.release()
             raise translate(e, self.path) from None
+        self._reserve = _Reserve(self.path)
+        self._wal = self.path.with_name(self.path.name + "-wal")
+        self.conn.execute(f"PRAGMA journal_size_limit = {self._reserve.size // 4}")
+        self.disk_full = False  # set by make_room(): write in small checkpointed transactions from now
+        self.full_limit_bytes = 0  # live data kept within this once the disk was full (0: no limit)
+        self.pruned_when_full = 0  # events deleted since to stay within it
         self._checkpointer = _Checkpointer(self.path, checkpoint_interval_s)
         self._checkpointer.start()
         self._closed = False
@@ -233,7 +284,32 @@ class StoreWriter:
             self._rollback()
             raise
         self._seq += n
+        self._bound_wal()
         return n
+
+    def rows_per_transaction(self) -> int:
+        """Event rows one transaction should carry at most: its WAL frames must fit in the share of
+        the reserve kept for the WAL (see :class:`_Reserve`), and fewer once the disk was full."""
+        if self.disk_full:
+            return FULL_DISK_ROWS_PER_TRANSACTION
+        return max(FULL_DISK_ROWS_PER_TRANSACTION, self._reserve.size // 4 // WAL_BYTES_PER_ROW)
+
+    def _bound_wal(self) -> None:
+        """Keep the WAL within a quarter of the reserve's size: frames not yet checkpointed need room in the
+        database file, and on a full disk only the reserve can give it. The background checkpointer
+        does this off the insert path; this catches up only when it lags behind a burst."""
+        try:
+            big = os.stat(self._wal).st_size > self._reserve.size // 4
+        except OSError:
+            return
+        if big or self.disk_full:
+            self.checkpoint()
+        if self.disk_full:
+            try:
+                self._keep_within_full_limit()
+            except sqlite3.Error as e:
+                self._rollback()
+                raise translate(e, self.path) from None
 
     def write_events(self, events: Sequence[EventRow]) -> int:
         return self.write_batch(events)
@@ -378,6 +454,69 @@ class StoreWriter:
             raise translate(e, self.path) from None
         return deleted
 
+    def make_room(self, fraction: float = 0.1) -> int:
+        """After a disk-full error: delete the oldest ``fraction`` of the events (aggregates keep
+        counting them), so later inserts reuse their pages. Returns rows deleted (0: nothing could be
+        freed — no events left, or even a small delete did not fit).
+
+        In WAL mode every change needs room in the WAL first and a checkpoint can grow the database:
+        the emergency reserve (``<db>.reserve``, made at open) is given back to the file system first,
+        then the oldest events go in small transactions, each checkpointed, so the WAL is reused
+        instead of growing. From then on the live data is kept within what it is now, as ``--max-db``
+        would (the file no longer grows: inserts reuse the freed pages).
+        """
+        self._rollback()
+        self._reserve.release()
+        self.disk_full = True
+        deleted = 0
+        try:
+            self.checkpoint(truncate=True)  # the WAL can hold much of what is left of the disk
+            total = self.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+            deleted = self._delete_oldest(max(1, int(total * fraction)), max(1, int(total * PRUNE_STEP_FRACTION)))
+            self.checkpoint(truncate=True)
+            self.full_limit_bytes = self.size_bytes()
+        except sqlite3.Error as e:
+            self._rollback()
+            if not is_disk_full(e):
+                raise translate(e, self.path) from None
+        self._reserve = _Reserve(self.path, only_if_free=True)  # for the next time, if there is room
+        return deleted
+
+    def _delete_oldest(self, goal: int, step: int) -> int:
+        deleted = 0
+        while deleted < goal:
+            cur = self.conn.execute(
+                "DELETE FROM events WHERE rowid IN (SELECT rowid FROM events ORDER BY timestamp LIMIT ?)",
+                (min(step, goal - deleted),),
+            )
+            if cur.rowcount <= 0:
+                break
+            deleted += int(cur.rowcount)
+            self.checkpoint()
+        return deleted
+
+    def _keep_within_full_limit(self) -> None:
+        """Once the disk was full: prune the oldest events whenever the live data outgrows the size
+        it had after pruning (a little at a time), so the file never has to grow again."""
+        if not self.full_limit_bytes or self.size_bytes() <= self.full_limit_bytes:
+            return
+        total = self.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        step = max(1, int(total * PRUNE_STEP_FRACTION))
+        while self.size_bytes() > self.full_limit_bytes * (1 - PRUNE_STEP_FRACTION):
+            n = self._delete_oldest(step, step)
+            self.pruned_when_full += n
+            if not n:
+                break
+
+    def checkpoint(self, *, truncate: bool = False) -> None:
+        """A PASSIVE WAL checkpoint from the writer's connection (busy readers: partial, no error);
+        ``truncate``: also shrink the WAL file to nothing when every frame could be copied."""
+        try:
+            self.conn.execute(f"PRAGMA wal_checkpoint({'TRUNCATE' if truncate else 'PASSIVE'})").fetchone()
+        except sqlite3.Error as e:
+            if not is_disk_full(e) and errorname(e) not in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+                raise translate(e, self.path) from None
+
     def close(self) -> None:
         if self._closed:
             return
@@ -390,6 +529,7 @@ class StoreWriter:
             pass  # another reader holds the WAL: the next open checkpoints it
         finally:
             self.conn.close()
+            self._reserve.release()
             self._lock.release()
 
     def __enter__(self) -> StoreWriter:

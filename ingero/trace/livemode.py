@@ -161,6 +161,12 @@ class LiveView:
             f"  unpaired: calls whose return never came {_fmt_count(st.get('frames_discarded', 0))}, "
             f"returns without their entry {_fmt_count(st.get('orphan_returns', 0))}",
         ]
+        if st.get("disk_full_errors", 0):
+            lines.append(
+                f"  disk full {_fmt_count(st['disk_full_errors'])} time(s): oldest events pruned "
+                f"{_fmt_count(st.get('rows_pruned_disk_full', 0))}, events not stored "
+                f"{_fmt_count(st.get('events_lost_disk_full', 0))} (still counted in event_aggregates)"
+            )
         per_s = 1 / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
         ops = [
             OpLine(

@@ -9,7 +9,10 @@
   kernel drop counters; session stats every few seconds; size-based pruning with ``--max-db``.
 * **writer** (trio task; the work runs in a worker thread via ``trio.to_thread``): turns everything
   received since its last turn into one :class:`~ingero.trace.recorder.WriteBatch` (selective
-  storage, aggregates, stacks, process names) and commits it in one transaction.
+  storage, aggregates, stacks, process names) and commits it in one transaction. When the disk is
+  full (SQLITE_FULL) it prunes the oldest events as ``--max-db`` does and tries again; what could
+  not be stored is counted (``rows_pruned_disk_full``, ``events_lost_disk_full``), and only when not
+  even the aggregates fit does recording stop (:class:`~ingero.errors.DiskFullError`).
 
 ``request_stop()`` ends the drain after one last read; the writer then commits what is left and
 :meth:`Pipeline.run` returns. The caller closes the session with :meth:`Pipeline.stats`.
@@ -25,11 +28,14 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
+from ingero.errors import DiskFullError
 from ingero.store import catalog
 from ingero.store.writer import StoreWriter
 from ingero.trace.livestats import LiveStats
 from ingero.trace.recorder import Recorder, WriteBatch, monotonic_offset_ns
 from ingero.trace.sysinfo import SnapshotSampler
+
+DISK_FULL_ATTEMPTS = 3  # full batch, full batch after pruning, aggregates only after pruning more
 
 
 class EventSource(Protocol):
@@ -92,6 +98,9 @@ class Pipeline:
         self.writer_cpu_s = 0.0
         self.writes = 0
         self.pruned_rows = 0
+        self.disk_full = 0  # write transactions refused with SQLITE_FULL
+        self.pruned_disk_full = 0  # oldest events deleted to make room on a full disk
+        self.lost_disk_full = 0  # events counted in aggregates but not stored: the disk was full
         self.max_drain = 0
         self._kernel: dict[str, int] = {}
         self._processed = 0  # events turned into rows (written by the writer thread only)
@@ -212,21 +221,54 @@ class Pipeline:
                 batch.merge(it.rows)
             stats |= it.kind == "stats"
             prune |= it.kind == "prune"
-        self.writer.write_batch(
-            batch.events,  # type: ignore[arg-type]  # rows of 12 ints in EVENT_FIELDS order
-            stacks=batch.stacks,
-            aggregates=batch.aggregates,
-            snapshots=batch.snapshots,
-            process_names=batch.process_names,
-            nccl_comms=batch.nccl_comms,
-            nccl_calls=batch.nccl_calls,
-        )
+        self._write(batch)
         self.writes += 1
-        if stats:
-            self.writer.save_stats(self.session_id, self.stats())
-        if prune and self.options.max_db_bytes:
-            self.pruned_rows += self.writer.prune_oldest(self.options.max_db_bytes)
+        try:
+            if stats:
+                self.writer.save_stats(self.session_id, self.stats())
+            if prune and self.options.max_db_bytes:
+                self.pruned_rows += self.writer.prune_oldest(self.options.max_db_bytes)
+        except DiskFullError:
+            self.pruned_disk_full += self.writer.make_room()  # the next batch gets the room
         self.writer_cpu_s += time.thread_time() - t0
+
+    def _write(self, batch: WriteBatch) -> None:
+        """The batch in transactions of at most ``writer.rows_per_transaction()`` events (the first
+        one carries everything else). On a full disk: prune the oldest events and go on from the
+        first transaction that failed; on the last try write no more event rows (the aggregates
+        still count them). DiskFullError only when even that does not fit: recording cannot go on."""
+        events = batch.events
+        done = 0  # events written; the rest of the batch goes with the first transaction
+        for attempt in range(DISK_FULL_ATTEMPTS):
+            try:
+                step = self.writer.rows_per_transaction()
+                while done == 0 or done < len(events):
+                    chunk = events[done : done + step]
+                    if done == 0:
+                        self.writer.write_batch(
+                            chunk,  # type: ignore[arg-type]  # rows of 12 ints in EVENT_FIELDS order
+                            stacks=batch.stacks,
+                            aggregates=batch.aggregates,
+                            snapshots=batch.snapshots,
+                            process_names=batch.process_names,
+                            nccl_comms=batch.nccl_comms,
+                            nccl_calls=batch.nccl_calls,
+                        )
+                        done = max(1, len(chunk)) if events else 1
+                    else:
+                        self.writer.write_batch(chunk)  # type: ignore[arg-type]
+                        done += len(chunk)
+                return
+            except DiskFullError:
+                self.disk_full += 1
+                freed = self.writer.make_room()
+                self.pruned_disk_full += freed
+                if attempt == DISK_FULL_ATTEMPTS - 1:
+                    raise
+                if not freed or attempt == DISK_FULL_ATTEMPTS - 2:
+                    # last try: no more event rows (still counted in the aggregates)
+                    self.lost_disk_full += len(events) - min(done, len(events))
+                    events = events[:done] if done else []
 
     # --- numbers ---------------------------------------------------------------------------------
 
@@ -242,6 +284,9 @@ class Pipeline:
             "max_events_per_drain": self.max_drain,
             "write_transactions": self.writes,
             "rows_pruned": self.pruned_rows,
+            "disk_full_errors": self.disk_full,
+            "rows_pruned_disk_full": self.pruned_disk_full + self.writer.pruned_when_full,
+            "events_lost_disk_full": self.lost_disk_full,
             "drain_cpu_us": int(self.drain_cpu_s * 1e6),
             "writer_cpu_us": int(self.writer_cpu_s * 1e6),
             "nccl_comm_records": rec.control_records,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 import numpy as np
 import trio
 
-from ingero.errors import IngeroError, UsageError
+from ingero.errors import DiskFullError, IngeroError, UsageError
 from ingero.identity import Identity
 from ingero.store import catalog
 from ingero.trace import discovery
@@ -303,7 +303,11 @@ async def _close(
     if writer is not None:
         try:
             if session_id:
-                writer.end_session(session_id, stats)
+                try:
+                    writer.end_session(session_id, stats)
+                except DiskFullError:  # make room (the oldest events) for the session's counters
+                    stats["rows_pruned_disk_full"] = stats.get("rows_pruned_disk_full", 0) + writer.make_room()
+                    writer.end_session(session_id, stats)
         finally:
             writer.close()
     return elapsed, stats
