@@ -129,7 +129,7 @@ def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path
         rec.process(555, "unrelated-cron-job", 9.0)  # started just before: not the best evidence
 
     c = only(report_of(build(tmp_path / "t.db", hook, extra=extra)), "tail/cpu", "cudaStreamSync")
-    assert "pid 777 (cpu_hog --spin) ran in its place" in c.root_cause
+    assert "preempted by pid 777 (cpu_hog --spin), which ran in its place" in c.root_cause
     assert "unrelated-cron-job" not in c.root_cause
     assert next(t.op for t in c.timeline if t.layer == "HOST") == "preemption"
 

@@ -34,7 +34,7 @@ class Culprit:
 
     def clause(self) -> str:
         if self.ns:
-            return f"{self.name} ran in its place for {self.ns / 1e6:.0f} ms of it"
+            return f"{self.name}, which ran in its place for {self.ns / 1e6:.0f} ms"
         if self.preemptions:
             return f"{self.name} ran in its place {self.preemptions} times"
         return f"{self.name} started just before"

@@ -376,7 +376,12 @@ def _drop_chain(ctx: Context, d: _Drop, others: list[_Drop]) -> Chain:
     g = ctx.grid
     st, found, ep = d.st, d.found, d.ep
     start, end = g.start_of(d.b0), min(g.end_of(d.b1), ctx.frame.last_ns + 1)
-    culprits = ctx.culprits(start, end) if found[0].family == "cpu" else []
+    culprits: list[Culprit] = []
+    if found[0].family == "cpu":  # who ran in the GPU threads' place in the window, measured
+        tids = np.unique(ctx.rows(st).tid)
+        culprits = ctx.preemptors(
+            tids, np.full(tids.size, start, dtype=np.int64), np.full(tids.size, end, dtype=np.int64)
+        ) or ctx.culprits(start, end)
     words = " + ".join(cz.phrase(c, ep) for c in found[:3])
     change = f"{d.base_rate:.0f} → {d.rate:.0f} ops/s"
     tl = cz.timeline(found, ep, culprits)
