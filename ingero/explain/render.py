@@ -7,6 +7,7 @@ import textwrap
 from ingero.explain.engine import ExplainReport
 from ingero.explain.model import Chain
 from ingero.explain.stats import HostSummary, OpStats
+from ingero.texttable import render_table
 from ingero.timeutil import fmt_duration, fmt_ts, fmt_us
 
 WIDTH = 100
@@ -14,8 +15,6 @@ SEVERITY_MARK = {"HIGH": "[HIGH]  ", "MEDIUM": "[MEDIUM]", "LOW": "[LOW]   "}
 
 
 def _ops_table(ops: list[OpStats], limit: int) -> list[str]:
-    from ingero.cli.output import render_table
-
     rows = [
         [
             o.name,
