@@ -117,7 +117,8 @@ static void *serve(void *arg) {
         for (int i = 0; i < sv->nranks; i++)
             if (full_io(fds[i], &c, 1, 0))
                 return NULL; /* a rank left: the job is over */
-        for (int i = 0; i < sv->nranks; i++)
+        /* rank 0 (this process) last: once it has its byte it may return, finish and exit */
+        for (int i = sv->nranks - 1; i >= 0; i--)
             full_io(fds[i], &c, 1, 1);
     }
 }
