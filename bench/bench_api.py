@@ -72,10 +72,10 @@ def build_db(path: Path, n: int) -> Path:
                 (t, pid, pid + i % 7, source, op, rng.randint(1000, 900_000), 0, rng.randint(0, 1 << 30), 0, 0, 0, 0)
             )
             if len(batch) == 50_000:
-                w.write_events(batch)
+                w.write_batch(batch)
                 batch = []
         if batch:
-            w.write_events(batch)
+            w.write_batch(batch)
         w.end_session(sid, {"events_seen": n})
     return path
 

@@ -70,7 +70,7 @@ def make_db(path: Path, n: int) -> None:
     with StoreWriter(path, Identity("bench-node")) as w:
         sid = w.start_session({}, started_at=int(tsn[0]))
         for i in range(0, n, 100_000):
-            w.write_events(rows[i : i + 100_000])
+            w.write_batch(rows[i : i + 100_000])
         w.end_session(sid, stopped_at=int(tsn[-1]))
 
 

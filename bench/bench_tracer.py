@@ -15,7 +15,6 @@ usage: sudo .venv/bin/python bench/bench_tracer.py [--quick]
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import resource
 import sqlite3
@@ -90,7 +89,7 @@ def with_agent(b: dict[str, Path], db: Path, action: Callable[[TraceReady], Any]
     box: dict[str, Any] = {}
 
     async def tracer(task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED) -> None:
-        box["summary"] = await run_trace(opts, out=io.StringIO(), task_status=task_status, handle_signals=False)
+        box["summary"] = await run_trace(opts, task_status=task_status, handle_signals=False)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

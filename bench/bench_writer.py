@@ -1,7 +1,7 @@
 """Store writer throughput: events/s into a fresh database (target ≥ 300 k events/s).
 
 Measured side by side in one run:
-  writer     StoreWriter.write_events() in batches (what the tracer's pipeline does)
+  writer     StoreWriter.write_batch() in batches (what the tracer's pipeline does)
   floor      the same rows inserted by SQLite alone (INSERT INTO events SELECT ... FROM a temp table),
              i.e. what SQLite needs for Ingero's schema (text primary key + 4 indexes) with no Python
   naive      plain executemany of one-row INSERTs with default autocheckpointing (the obvious version)
@@ -60,7 +60,7 @@ def bench_writer(path: Path, rows: list[tuple[int, ...]], batch: int, *, fresh_d
     w = StoreWriter(path, Identity("bench-node", rank=0, local_rank=0, world_size=1))
     t0 = time.perf_counter()
     for i in range(0, len(rows), batch):
-        w.write_events(rows[i : i + batch])
+        w.write_batch(rows[i : i + batch])
     dt = time.perf_counter() - t0
     w.close()
     return dt

@@ -7,7 +7,6 @@ kernel emulates instead of single-stepping. Binaries go to a temporary directory
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 from collections.abc import Callable
@@ -101,7 +100,7 @@ def record(opts: TraceOptions, action: Callable[[TraceReady], Any]) -> tuple[Tra
     result: dict[str, Any] = {}
 
     async def tracer(task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED) -> None:
-        result["summary"] = await run_trace(opts, out=io.StringIO(), task_status=task_status, handle_signals=False)
+        result["summary"] = await run_trace(opts, task_status=task_status, handle_signals=False)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

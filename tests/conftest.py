@@ -108,6 +108,6 @@ def write_db(path: Path, events: list[EventRow], node: str = "test-node", **iden
     """Write events into a fresh ingero database through the real writer."""
     with StoreWriter(path, Identity(node, **ident)) as w:
         sid = w.start_session({"flags": "test"})
-        w.write_events(events)
+        w.write_batch(events)
         w.end_session(sid, {"events_seen": len(events)})
     return path

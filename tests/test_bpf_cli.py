@@ -29,7 +29,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 
 def _start_trace(built: Built, db: Path, *extra: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """Start ``ingero trace`` and return once its probes are attached (it says so on stderr)."""
+    """Start ``ingero trace``; return once its --ready-file says the probes are attached (readiness
+    is never scraped from its output), with the start banner it printed then."""
+    ready = Path(extra[extra.index("--ready-file") + 1]) if "--ready-file" in extra else db.with_suffix(".ready")
     cmd = [
         sys.executable,
         "-m",
@@ -41,22 +43,30 @@ def _start_trace(built: Built, db: Path, *extra: str) -> tuple[subprocess.Popen[
         str(built.cudart),
         "--driver-lib",
         str(built.cuda),
+        "--nccl-lib",  # not discovered: another process on the machine may map some libnccl
+        str(built.nccl),
         "--no-system-search",
         "--no-follow",
         "--quiet",
         "--node",
         "cli-node",
         *extra,
+        *(() if "--ready-file" in extra else ("--ready-file", str(ready))),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, err = proc.communicate(timeout=30) if proc.poll() is not None else ("", "timed out")
+            raise AssertionError("ingero trace did not start: " + err)
+        time.sleep(0.02)
     assert proc.stderr is not None
     lines = []
-    for line in proc.stderr:
+    for line in proc.stderr:  # the banner, printed once the ready file is written
         lines.append(line)
         if line.startswith("ingero trace: probing"):
-            return proc, lines
-    proc.wait()
-    raise AssertionError("ingero trace did not start: " + "".join(lines))
+            break
+    return proc, lines
 
 
 @pytest.fixture
@@ -114,7 +124,7 @@ def test_trace_serves_the_agent_api_while_recording(
     tracer, lines = _start_trace(built, db, "--listen", "127.0.0.1:0", "--no-tls", "--ready-file", str(ready))
     cleanup.append(tracer)
     doc = json.loads(ready.read_text())
-    assert doc["pid"] == tracer.pid and doc["probes"] == 8 + 11
+    assert doc["pid"] == tracer.pid and doc["probes"] == 8 + 11 + 10
     url = doc["url"]
     assert url.startswith("http://127.0.0.1:") and any(url in line for line in lines)
     subprocess.run([str(built.workload), "loop", str(built.dir), "5000"], check=True, capture_output=True)

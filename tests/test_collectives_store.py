@@ -41,7 +41,7 @@ def test_comm_id_folds_every_word_of_the_unique_id() -> None:
 def _old_schema_2(path: Path) -> None:
     """A database as schema 2 left it: NCCL rows on source 8, nccl_comms without comm_id."""
     with StoreWriter(path, Identity("n1")) as w:
-        w.write_events([(1000, 7, 7, catalog.NCCL, 1, 500, 0, 4096, 0xC0, 0, 0, 0)])
+        w.write_batch([(1000, 7, 7, catalog.NCCL, 1, 500, 0, 4096, 0xC0, 0, 0, 0)])
     conn = sqlite3.connect(path)
     conn.executescript(
         f"""

@@ -108,7 +108,7 @@ def test_frames_split_nodes_and_find_nodes_without_sessions(tmp_path: Path) -> N
         with StoreWriter(db, Identity(node)) as w:
             if node != "c":  # node c wrote events but no session
                 w.end_session(w.start_session({}, started_at=1), stopped_at=2)
-            w.write_events([(10**18 + i, 1, 1, 1, 5, dur, 0, 0, 0, 0, 0, 0) for i in range(300)])
+            w.write_batch([(10**18 + i, 1, 1, 1, 5, dur, 0, 0, 0, 0, 0, 0) for i in range(300)])
     conn = open_readonly(db)
     frames = load_frames(conn)
     assert list(frames) == ["a", "b", "c"]

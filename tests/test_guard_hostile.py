@@ -174,7 +174,7 @@ def test_guard_on_a_live_database_changes_nothing(tmp_path: Path) -> None:
     db = tmp_path / "live.db"
     with StoreWriter(db, Identity("live-node")) as w:
         sid = w.start_session({"flags": "test"})
-        w.write_events([(1_775_218_723_000_000_000 + i, 7, 7, 1, 1, 1000 + i, 0, 0, 0, 0, 0, 0) for i in range(500)])
+        w.write_batch([(1_775_218_723_000_000_000 + i, 7, 7, 1, 1, 1000 + i, 0, 0, 0, 0, 0, 0) for i in range(500)])
         assert Path(str(db) + "-wal").exists()
         state = _logical_state(db)
         for sql, _ in attempts(tmp_path / "stolen.db"):

@@ -98,7 +98,7 @@ def test_writer_appends_to_merged_database(tmp_path: Path, samples: Path) -> Non
     out = tmp_path / "cluster.db"
     merge_databases([samples / n for n in NODES], out)
     with StoreWriter(out, Identity("gpu-node-02")) as w:
-        w.write_events([_ev(0)])
+        w.write_batch([_ev(0)])
     conn = open_readonly(out)
     assert conn.execute("SELECT count(*) FROM events WHERE id = 'gpu-node-02:554'").fetchone()[0] == 1
     assert conn.execute("SELECT count(*) - count(DISTINCT id) FROM events").fetchone()[0] == 0
@@ -233,7 +233,7 @@ def test_live_input_is_read_consistently(tmp_path: Path) -> None:
     db = tmp_path / "live.db"
     w = StoreWriter(db, Identity("gpu-live"), checkpoint_interval_s=3600)
     try:
-        w.write_events([_ev(i) for i in range(50)])
+        w.write_batch([_ev(i) for i in range(50)])
         assert Path(str(db) + "-wal").exists()
         info = inspect_input(db, None)
         assert info.live

@@ -52,7 +52,7 @@ def big_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with StoreWriter(path, Identity("big-node")) as w:
         sid = w.start_session({"flags": "reliability"})
         for start in range(0, EVENTS, 50_000):
-            w.write_events(_rows(start, 50_000))
+            w.write_batch(_rows(start, 50_000))
         w.end_session(sid, {"events_seen": EVENTS})
     return path
 
@@ -73,7 +73,7 @@ class Recorder:
                 sid = w.start_session({"flags": "live"})
                 start = EVENTS * 10  # later than anything the queries look at
                 while not self.stop.is_set():
-                    self.written += w.write_events(_rows(start + self.written, 500))
+                    self.written += w.write_batch(_rows(start + self.written, 500))
                 w.end_session(sid, {"events_seen": self.written})
         except BaseException as e:  # reported by the test
             self.error = e

@@ -56,7 +56,7 @@ def test_schema_matches_ingero_tables_and_columns(tmp_path: Path, samples: Path)
 def test_writer_assigns_node_ids_and_stamps_identity(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     with StoreWriter(db, Identity("gpu-node-07", rank=3, local_rank=1, world_size=8)) as w:
-        assert w.write_events([_ev(i) for i in range(300)]) == 300  # > one 128-row statement + remainder
+        assert w.write_batch([_ev(i) for i in range(300)]) == 300  # > one 128-row statement + remainder
     conn = open_readonly(db)
     rows = conn.execute("SELECT id, node, rank, local_rank, world_size FROM events ORDER BY rowid").fetchall()
     assert [r[0] for r in rows[:3]] == ["gpu-node-07:1", "gpu-node-07:2", "gpu-node-07:3"]
@@ -69,9 +69,9 @@ def test_ids_survive_restarts(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     for _ in range(3):
         with StoreWriter(db, Identity("n1")) as w:
-            w.write_events([_ev(i) for i in range(5)])
+            w.write_batch([_ev(i) for i in range(5)])
     with StoreWriter(db, Identity("n2")) as w:
-        w.write_events([_ev(0)])
+        w.write_batch([_ev(0)])
     conn = open_readonly(db)
     ids = [r[0] for r in conn.execute("SELECT id FROM events ORDER BY rowid")]
     assert ids == [f"n1:{i}" for i in range(1, 16)] + ["n2:1"]
@@ -86,8 +86,7 @@ def test_seq_continues_on_ingero_database_without_node_seq(sample_copy: Path) ->
         .fetchone()[0]
     )
     with StoreWriter(db, Identity("gpu-node-02")) as w:
-        assert w.next_seq == before + 1
-        w.write_events([_ev(0)])
+        w.write_batch([_ev(0)])
     conn = open_readonly(db)
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 201
     assert conn.execute(f"SELECT count(*) FROM events WHERE id = 'gpu-node-02:{before + 1}'").fetchone()[0] == 1
@@ -129,11 +128,10 @@ def test_batch_writes_everything_in_one_transaction(tmp_path: Path) -> None:
 def test_failed_batch_rolls_back(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     with StoreWriter(db, Identity("n1")) as w:
-        w.write_events([_ev(0)])
+        w.write_batch([_ev(0)])
         with pytest.raises(Exception, match=r"t\.db"):
             w.write_batch([_ev(1)], process_names=[(1, None, 0)])  # type: ignore[list-item]  # NOT NULL violation
-        assert w.next_seq == 2
-        w.write_events([_ev(2)])
+        w.write_batch([_ev(2)])
     ids = [r[0] for r in open_readonly(db).execute("SELECT id FROM events ORDER BY rowid")]
     assert ids == ["n1:1", "n1:2"]
 
@@ -163,11 +161,11 @@ def test_readonly_open_leaves_no_files_and_changes_nothing(sample_copy: Path) ->
 def test_readonly_sees_live_writer(tmp_path: Path) -> None:
     db = tmp_path / "live.db"
     with StoreWriter(db, Identity("n1")) as w:
-        w.write_events([_ev(i) for i in range(3)])
+        w.write_batch([_ev(i) for i in range(3)])
         assert Path(str(db) + "-wal").exists()
         conn = open_readonly(db)
         assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 3
-        w.write_events([_ev(3)])
+        w.write_batch([_ev(3)])
         assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 4
         conn.close()
 
@@ -189,7 +187,7 @@ def test_ingero_08_layout_opens_readonly_with_node_column(tmp_path: Path) -> Non
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "future.db"
     with StoreWriter(db, Identity("n1")) as w:
-        w.write_events([_ev(0)])
+        w.write_batch([_ev(0)])
     conn = sqlite3.connect(db)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     conn.commit()
@@ -232,7 +230,7 @@ def test_summarize(samples: Path, tmp_path: Path) -> None:
     db = tmp_path / "live.db"
     with StoreWriter(db, Identity("n1")) as w:
         w.start_session()
-        w.write_events([(__import__("time").time_ns(), 1, 1, 1, 1, 10, 0, 0, 0, 0, 0, 0)])
+        w.write_batch([(__import__("time").time_ns(), 1, 1, 1, 1, 10, 0, 0, 0, 0, 0, 0)])
         assert summarize(open_readonly(db)).live
 
 
@@ -240,7 +238,7 @@ def test_prune_oldest_keeps_newest(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     with StoreWriter(db, Identity("n1")) as w:
         for b in range(10):
-            w.write_events([_ev(b * 2000 + i) for i in range(2000)])
+            w.write_batch([_ev(b * 2000 + i) for i in range(2000)])
         before = w.size_bytes()
         deleted = w.prune_oldest(before // 2)
         assert deleted > 0

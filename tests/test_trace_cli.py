@@ -8,8 +8,8 @@ import pytest
 
 from ingero.cli.main import build_parser
 from ingero.cli.trace import options_from
+from ingero.cli.trace_view import render_ops
 from ingero.errors import UsageError
-from ingero.trace.livemode import render_ops
 from ingero.trace.livestats import OpLine
 from ingero.trace.tracer import parse_size
 

@@ -180,11 +180,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _trace(opts: TraceOptions, ready: Path | None) -> None:
+async def _trace(opts: TraceOptions, ready_file: Path | None) -> None:
+    """Run the tracer; readiness comes back through ``task_status`` (never scraped from output):
+    the --ready-file is written first, then the view prints the banner."""
+    import trio
+
+    from ingero.cli.trace_view import TraceView
     from ingero.trace.tracer import run_trace
 
-    on_ready = (lambda info: _write_ready(ready, info)) if ready is not None else None
-    await run_trace(opts, on_ready=on_ready)
+    view = TraceView(opts)
+
+    async def tracer(task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED) -> None:
+        await run_trace(opts, view=view, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        ready: TraceReady = await nursery.start(tracer)
+        if ready_file is not None:
+            _write_ready(ready_file, ready)
+        view.started(ready)
 
 
 def _write_ready(path: Path, info: TraceReady) -> None:

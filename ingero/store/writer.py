@@ -40,7 +40,7 @@ from ingero.store.db import translate as _translate_sqlite
 from ingero.store.writer_lock import WriterLock
 from ingero.timeutil import now_ns
 
-# Column order of an event row handed to write_events().
+# Column order of an event row handed to write_batch().
 EVENT_FIELDS = (
     "timestamp",
     "pid",
@@ -188,12 +188,6 @@ class StoreWriter:
             f"({prefix}||(?1+{r}),{','.join(f'?{2 + r * nf + f}' for f in range(nf))},{lit})"
             for r in range(ROWS_PER_STATEMENT)
         )
-        try:
-            self._seq = self._load_seq()
-        except sqlite3.Error as e:
-            self.conn.close()
-            self._lock.release()
-            raise translate(e, self.path) from None
         self._reserve = _Reserve(self.path)
         self._wal = self.path.with_name(self.path.name + "-wal")
         self.conn.execute(f"PRAGMA journal_size_limit = {self._reserve.size // 4}")
@@ -217,10 +211,6 @@ class StoreWriter:
             "SELECT max(CAST(substr(id, ?) AS INTEGER)) FROM events WHERE node = ?", (start, node)
         ).fetchone()[0]
         return int(found) + 1 if found is not None else 1
-
-    @property
-    def next_seq(self) -> int:
-        return self._seq
 
     # --- transactions --------------------------------------------------------------------------
 
@@ -283,7 +273,6 @@ class StoreWriter:
         except BaseException:
             self._rollback()
             raise
-        self._seq += n
         self._bound_wal()
         return n
 
@@ -311,14 +300,11 @@ class StoreWriter:
                 self._rollback()
                 raise translate(e, self.path) from None
 
-    def write_events(self, events: Sequence[EventRow]) -> int:
-        return self.write_batch(events)
-
     def _insert_events(self, events: Sequence[EventRow]) -> int:
         n = len(events)
         if not n:
             return 0
-        self._seq = seq = self._load_seq()  # under the write lock: authoritative
+        seq = self._load_seq()  # under the write lock (BEGIN IMMEDIATE): authoritative
         k = ROWS_PER_STATEMENT
         full = n - n % k
         if full:

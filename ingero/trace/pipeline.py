@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,8 +104,13 @@ class Pipeline:
         self.lost_disk_full = 0  # events counted in aggregates but not stored: the disk was full
         self.max_drain = 0
         self._kernel: dict[str, int] = {}
+        self._exited: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._processed = 0  # events turned into rows (written by the writer thread only)
         self.started_ns = time.monotonic_ns()
+
+    def forget_pids(self, pids: list[int]) -> None:
+        """Processes that exited: the recorder drops their state at its next write (its thread)."""
+        self._exited.put(list(pids))
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -223,6 +229,8 @@ class Pipeline:
             prune |= it.kind == "prune"
         self._write(batch)
         self.writes += 1
+        while not self._exited.empty():
+            self.recorder.forget_pids(self._exited.get_nowait())
         try:
             if stats:
                 self.writer.save_stats(self.session_id, self.stats())

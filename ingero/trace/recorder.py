@@ -369,9 +369,15 @@ class Recorder:
         return out
 
     def forget_pids(self, pids: list[int]) -> None:
-        for pid in pids:
+        """Drop what is kept per process once it exited (called by the pipeline on process_exit):
+        page-allocation baselines, symbol tables, the sampling budgets and the named-pid memo."""
+        gone = set(pids)
+        for pid in gone:
             self._page_allocs.pop(pid, None)
             self._symbolizer.forget(pid)
+        self._named -= gone
+        for key in [k for k in self._budgets if k >> 16 in gone]:
+            del self._budgets[key]
 
 
 __all__ = ["BULK_OPS", "Recorder", "StoragePolicy", "WriteBatch", "monotonic_offset_ns", "stack_hash"]

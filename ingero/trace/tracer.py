@@ -5,24 +5,24 @@ once every probe is attached, so tests (and ``--ready-file``) start workloads on
 ``--duration``, SIGINT/SIGTERM (a second one stops without waiting for the writer) or
 :meth:`TraceControl.stop`, and always — error or not — silences the BPF programs (a flag they check:
 instant), drains what the kernel already produced, closes the ``sessions`` row with its counters
-(``session_stats``), closes the database, prints the summary and only then detaches the probes (the
-kernel takes ~0.1 s per uprobe to unregister one).
+(``session_stats``), closes the database, hands the summary to the view (the CLI prints it) and only
+then detaches the probes (the kernel takes ~0.1 s per uprobe to unregister one). The tracer never
+prints: progress goes to a :class:`~ingero.trace.livemode.LiveView` given by the caller.
 
 Within a run, ``--listen`` serves the agent API (:func:`ingero.api.server.serve_api`) from the same
 trio nursery; a maintenance task probes libraries that new processes map (follow mode, every 2 s) and
-forgets the page-allocation counters of processes that exited.
+forgets what is kept per process (kernel page-allocation counters, recorder state) once it exited.
 """
 
 from __future__ import annotations
 
 import math
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import trio
@@ -31,6 +31,7 @@ from ingero.errors import DiskFullError, IngeroError, UsageError
 from ingero.identity import Identity
 from ingero.store import catalog
 from ingero.trace import discovery
+from ingero.trace.livemode import LiveView, tick_loop
 from ingero.trace.livestats import LiveStats
 from ingero.trace.pipeline import Pipeline, PipelineOptions
 from ingero.trace.recorder import Recorder, StoragePolicy
@@ -183,16 +184,15 @@ class _Follower:
 async def run_trace(
     opts: TraceOptions,
     *,
-    out: TextIO | None = None,
+    view: LiveView | None = None,
     task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED,
     handle_signals: bool = True,
-    on_ready: Callable[[TraceReady], None] | None = None,
 ) -> TraceSummary:
+    """Record until stopped; readiness (every probe attached) through ``task_status``, progress to
+    ``view`` (the CLI's live table / JSON lines; None: silent). Returns the summary."""
     from ingero.store.writer import StoreWriter
-    from ingero.trace.livemode import LiveView
     from ingero.trace.probes import BpfProbes, ProbeOptions, preflight
 
-    out = out or sys.stdout
     preflight()
     problems = discovery.validate_overrides(opts.overrides)
     if problems:
@@ -238,7 +238,6 @@ async def run_trace(
         )
         if opts.observer is not None:
             opts.observer.attach(pipeline)
-        view = LiveView(live, pipeline, opts, out)
         async with trio.open_nursery() as nursery:
             bound = None
             if opts.listen is not None:
@@ -251,13 +250,11 @@ async def run_trace(
                 nursery.start_soon(_watch_signals, control)
             if opts.duration_s is not None:
                 nursery.start_soon(_stop_after, control, opts.duration_s)
-            nursery.start_soon(_maintenance_loop, follower, probes, view, control)
-            nursery.start_soon(view.run, control)
+            nursery.start_soon(_maintenance_loop, follower, probes, pipeline, view, control)
+            if view is not None:
+                nursery.start_soon(tick_loop, view, live, pipeline)
             ready = TraceReady(session_id, attached, len(probes.attached_probes()), bound, control)
-            if on_ready is not None:
-                on_ready(ready)  # e.g. the --ready-file, written before the banner announces readiness
-            view.started(attached, bound)
-            task_status.started(ready)
+            task_status.started(ready)  # the one readiness report (the caller announces it)
             await control.wait()
             # Shutdown: the programs stop emitting (a flag, instant), a last drain, the writer commits,
             # then the server goes. Detaching the probes is slow (~0.1 s each): it comes last.
@@ -281,7 +278,8 @@ async def run_trace(
         libraries=[{"kind": a.kind, "path": a.path, "functions": [p.symbol for p in a.probes]} for a in attached],
         reason=control.reason or "stopped",
     )
-    view.finish(summary)
+    if view is not None:
+        view.finished(summary)
     with trio.CancelScope(shield=True):
         await trio.to_thread.run_sync(probes.close)
     return summary
@@ -342,18 +340,22 @@ async def _stop_after(control: TraceControl, seconds: float) -> None:
     control.stop("duration reached")
 
 
-async def _maintenance_loop(follower: _Follower, probes: BpfProbes, view: Any, control: TraceControl) -> None:
-    """Every RESCAN_INTERVAL_S (or on request): probe new GPU libraries (follow mode), and drop the
-    kernel's page-allocation counters of processes that exited."""
+async def _maintenance_loop(
+    follower: _Follower, probes: BpfProbes, pipeline: Pipeline, view: LiveView | None, control: TraceControl
+) -> None:
+    """Every RESCAN_INTERVAL_S (or on request): probe new GPU libraries (follow mode), and drop what
+    is kept per process (kernel page-allocation counters, the recorder's state) once it exited."""
     while True:
         await control._next_rescan(RESCAN_INTERVAL_S)
         if follower.opts.follow:
             new = await trio.to_thread.run_sync(follower.rescan)
             for lib in new:
-                view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
+                if view is not None:
+                    view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
         if follower.exited:
             gone, follower.exited = follower.exited, []
             await trio.to_thread.run_sync(probes.forget_page_allocs, gone)
+            pipeline.forget_pids(gone)
         control._rescanned()
 
 
