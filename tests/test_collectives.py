@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ingero.fleet.collectives import CALL_COLUMNS, NodeCalls, analyze, comm_hex
+from ingero.fleet.collectives import NodeCalls, analyze, comm_hex
+from ingero.store.nccl import CALL_COLUMNS
 from tests.collective_sim import Job, Rank, simulate
 
 NODES = ["gpu-node-01", "gpu-node-02", "gpu-node-03", "gpu-node-04"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ingero.config import GpuRates
-from ingero.fleet.collectives import RankRow
+from ingero.fleet.collective_model import RankRow
 
 SECONDS_PER_HOUR = 3600.0
 

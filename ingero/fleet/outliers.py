@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ingero.fleet.collectives import RankRow
+from ingero.fleet.collective_model import RankRow
 from ingero.fleet.straggler import Z_THRESHOLD, robust_z
 
 # metric -> (what it is, value of a rank, sign: +1 high is bad / −1 low is bad, absolute floor)

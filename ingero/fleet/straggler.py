@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ingero.fleet.collectives import CollectiveVerdict
+from ingero.fleet.collective_model import CollectiveVerdict
 
 Z_THRESHOLD = 3.5
 MIN_RATIO = 2.0
