@@ -46,6 +46,7 @@ def _old_schema_2(path: Path) -> None:
     conn.executescript(
         f"""
         DELETE FROM sources WHERE id = 8;
+        DELETE FROM ops WHERE source_id = 8;
         UPDATE sources SET id = 8 WHERE id = {catalog.NCCL};
         UPDATE ops SET source_id = 8 WHERE source_id = {catalog.NCCL};
         UPDATE events SET source = 8 WHERE source = {catalog.NCCL};
