@@ -176,3 +176,31 @@ def test_from_body_roundtrip_and_malformed_answers() -> None:
 
 def test_no_calls() -> None:
     assert analyze([]).kind == "no-collectives"
+
+
+# --- the host-figures verdict (no collectives): noise never names a node --------------------------
+
+
+def test_host_verdict_ignores_low_value_noise_and_reports_lows() -> None:
+    from ingero.fleet.straggler import NodeFigures, verdict
+
+    def fig(node: str, events: int, avg: float, p99: float) -> NodeFigures:
+        return NodeFigures(node=node, host_events=events, host_avg_ms=avg, op_p99_ms={"ncclAllReduce": p99})
+
+    # the noise: ncclAllReduce p99 257 µs vs peers ~61 µs, near-identical host figures
+    v = verdict(
+        [fig("a", 400, 1.0, 0.257), fig("b", 402, 1.0, 0.061), fig("c", 399, 1.01, 0.060), fig("d", 401, 1.0, 0.062)]
+    )
+    assert v.outlier is None and v.line.startswith("no straggler")
+    # a real high still names its node
+    v = verdict(
+        [fig("a", 2400, 9.0, 0.06), fig("b", 402, 1.0, 0.061), fig("c", 399, 1.01, 0.060), fig("d", 401, 1.0, 0.062)]
+    )
+    assert v.outlier == "a"
+    # a node far below its peers is reported as unusual, never as the straggler
+    v = verdict(
+        [fig("a", 20, 1.0, 0.06), fig("b", 2402, 1.0, 0.061), fig("c", 2399, 1.01, 0.060), fig("d", 2401, 1.0, 0.062)]
+    )
+    assert v.outlier is None
+    assert "also unusual: a (low: 20 host events vs peers ~2,401)" in v.line
+    assert [f.direction for f in v.findings] == ["low"]
