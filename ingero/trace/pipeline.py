@@ -30,10 +30,9 @@ import numpy as np
 import trio
 
 from ingero.errors import DiskFullError
-from ingero.store import catalog
 from ingero.store.writer import StoreWriter
 from ingero.trace.livestats import LiveStats
-from ingero.trace.recorder import Recorder, WriteBatch, monotonic_offset_ns
+from ingero.trace.recorder import PAGE_ALLOC, Recorder, WriteBatch, monotonic_offset_ns
 from ingero.trace.sysinfo import SnapshotSampler
 
 DISK_FULL_ATTEMPTS = 3  # full batch, full batch after pruning, aggregates only after pruning more
@@ -221,7 +220,7 @@ class Pipeline:
                 rows = self.recorder.page_alloc_rows(it.pages, it.ts)
                 if self.live is not None:
                     for r in rows.aggregates:
-                        self.live.add_counts(catalog.HOST, 3, int(r[4]))
+                        self.live.add_counts(*PAGE_ALLOC, int(r[4]))
                 batch.merge(rows)
             elif it.rows is not None:
                 batch.merge(it.rows)

@@ -180,12 +180,19 @@ def _cflags(options: ProbeOptions) -> list[str]:
         f"-DINGERO_STACK_MODE={STACK_MODES[options.stack_mode]}",
         f"-DINGERO_RING_PAGES={ring_pages(options)}",
         f"-DINGERO_HAVE_OOM={int(tracepoint_exists('oom', 'mark_victim'))}",
-        f"-DSRC_NCCL={catalog.NCCL}",
-        f"-DOP_NCCL_COMM_INIT={catalog.NCCL_COMM_INIT_OP}",
-        f"-DOP_NCCL_CALL_ENTER={catalog.NCCL_CALL_ENTER_OP}",
+        *catalog_defines(),
         "-Wno-unused-function",
-        "-Wno-macro-redefined",
     ]
+
+
+def catalog_defines() -> list[str]:
+    """The BPF C's source and op ids, from :mod:`ingero.store.catalog` (their one declaration):
+    ``SRC_<source name>`` and ``OP_<op name>`` (``SRC_CUDA``, ``OP_cudaMalloc``, ``OP_sched_switch``),
+    plus the control-record op ids. The C defines none of them itself (tests/test_trace_bpf_ids.py)."""
+    flags = [f"-DSRC_{name}={sid}" for sid, name, _ in catalog.SOURCES]
+    flags += [f"-DOP_{name}={op}" for _, op, name, _ in catalog.OPS]
+    flags += [f"-DOP_NCCL_COMM_INIT={catalog.NCCL_COMM_INIT_OP}", f"-DOP_NCCL_CALL_ENTER={catalog.NCCL_CALL_ENTER_OP}"]
+    return flags
 
 
 class BpfProbes:

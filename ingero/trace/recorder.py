@@ -36,32 +36,41 @@ NS_PER_MIN = 60 * NS_PER_S
 OP_NCCL_COMM_INIT = catalog.NCCL_COMM_INIT_OP  # control records (op >= this) are never events
 INT64_MAX = (1 << 63) - 1
 
+
+def _op(name: str) -> tuple[int, int]:
+    ref = catalog.lookup_op(name)
+    return ref.source, ref.op
+
+
+PAGE_ALLOC = _op("mm_page_alloc")
+PROCESS_EXEC = _op("process_exec")
 BULK_OPS = frozenset(
-    {
-        (catalog.CUDA, 3),  # cudaLaunchKernel
-        (catalog.CUDA, 7),  # cudaMemcpyAsync
-        (catalog.DRIVER, 1),  # cuLaunchKernel
-        (catalog.DRIVER, 3),  # cuMemcpyAsync
-        (catalog.HOST, 2),  # sched_wakeup
-    }
+    _op(n) for n in ("cudaLaunchKernel", "cudaMemcpyAsync", "cuLaunchKernel", "cuMemcpyAsync", "sched_wakeup")
 )
 # Ops whose arg0 is a byte count (summed into event_aggregates.sum_arg0).
 BYTES_OPS = frozenset(
-    {
-        (catalog.CUDA, 1),
-        (catalog.CUDA, 4),
-        (catalog.CUDA, 7),
-        (catalog.CUDA, 8),
-        (catalog.DRIVER, 2),
-        (catalog.DRIVER, 3),
-        (catalog.DRIVER, 5),
-        (catalog.DRIVER, 6),
-        (catalog.HOST, 3),
-        (catalog.IO, 1),
-        (catalog.IO, 2),
-        (catalog.IO, 3),
-        *((catalog.NCCL, op) for op in range(1, 8)),
-    }
+    _op(n)
+    for n in (
+        "cudaMalloc",
+        "cudaMemcpy",
+        "cudaMemcpyAsync",
+        "cudaMallocManaged",
+        "cuMemcpy",
+        "cuMemcpyAsync",
+        "cuMemAlloc",
+        "cuMemAllocManaged",
+        "mm_page_alloc",
+        "block_read",
+        "block_write",
+        "block_discard",
+        "ncclAllReduce",
+        "ncclBroadcast",
+        "ncclReduce",
+        "ncclAllGather",
+        "ncclReduceScatter",
+        "ncclSend",
+        "ncclRecv",
+    )
 )
 # Lookup tables indexed by source << 8 | op: one gather per batch instead of a set test per event.
 _BULK = np.zeros(1 << 16, dtype=bool)
@@ -80,7 +89,7 @@ def _group(key: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     return order, np.concatenate(([0], np.flatnonzero(sk[1:] != sk[:-1]) + 1))
 
 
-_NAME_SOURCES = ((catalog.HOST, 1), (catalog.HOST, 2))  # arg1 = another task's tid worth naming
+_NAME_SOURCES = (_op("sched_switch"), _op("sched_wakeup"))  # arg1 = another task's tid worth naming
 
 
 @dataclass(frozen=True)
@@ -319,7 +328,7 @@ class Recorder:
             sel = (kept["source"] == s) & (kept["op"] == o)
             if sel.any():
                 pids.update(np.unique(kept["arg1"][sel]).astype(np.int64).tolist())
-        execs = (kept["source"] == catalog.HOST) & (kept["op"] == 5)
+        execs = (kept["source"] == PROCESS_EXEC[0]) & (kept["op"] == PROCESS_EXEC[1])
         renamed = set(np.unique(kept["pid"][execs]).tolist()) if execs.any() else set()
         now = now_ns()
         for pid in sorted(pids):
@@ -361,11 +370,11 @@ class Recorder:
             if d_count <= 0:
                 continue
             self.seen += d_count
-            self.by_op[(catalog.HOST, 3)] = self.by_op.get((catalog.HOST, 3), 0) + d_count
+            self.by_op[PAGE_ALLOC] = self.by_op.get(PAGE_ALLOC, 0) + d_count
             if tgid:  # traced processes get a summary row; the rest of the host only aggregates
-                out.events.append((ts, tgid, tgid, catalog.HOST, 3, interval, 0, d_bytes, d_count, 0, 0, 0))
+                out.events.append((ts, tgid, tgid, *PAGE_ALLOC, interval, 0, d_bytes, d_count, 0, 0, 0))
                 self.stored += 1
-            out.aggregates.append((bucket, catalog.HOST, 3, tgid, d_count, 1 if tgid else 0, 0, 0, 0, d_bytes))
+            out.aggregates.append((bucket, *PAGE_ALLOC, tgid, d_count, 1 if tgid else 0, 0, 0, 0, d_bytes))
         return out
 
     def forget_pids(self, pids: list[int]) -> None:

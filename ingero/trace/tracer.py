@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ingero.trace.probes import BpfProbes, LibraryAttach
 
 RESCAN_INTERVAL_S = 2.0
+_FORK, _EXIT = catalog.lookup_op("process_fork"), catalog.lookup_op("process_exit")
 
 
 @dataclass
@@ -161,13 +162,13 @@ class _Follower:
         self.exited: list[int] = []
 
     def on_events(self, ev: np.ndarray) -> None:
-        host = ev[ev["source"] == catalog.HOST]
+        host = ev[ev["source"] == _FORK.source]
         if host.size == 0:
             return
-        forks = host[host["op"] == 7]
+        forks = host[host["op"] == _FORK.op]
         if forks.size:
             self.targets.update(int(x) for x in forks["arg1"])
-        exits = host[host["op"] == 6]
+        exits = host[host["op"] == _EXIT.op]
         if exits.size:
             self.exited.extend(int(x) for x in exits["pid"])
 

@@ -19,13 +19,7 @@
 // mm_page_alloc (op 3) is aggregated in the kernel: `page_allocs` counts allocations and bytes per
 // traced tgid (key 0 = every other process); the reader turns the per-second deltas into summary rows.
 
-#define HOST_SCHED_SWITCH 1
-#define HOST_SCHED_WAKEUP 2
-#define HOST_PAGE_ALLOC 3
-#define HOST_OOM_KILL 4
-#define HOST_PROCESS_EXEC 5
-#define HOST_PROCESS_EXIT 6
-#define HOST_PROCESS_FORK 7
+// Op ids (OP_sched_switch, ...) come from ingero/store/catalog.py (see ingero_common.h).
 
 struct offcpu_val {
     u64 ts;
@@ -60,7 +54,7 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     if (next != 0) {
         struct offcpu_val *o = offcpu.lookup(&next);
         if (o) {
-            emit_host(SRC_HOST, HOST_SCHED_SWITCH, now, now - o->ts, o->tgid, next, o->state, prev, 0);
+            emit_host(SRC_HOST, OP_sched_switch, now, now - o->ts, o->tgid, next, o->state, prev, 0);
             offcpu.delete(&next);
         }
     }
@@ -74,7 +68,7 @@ TRACEPOINT_PROBE(sched, sched_wakeup) {
         return 0;
     u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
-    emit_host(SRC_HOST, HOST_SCHED_WAKEUP, now, now - o->ts, o->tgid, wakee, id >> 32, (u32)id, 0);
+    emit_host(SRC_HOST, OP_sched_wakeup, now, now - o->ts, o->tgid, wakee, id >> 32, (u32)id, 0);
     return 0;
 }
 
@@ -99,14 +93,14 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
     u8 one = 1;
     targets.update(&child, &one);
     u64 id = bpf_get_current_pid_tgid();
-    emit_host(SRC_HOST, HOST_PROCESS_FORK, bpf_ktime_get_ns(), 0, id >> 32, (u32)id, 0, child, 0);
+    emit_host(SRC_HOST, OP_process_fork, bpf_ktime_get_ns(), 0, id >> 32, (u32)id, 0, child, 0);
     return 0;
 }
 
 TRACEPOINT_PROBE(sched, sched_process_exec) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    emit_host(SRC_HOST, HOST_PROCESS_EXEC, bpf_ktime_get_ns(), 0, tgid, (u32)id, 0, args->old_pid, 0);
+    emit_host(SRC_HOST, OP_process_exec, bpf_ktime_get_ns(), 0, tgid, (u32)id, 0, args->old_pid, 0);
     return 0;
 }
 
@@ -120,7 +114,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
         return 0;
     if (!targets.lookup(&tgid))
         return 0;
-    emit_host(SRC_HOST, HOST_PROCESS_EXIT, bpf_ktime_get_ns(), 0, tgid, tid, 0, 0, 0);
+    emit_host(SRC_HOST, OP_process_exit, bpf_ktime_get_ns(), 0, tgid, tid, 0, 0, 0);
     targets.delete(&tgid);
     return 0;
 }
@@ -147,7 +141,7 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc) {
 TRACEPOINT_PROBE(oom, mark_victim) {
     u32 victim = args->pid;
     u64 rss_kb = args->anon_rss + args->file_rss + args->shmem_rss;
-    emit_host(SRC_HOST, HOST_OOM_KILL, bpf_ktime_get_ns(), 0, victim, victim, rss_kb * 1024, args->total_vm * 1024, 0);
+    emit_host(SRC_HOST, OP_oom_kill, bpf_ktime_get_ns(), 0, victim, victim, rss_kb * 1024, args->total_vm * 1024, 0);
     return 0;
 }
 #endif

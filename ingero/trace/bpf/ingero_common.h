@@ -16,13 +16,10 @@
 
 #include <uapi/linux/ptrace.h>
 
-#define SRC_CUDA 1
-#define SRC_HOST 3
-#define SRC_DRIVER 4
-#define SRC_IO 5
-#define SRC_TCP 6
-// SRC_NCCL and the NCCL control-record op ids (>= 100: never stored as events) come from
-// ingero/store/catalog.py as -D flags (probes.py); nccl_probes.c uses them.
+// Source and op ids are never written here: probes.py passes every one of ingero/store/catalog.py as
+// -D flags (catalog_defines): SRC_<source> (SRC_CUDA, SRC_HOST, SRC_NCCL, ...), OP_<op name>
+// (OP_cudaMalloc, OP_sched_switch, OP_block_read, ...) and the control-record op ids
+// OP_NCCL_COMM_INIT / OP_NCCL_CALL_ENTER (>= 100: never stored as events).
 
 // Kernel-side counters (per-CPU array, read by userspace into session_stats).
 #define CNT_RING_FULL 0        // event lost: ring buffer full

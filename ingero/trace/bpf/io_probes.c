@@ -10,9 +10,7 @@
 //   tcp_retransmit (op 1): pid/tid = current task (often a softirq: 0), arg0 = sport | dport << 16 |
 //   family << 32 | TCP state << 48, arg1 = IPv4 destination address (network byte order; 0 for IPv6).
 
-#define IO_READ 1
-#define IO_WRITE 2
-#define IO_DISCARD 3
+// Op ids (OP_block_read, ...) come from ingero/store/catalog.py (see ingero_common.h).
 
 struct io_key {
     u32 dev;
@@ -37,11 +35,11 @@ static __always_inline u32 classify_rwbs(const char *rwbs) {
     for (int i = 0; i < 3; i++) {
         char c = rwbs[i];
         if (c == 'D')
-            return IO_DISCARD;
+            return OP_block_discard;
         if (c == 'W')
-            return IO_WRITE;
+            return OP_block_write;
         if (c == 'R')
-            return IO_READ;
+            return OP_block_read;
         if (c != 'F')
             break;
     }
@@ -103,6 +101,6 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
     if (args->family == 2)  // AF_INET
         bpf_probe_read_kernel(&daddr, sizeof(daddr), args->daddr);
     u64 info = (u64)args->sport | ((u64)args->dport << 16) | ((u64)args->family << 32) | ((u64)(args->state & 0xff) << 48);
-    emit_host(SRC_TCP, 1, bpf_ktime_get_ns(), 0, id >> 32, (u32)id, info, daddr, 0);
+    emit_host(SRC_TCP, OP_tcp_retransmit, bpf_ktime_get_ns(), 0, id >> 32, (u32)id, info, daddr, 0);
     return 0;
 }

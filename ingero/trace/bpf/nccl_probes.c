@@ -101,20 +101,20 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, u32 op, u64 count, u6
 
 #define P(n) PT_REGS_PARM##n(ctx)
 // ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)
-int enter_ncclAllReduce(struct pt_regs *ctx) { return nccl_enter(ctx, 1, P(3), P(4), P(5), -1, P(6)); }
+int enter_ncclAllReduce(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclAllReduce, P(3), P(4), P(5), -1, P(6)); }
 // ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)
 int enter_ncclBroadcast(struct pt_regs *ctx) {
-    return nccl_enter(ctx, 2, P(3), P(4), NCCL_NO_REDOP, (s32)P(5), P(6));
+    return nccl_enter(ctx, OP_ncclBroadcast, P(3), P(4), NCCL_NO_REDOP, (s32)P(5), P(6));
 }
 // ncclReduce(sendbuff, recvbuff, count, datatype, op, root, comm /* stack */, stream)
-int enter_ncclReduce(struct pt_regs *ctx) { return nccl_enter(ctx, 3, P(3), P(4), P(5), (s32)P(6), stack_arg(ctx, 0)); }
+int enter_ncclReduce(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclReduce, P(3), P(4), P(5), (s32)P(6), stack_arg(ctx, 0)); }
 // ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)
-int enter_ncclAllGather(struct pt_regs *ctx) { return nccl_enter(ctx, 4, P(3), P(4), NCCL_NO_REDOP, -1, P(5)); }
+int enter_ncclAllGather(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclAllGather, P(3), P(4), NCCL_NO_REDOP, -1, P(5)); }
 // ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)
-int enter_ncclReduceScatter(struct pt_regs *ctx) { return nccl_enter(ctx, 5, P(3), P(4), P(5), -1, P(6)); }
+int enter_ncclReduceScatter(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclReduceScatter, P(3), P(4), P(5), -1, P(6)); }
 // ncclSend(sendbuff, count, datatype, peer, comm, stream) / ncclRecv(recvbuff, count, datatype, peer, comm, stream)
-int enter_ncclSend(struct pt_regs *ctx) { return nccl_enter(ctx, 6, P(2), P(3), NCCL_NO_REDOP, (s32)P(4), P(5)); }
-int enter_ncclRecv(struct pt_regs *ctx) { return nccl_enter(ctx, 7, P(2), P(3), NCCL_NO_REDOP, (s32)P(4), P(5)); }
+int enter_ncclSend(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclSend, P(2), P(3), NCCL_NO_REDOP, (s32)P(4), P(5)); }
+int enter_ncclRecv(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclRecv, P(2), P(3), NCCL_NO_REDOP, (s32)P(4), P(5)); }
 
 // --- communicators ---
 #define COMM_INIT_ONE (1ULL << 63)
