@@ -258,3 +258,22 @@ def test_max_db_prunes_the_oldest_events(built: Built, tmp_path: Path) -> None:
     assert counted == calls  # aggregates keep counting what was pruned
     assert rows < calls
     assert oldest > first_bucket  # the oldest rows went first
+
+
+def test_a_second_tracer_on_the_same_database_fails_at_once(
+    built: Built, tmp_path: Path, cleanup: list[subprocess.Popen[str]]
+) -> None:
+    db = tmp_path / "shared.db"
+    first, _ = _start_trace(built, db)
+    cleanup.append(first)
+    second = subprocess.run(
+        [sys.executable, "-m", "ingero", "trace", "--db", str(db), "--quiet", "--no-system-search"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode != 0
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {first.pid}" in lines[0], second.stderr
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == 0

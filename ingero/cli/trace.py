@@ -193,11 +193,16 @@ async def _trace(opts: TraceOptions, ready_file: Path | None) -> None:
     async def tracer(task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED) -> None:
         await run_trace(opts, view=view, task_status=task_status)
 
-    async with trio.open_nursery() as nursery:
-        ready: TraceReady = await nursery.start(tracer)
-        if ready_file is not None:
-            _write_ready(ready_file, ready)
-        view.started(ready)
+    try:
+        async with trio.open_nursery() as nursery:
+            ready: TraceReady = await nursery.start(tracer)
+            if ready_file is not None:
+                _write_ready(ready_file, ready)
+            view.started(ready)
+    except BaseExceptionGroup as group:  # the tracer's own error (one line), not trio's wrapping of it
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 def _write_ready(path: Path, info: TraceReady) -> None:

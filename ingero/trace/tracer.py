@@ -207,8 +207,13 @@ async def run_trace(
     probe_opts = ProbeOptions(
         pid_filter=bool(opts.pids), stack_mode=opts.stack_mode, ring_mb=opts.ring_mb, host=opts.host, io=opts.io
     )
-    probes: BpfProbes = await trio.to_thread.run_sync(BpfProbes, probe_opts)
-    writer: StoreWriter | None = None
+    # The database first: a second tracer on it fails at once (the writer lock), before any compiling.
+    writer = StoreWriter(opts.db_path, opts.identity)
+    try:
+        probes: BpfProbes = await trio.to_thread.run_sync(BpfProbes, probe_opts)
+    except BaseException:
+        writer.close()
+        raise
     session_id = 0
     pipeline: Pipeline | None = None
     attached: list[LibraryAttach] = []
@@ -216,7 +221,6 @@ async def run_trace(
     control = TraceControl()
     t0 = time.monotonic()
     try:
-        writer = StoreWriter(opts.db_path, opts.identity)
         info = session_info(
             cuda_version=_cuda_version(found.libraries),
             pid_filter=",".join(str(p) for p in opts.pids),
