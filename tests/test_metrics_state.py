@@ -266,3 +266,12 @@ def test_prometheus_addr_errors(text: str) -> None:
 
     with pytest.raises(UsageError):
         parse_prometheus_addr(text)
+
+
+def test_the_cluster_wide_communicator_id_names_the_communicator() -> None:
+    st = state()
+    init = comm_init(10, 0x5000, 2, 4)
+    init["cgroup_id"] = 0x9E3779B97F4A7C15  # the control record carries the comm id there
+    st.observe(events([init, {"source": catalog.NCCL, "op": 1, "pid": 10, "arg1": 0x5000, "duration": MS}]))
+    got = series(st)
+    assert got[("ingero_collectives_total", lab(comm="9e3779b97f4a7c15", comm_rank="2", comm_size="4"))] == 1

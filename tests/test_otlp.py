@@ -143,8 +143,9 @@ def test_a_hung_collector_never_blocks_and_drops_are_counted(receiver: Receiver)
     # Recording goes on meanwhile: the state takes batches while the exporter hangs.
     st.observe(np.zeros(5, dtype=EVENT_DTYPE))
     receiver.release.set()
+    assert receiver.arrived.acquire(timeout=30) and receiver.arrived.acquire(timeout=30)  # the two queued
     pusher.close(flush=False)
-    assert pusher.sent == 3  # the stuck one, then the two queued
+    assert pusher.sent == 3 and pusher.dropped == 8  # the stuck one, then the two queued
 
 
 def test_a_dead_collector_counts_failures(receiver: Receiver) -> None:

@@ -100,10 +100,14 @@ class DatabaseFeed:
     def _read(self, conn: sqlite3.Connection) -> None:
         tables = {row[0] for row in conn.execute("SELECT name FROM main.sqlite_master WHERE type = 'table'")}
         if "nccl_comms" in tables:
-            for comm, pid, rank, nranks in conn.execute(
-                "SELECT comm, pid, rank, nranks FROM main.nccl_comms ORDER BY pid, seen_at, comm"
+            cols = {row[1] for row in conn.execute("PRAGMA main.table_info(nccl_comms)")}
+            comm_id = "comm_id" if "comm_id" in cols else "0"
+            for comm, pid, rank, nranks, cid in conn.execute(
+                f"SELECT comm, pid, rank, nranks, {comm_id} FROM main.nccl_comms ORDER BY pid, seen_at, comm"
             ):
-                self.state.register_comm(int(pid), int(comm) & 0xFFFFFFFFFFFFFFFF, int(rank), int(nranks))
+                self.state.register_comm(
+                    int(pid), int(comm) & 0xFFFFFFFFFFFFFFFF, int(rank), int(nranks), int(cid or 0)
+                )
         while True:
             rows = conn.execute(
                 f"SELECT {_EVENT_COLS} FROM main.events WHERE rowid > ? ORDER BY rowid LIMIT ?",

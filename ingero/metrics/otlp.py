@@ -219,6 +219,9 @@ class OtlpPusher:
             self.enqueue()
         self._stop.set()
         with self._cond:
+            if not flush:  # what is still queued is not sent: counted as dropped
+                self.dropped += len(self._queue)
+                self._queue.clear()
             self._cond.notify_all()
         for t in self._threads:
             t.join(timeout=self.timeout_s + 1)

@@ -4,8 +4,8 @@ Both exporters derive from :data:`METRICS` — Prometheus exposition (:mod:`inge
 and the OTLP push (:mod:`ingero.metrics.otlp`) — so a metric is added here and nowhere else.
 
 Label cardinality is bounded by construction: ``source``/``op`` come from the catalog (a few dozen
-ops), ``state``/``reason``/``severity`` are small fixed sets, ``comm`` is capped
-(:data:`MAX_COMMS`, then ``other``). Pids, tids, pointers and stack hashes never become labels. Every
+ops), ``state``/``reason``/``severity`` are small fixed sets, ``comm`` (the cluster-wide communicator id in hex, or
+``c<k>/<size>``) is capped (:data:`MAX_COMMS`, then ``other``). Pids, tids, pointers and stack hashes never become labels. Every
 series also carries the agent's ``node`` and ``rank`` (``rank`` is empty when unknown).
 
 Collective lag: a rank that arrives late at a collective makes its peers wait; its own wait is the

@@ -100,16 +100,19 @@ class MetricState:
 
     # --- feeding ---------------------------------------------------------------------------------
 
-    def register_comm(self, pid: int, comm: int, rank: int, size: int) -> None:
-        """A communicator a process created (ncclCommInitRank). Its label is its creation order in the
-        process plus its size (``c0/8``): every rank of an SPMD job creates communicators in the same
-        order, so the label matches across nodes without any shared id."""
+    def register_comm(self, pid: int, comm: int, rank: int, size: int, comm_id: int = 0) -> None:
+        """A communicator a process created (ncclCommInitRank). Its label is the cluster-wide id
+        (``comm_id``, splitmix64 of the ncclUniqueId: the same on every rank) as 16 hex digits when
+        known, else its creation order in the process plus its size (``c0/8``), which every rank of an
+        SPMD job shares too."""
         with self._lock:
             if (pid, comm) in self._comms:
                 return
             k = self._comm_seq.get(pid, 0)
             self._comm_seq[pid] = k + 1
-            label = f"c{k}/{size}" if len(self._comms) < r.MAX_COMMS else "other"
+            label = f"{comm_id & 0xFFFFFFFFFFFFFFFF:016x}" if comm_id else f"c{k}/{size}"
+            if len(self._comms) >= r.MAX_COMMS:
+                label = "other"
             self._comms[(pid, comm)] = _Comm(label, rank, size)
 
     def observe(self, ev: np.ndarray) -> None:
@@ -120,8 +123,8 @@ class MetricState:
         if control.any():
             for e in ev[control].tolist():
                 # (ts, duration, arg0, arg1, cgroup_id, pid, tid, ret, stack_id, source, op, ...)
-                if e[10] == OP_NCCL_COMM_INIT and e[2]:
-                    self.register_comm(int(e[5]), int(e[2]), int(e[3]) & 0xFFFFFFFF, int(e[3]) >> 32)
+                if e[10] == OP_NCCL_COMM_INIT and e[2]:  # arg0 comm, arg1 nranks << 32 | rank, cgroup_id comm id
+                    self.register_comm(int(e[5]), int(e[2]), int(e[3]) & 0xFFFFFFFF, int(e[3]) >> 32, int(e[4]))
             ev = ev[~control]
             if ev.size == 0:
                 return
