@@ -107,3 +107,56 @@ def test_traced_job_names_the_late_rank(tmp_path: Path) -> None:
     waiter = next(r for r in v.ranks if r.rank == 0)
     assert waiter.wait_s > 0.5 * STEPS * EXTRA_US / 1e6  # the waiters wait; the late rank does not
     assert next(r for r in v.ranks if r.rank == 1).wait_s < waiter.wait_s / 5
+
+
+def test_traced_hung_rank_is_named_from_calls_in_flight(tmp_path: Path) -> None:
+    """Rank 2 is stopped (SIGSTOP) mid-job: the others sit in an all-reduce it never enters. Their calls
+    never return, yet the entry records put them in nccl_calls (duration −1) and the verdict names rank 2."""
+    import signal
+    import time
+
+    from ingero.fleet.collective_ops import collective_verdict
+
+    built = build(tmp_path / "build")
+    exe = build_program("nccl_job.c", tmp_path / "build-job")
+    root, job = "127.0.0.1:29619", "bpf-hung"
+    go = tmp_path / "go-hung"
+    env = {**os.environ, "FAKE_NCCL_ROOT": root, "FAKE_NCCL_JOB": job}
+    procs = [
+        subprocess.Popen([str(exe), str(built.dir), str(r), "3", "100000", str(COMPUTE_US), "0", str(go)], env=env)
+        for r in range(3)
+    ]
+    opts = TraceOptions(
+        db_path=tmp_path / "trace.db",
+        identity=Identity("bpf-node"),
+        overrides=built.overrides(),
+        system_search=False,
+        follow=False,
+        output="quiet",
+    )
+
+    def act(_ready: object) -> None:
+        go.touch()
+        time.sleep(1.0)
+        procs[2].send_signal(signal.SIGSTOP)
+        time.sleep(1.0)  # ranks 0 and 1 now wait in an all-reduce rank 2 never enters
+
+    try:
+        record(opts, act)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    conn = sqlite3.connect(opts.db_path)
+    flying = conn.execute(
+        "SELECT c.rank FROM nccl_calls n JOIN nccl_comms c USING (node, pid, comm) WHERE duration < 0"
+    )
+    assert {r[0] for r in flying} >= {0, 1}
+    conn.close()
+    ro = open_readonly(opts.db_path)
+    body = read_calls(ro, Window())
+    ro.close()
+    v = collective_verdict([NodeCalls.from_body("bpf-node", body)])
+    assert v.kind == "hung" and v.rank == 2, v.line
+    assert "never entered ncclAllReduce #" in v.line
+    assert v.peers_wait_s >= 1.0  # two peers, each stuck ~1 s before the trace stopped (waits run to now)

@@ -45,7 +45,7 @@ static __always_inline u64 nccl_bytes(u64 count, u64 datatype) {
     return count * size;
 }
 
-static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {
+static __always_inline u64 nccl_stack_arg(struct pt_regs *ctx, int n) {
     // n-th stack-passed argument (0-based) at function entry: [rsp] is the return address.
     u64 v = 0;
     bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n + 1)));
@@ -107,7 +107,7 @@ int enter_ncclBroadcast(struct pt_regs *ctx) {
     return nccl_enter(ctx, OP_ncclBroadcast, P(3), P(4), NCCL_NO_REDOP, (s32)P(5), P(6));
 }
 // ncclReduce(sendbuff, recvbuff, count, datatype, op, root, comm /* stack */, stream)
-int enter_ncclReduce(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclReduce, P(3), P(4), P(5), (s32)P(6), stack_arg(ctx, 0)); }
+int enter_ncclReduce(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclReduce, P(3), P(4), P(5), (s32)P(6), nccl_stack_arg(ctx, 0)); }
 // ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)
 int enter_ncclAllGather(struct pt_regs *ctx) { return nccl_enter(ctx, OP_ncclAllGather, P(3), P(4), NCCL_NO_REDOP, -1, P(5)); }
 // ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)
