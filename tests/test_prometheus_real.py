@@ -97,10 +97,15 @@ def sql(node: str, query: str) -> list[tuple[object, ...]]:
         conn.close()
 
 
-def test_promtool_checks_the_shipped_rules() -> None:
+def test_promtool_checks_the_shipped_rules_and_configs() -> None:
     out = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
+    for config in ("prometheus.yml", "federate.yml"):
+        out = subprocess.run(
+            ["promtool", "check", "config", str(RULES.parent / config)], capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_promtool_rule_tests_fire_the_straggler_alert(tmp_path: Path) -> None:
