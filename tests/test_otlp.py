@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -176,3 +177,59 @@ def test_metrics_url(text: str, want: str) -> None:
 def test_metrics_url_rejects_other_schemes() -> None:
     with pytest.raises(UsageError):
         metrics_url("grpc://otelcol:4317")
+
+
+def test_causal_chains_are_pushed_once_as_log_records(tmp_path: Path) -> None:
+    import sqlite3
+
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
+        ExportLogsServiceRequest,
+        ExportLogsServiceResponse,
+    )
+
+    from ingero.metrics.otlp_events import ChainLogPusher, logs_url, otlp_log_exporter
+    from tests.conftest import INVESTIGATIONS
+
+    got: list[tuple[str, ExportLogsServiceRequest]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            req = ExportLogsServiceRequest()
+            req.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append((self.path, req))
+            out = ExportLogsServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    db = INVESTIGATIONS / "sample-gpu-node-01.db"
+    try:
+        st = MetricState(Identity("gpu-node-01", rank=0), "serve")
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert logs_url(url) == url + "/v1/logs"
+        pusher = ChainLogPusher(st, db, otlp_log_exporter(url))
+        n = pusher.push_once()
+        assert pusher.push_once() == 0  # nothing new: nothing sent twice
+    finally:
+        server.shutdown()
+        server.server_close()
+    conn = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
+    want = conn.execute("SELECT id, upper(severity), summary FROM causal_chains ORDER BY detected_at, id").fetchall()
+    conn.close()
+    assert want and n == len(want) and pusher.sent == 1 and pusher.dropped == 0
+    ((path, req),) = got
+    assert path == "/v1/logs"
+    (rl,) = req.resource_logs
+    assert attrs(rl.resource.attributes)["service.name"] == "ingero"
+    (sl,) = rl.scope_logs
+    recs = [(attrs(x.attributes)["ingero.chain.id"], x.severity_text, x.body.string_value) for x in sl.log_records]
+    sev = {"HIGH": "ERROR", "MEDIUM": "WARN", "LOW": "INFO"}
+    assert recs == [(cid, sev[s], summary) for cid, s, summary in want]
+    assert all(x.event_name == "ingero.causal_chain" for x in sl.log_records)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ingero.identity import Identity
     from ingero.metrics.otlp import OtlpPusher
+    from ingero.metrics.otlp_events import ChainLogPusher
     from ingero.metrics.prometheus import MetricsServer
     from ingero.metrics.state import MetricState
     from ingero.metrics.trace_hook import TraceMetrics
@@ -31,6 +32,11 @@ def add_metrics_args(p: argparse.ArgumentParser) -> None:
         "--otlp", metavar="URL", help="push metrics as OTLP/HTTP protobuf to this collector (e.g. http://otelcol:4318)"
     )
     g.add_argument("--otlp-interval", metavar="DUR", default="10s", help="OTLP push interval (default 10s)")
+    g.add_argument(
+        "--otlp-events",
+        action="store_true",
+        help="with --otlp, also push the causal chains the database gains as OTLP log records (/v1/logs)",
+    )
 
 
 @dataclass
@@ -38,10 +44,13 @@ class Exporters:
     state: MetricState
     server: MetricsServer | None = None
     pusher: OtlpPusher | None = None
+    events: ChainLogPusher | None = None
     observer: TraceMetrics | None = None
     lines: list[str] = field(default_factory=list)
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         if self.pusher is not None:
             self.pusher.close()
         if self.server is not None:
@@ -49,7 +58,7 @@ class Exporters:
 
 
 def wanted(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "prometheus", None) or getattr(args, "otlp", None))
+    return bool(getattr(args, "prometheus", None) or getattr(args, "otlp", None) or getattr(args, "otlp_events", False))
 
 
 def start(args: argparse.Namespace, identity: Identity, db_path: Path, mode: str) -> Exporters | None:
@@ -64,6 +73,8 @@ def start(args: argparse.Namespace, identity: Identity, db_path: Path, mode: str
     interval_s = parse_duration(args.otlp_interval) / 1e9
     if interval_s <= 0:
         raise UsageError("--otlp-interval must be positive")
+    if args.otlp_events and not args.otlp:
+        raise UsageError("--otlp-events needs --otlp", hint="add --otlp http://collector:4318")
     state = MetricState(identity, mode)
     out = Exporters(state)
     before = None
@@ -85,6 +96,12 @@ def start(args: argparse.Namespace, identity: Identity, db_path: Path, mode: str
             out.pusher = OtlpPusher(state, otlp_exporter(args.otlp), interval_s=interval_s, before=before)
             out.pusher.start()
             out.lines.append(f"pushing OTLP metrics to {metrics_url(args.otlp)} every {args.otlp_interval}")
+            if args.otlp_events:
+                from ingero.metrics.otlp_events import ChainLogPusher, logs_url, otlp_log_exporter
+
+                out.events = ChainLogPusher(state, db_path, otlp_log_exporter(args.otlp), interval_s=interval_s)
+                out.events.start()
+                out.lines.append(f"pushing causal chains as OTLP logs to {logs_url(args.otlp)}")
         if args.prometheus:
             from ingero.metrics.prometheus import parse_prometheus_addr, serve_metrics
 
