@@ -204,3 +204,24 @@ def test_host_verdict_ignores_low_value_noise_and_reports_lows() -> None:
     assert v.outlier is None
     assert "also unusual: a (low: 20 host events vs peers ~2,401)" in v.line
     assert [f.direction for f in v.findings] == ["low"]
+
+
+def test_send_recv_do_not_join() -> None:
+    """Point-to-point calls (numbered apart by the tracer, different on every rank) stay out of the join."""
+    nodes = simulate(Job(four(gpu_node_02=Rank("gpu-node-02", extra_ms=9.0)), steps=100))
+    x = nodes[0]
+    extra = 30  # rank 0 alone also sent 30 times (ncclSend, op 6), seq 0..29 of its p2p counter
+    nodes[0] = NodeCalls(
+        x.node,
+        np.concatenate([x.comm, x.comm[:extra]]),
+        np.concatenate([x.seq, np.arange(extra)]),
+        np.concatenate([x.op, np.full(extra, 6)]),
+        np.concatenate([x.bytes, x.bytes[:extra]]),
+        np.concatenate([x.entry_ns, x.entry_ns[:extra] + 1_000_000]),
+        np.concatenate([x.duration_ns, np.full(extra, 1000)]),
+        np.concatenate([x.rank, x.rank[:extra]]),
+        x.nranks,
+    )
+    v = analyze(nodes)
+    assert v.kind == "straggler" and v.node == "gpu-node-02"
+    assert v.comms[0].complete == 100 and v.comms[0].incomplete == 0

@@ -50,13 +50,14 @@ from ingero.fleet.collective_model import (
     fmt_ms,
     fmt_secs,
 )
-from ingero.store.catalog import NCCL, op_name
+from ingero.store.catalog import NCCL, lookup_op, op_name
 
 MIN_Z = 4.0  # binomial z-score of "last" counts against chance (1 / nranks)
 MIN_LAST_SHARE = 0.5  # the straggler is last in at least half the calls
 MIN_WAIT_SHARE = 0.01  # peers' waiting must be at least 1 % of their time to name anyone
 SLOW_TRANSFER_SHARE = 0.25  # transfers taking a quarter of the time: the collective itself is slow
 UNCERTAINTY_FACTOR = 1.0  # lag must exceed this many times the combined clock uncertainty
+COLLECTIVE_OPS_MAX = lookup_op("ncclReduceScatter").op  # NCCL ops 1..5 are collectives; 6, 7 send/recv
 
 
 @dataclass
@@ -75,8 +76,19 @@ class _Flat:
     nodes: list[NodeCalls]
 
 
+def _collectives_only(n: NodeCalls) -> NodeCalls:
+    """Send/recv are numbered apart from collectives and differ rank by rank: only collectives join."""
+    sel = n.op <= COLLECTIVE_OPS_MAX
+    if bool(sel.all()):
+        return n
+    return NodeCalls(
+        n.node, n.comm[sel], n.seq[sel], n.op[sel], n.bytes[sel], n.entry_ns[sel], n.duration_ns[sel], n.rank[sel],
+        n.nranks, n.offset_ns, n.uncertainty_ns, n.gpu_model,
+    )  # fmt: skip
+
+
 def _flatten(nodes: Sequence[NodeCalls]) -> _Flat:
-    keep = [n for n in nodes if len(n)]
+    keep = [c for c in (_collectives_only(n) for n in nodes) if len(c)]
 
     def cat(name: str, dtype: Any) -> np.ndarray:
         if not keep:

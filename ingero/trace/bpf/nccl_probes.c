@@ -10,7 +10,8 @@
 // OP_NCCL_CALL_ENTER record that carries what the cross-node join needs:
 //   ts      the entry time (the same value as the call's event: the frame's)
 //   arg0    count (elements)            arg1   communicator pointer
-//   flags   seq: the k-th call on this communicator in this process (per (tgid, comm), from 0)
+//   flags   seq: the k-th collective on this communicator in this process (per (tgid, comm), from 0);
+//           send/recv are numbered apart (each rank issues its own), so collectives align across ranks
 //   ret     peer (send/recv) or root (broadcast/reduce); -1 when the call has none
 //   cpu     op | datatype << 4 | redop << 8  (4 bits each; redop 15 = none)
 // so that a call that never returns (a rank waiting for a hung peer) is still seen entering.
@@ -27,7 +28,7 @@
 struct nccl_seq_key {
     u64 comm;
     u32 pid;
-    u32 _pad;
+    u32 p2p;  // 1: the send/recv counter, 0: the collectives' (ranks issue different p2p calls)
 };
 BPF_HASH(nccl_seq, struct nccl_seq_key, u32, 16384);  // (tgid, comm) -> next seq
 BPF_HASH(nccl_init_id, u32, u64, 4096);                // tid -> comm id of its ncclCommInitRank in flight
@@ -70,7 +71,7 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, u32 op, u64 count, u6
     struct entry_frame *f = frame_at(s, s->depth - 1);
     if (f->sp != ENTRY_SP(ctx) || f->source_op != ((SRC_NCCL << 8) | op))
         return 0;  // no frame was pushed for this call
-    struct nccl_seq_key key = {.comm = comm, .pid = id >> 32};
+    struct nccl_seq_key key = {.comm = comm, .pid = id >> 32, .p2p = op == OP_ncclSend || op == OP_ncclRecv};
     u32 zero = 0;
     u32 *next = nccl_seq.lookup_or_try_init(&key, &zero);
     if (!next)
