@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("ingero.cli.export", "export a timeline for Perfetto (Chrome Trace Event JSON)"),
     "mcp": ("ingero.cli.mcp", "MCP server (stdio or HTTPS) so an AI assistant can query traces and the fleet"),
     "dashboard": ("ingero.cli.dashboard", "HTTPS browser dashboard for one database or the fleet"),
+    "annotate": ("ingero.cli.annotate", "mark a moment (a deploy, a config change) that explain and the timeline show"),
 }
 COMMAND_MODULES = [module for module, _ in COMMANDS.values()]
 

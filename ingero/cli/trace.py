@@ -16,7 +16,9 @@ EXAMPLES = """\
 examples:
   sudo ingero trace --db trace.db                          record until Ctrl-C, live per-op table
   sudo ingero trace --db trace.db --duration 60s --json    JSON lines: start, one tick per second, summary
-  sudo ingero trace --db trace.db --pid 4242 --pid 4243    only these processes (and their children)
+  sudo ingero trace --db trace.db -p 4242,4243             only these processes (and their children)
+  sudo ingero trace --db trace.db --user alice --duration 1h30m   alice's processes for 90 minutes
+  sudo ingero trace --db trace.db --record-all --stack-samples 64   every event, <= 64 stacks per op
   sudo ingero trace --db trace.db --listen 0.0.0.0:8443 --client-ca ~/.ingero/pki/ca.pem \\
       --tls-cert ~/.ingero/pki/node-gpu-node-01.pem --tls-key ~/.ingero/pki/node-gpu-node-01-key.pem
                                                            record and serve the agent API (mTLS)
@@ -53,7 +55,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     common.add_node_arg(p)
     p.add_argument("--duration", metavar="DUR", help="stop after DUR (30s, 5m, 1h); default: until Ctrl-C")
     p.add_argument(
-        "--pid", type=int, action="append", default=[], metavar="PID", help="trace only this process (repeatable)"
+        "-p",
+        "--pid",
+        action="append",
+        default=[],
+        metavar="PID[,PID...]",
+        help="trace only these processes and their children (repeatable, or comma-separated)",
+    )
+    p.add_argument(
+        "--user",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="trace only the processes of this user (name or uid; repeatable), and their children",
     )
     p.add_argument(
         "--no-follow",
@@ -91,6 +105,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         help="selective (default): every explain-relevant event, a sample of high-rate ones; all: everything",
     )
     rec.add_argument(
+        "--record-all",
+        dest="store",
+        action="store_const",
+        const="all",
+        help="store every event (same as --store all); default: selective storage",
+    )
+    rec.add_argument(
+        "--stack-samples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep at most N distinct stacks per process and op (0 = no limit, default); calls from "
+        "further call sites are stored without a stack (counted in session_stats as stacks_over_limit)",
+    )
+    rec.add_argument(
         "--sample-budget",
         type=int,
         default=1000,
@@ -98,7 +127,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         help="high-rate ops stored per second per process (1000)",
     )
     rec.add_argument(
-        "--max-db", metavar="SIZE", default="10g", help="prune the oldest events beyond SIZE (10g; 0 = off)"
+        "--max-db",
+        metavar="SIZE",
+        default="10g",
+        help="database rollover: beyond SIZE the oldest events are pruned, the newest kept (10g; 0 = off)",
     )
     rec.add_argument("--ring-mb", type=int, default=16, metavar="MB", help="kernel ring buffer size (16)")
     rec.add_argument("--no-host", dest="host", action="store_false", help="skip scheduler/process/memory tracepoints")
@@ -115,12 +147,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 def options_from(args: argparse.Namespace) -> TraceOptions:
     from ingero.errors import UsageError
     from ingero.timeutil import parse_duration
+    from ingero.trace.procfilter import resolve_users
     from ingero.trace.tracer import TraceOptions, parse_size
 
     duration = parse_duration(args.duration) / 1e9 if args.duration else None
     if duration is not None and duration <= 0:
         raise UsageError("--duration must be positive")
     max_db = 0 if str(args.max_db).strip() in ("0", "off") else parse_size(args.max_db)
+    if args.stack_samples < 0:
+        raise UsageError("--stack-samples must be 0 (no limit) or more")
     if args.sample_budget < 1:
         raise UsageError("--sample-budget must be at least 1")
     if not 1 <= args.ring_mb <= 1024:
@@ -131,15 +166,18 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
     elif args.no_tls or args.tls_cert or args.client_ca or args.token or args.token_file or args.insecure_no_auth:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
     raw_db = args.db or common.config_from(args).agent.db or common.DEFAULT_DB
+    uids = resolve_users(args.user)
     return TraceOptions(
         db_path=Path(raw_db).expanduser(),
         identity=common.identity_from(args),
-        pids=sorted(set(args.pid)),
+        pids=pids_from(args.pid, uids),
+        uids=uids,
         overrides={"cudart": args.cuda_lib, "cuda": args.driver_lib, "nccl": args.nccl_lib},
         duration_s=duration,
         stack_mode=args.stack,
         store_mode=args.store,
         budget_per_s=args.sample_budget,
+        stack_samples=args.stack_samples,
         max_db_bytes=max_db,
         ring_mb=args.ring_mb,
         host=args.host,
@@ -149,6 +187,13 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         output=args.output,
         listen=listen,
     )
+
+
+def pids_from(pid_args: list[str], uids: list[int]) -> list[int]:
+    """--pid values (repeatable, comma-separated) and the processes of each --user running now."""
+    from ingero.trace.procfilter import parse_pid_list, pids_of_uids
+
+    return sorted(set(parse_pid_list(pid_args)) | set(pids_of_uids(uids) if uids else ()))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,7 +52,7 @@ from ingero import __version__
 from ingero.errors import SchemaError, SchemaTooNewError
 from ingero.store.catalog import NCCL, OPS, SOURCES
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 INGERO_LAYOUT = "0.9"
 
 # Ingero's DDL, column for column (comments kept: they are what `.schema` shows users), with the
@@ -352,8 +352,31 @@ def _migrate_to_3(conn: sqlite3.Connection) -> None:
     _exec_script(conn, NCCL_CALLS_TABLE)
 
 
+ANNOTATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS annotations (
+	id        INTEGER PRIMARY KEY AUTOINCREMENT,
+	timestamp INTEGER NOT NULL,           -- unix nanos: the moment marked
+	node      TEXT NOT NULL DEFAULT '',
+	message   TEXT NOT NULL,              -- e.g. "deploy v2.3", "lr 3e-4 -> 1e-4"
+	author    TEXT NOT NULL DEFAULT ''    -- user@host that wrote it
+);
+CREATE INDEX IF NOT EXISTS idx_annotations_timestamp ON annotations(timestamp);
+"""
+
+
+def _migrate_to_4(conn: sqlite3.Connection) -> None:
+    """Schema 4: ``annotations`` (``ingero annotate``), ``cgroup_metadata.job_id`` (Slurm job) and
+    ``cgroup_metadata.seen_at``."""
+    _exec_script(conn, ANNOTATIONS_TABLE)
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(cgroup_metadata)")}
+    if "job_id" not in cols:
+        conn.execute("ALTER TABLE cgroup_metadata ADD COLUMN job_id TEXT NOT NULL DEFAULT ''")
+    if "seen_at" not in cols:
+        conn.execute("ALTER TABLE cgroup_metadata ADD COLUMN seen_at INTEGER NOT NULL DEFAULT 0")
+
+
 # MIGRATIONS[i] takes user_version i to i + 1.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1, _migrate_to_2, _migrate_to_3]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1, _migrate_to_2, _migrate_to_3, _migrate_to_4]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

@@ -285,6 +285,15 @@ class BpfProbes:
             for pid in pids:
                 table[ct.c_uint(pid)] = ct.c_ubyte(1)
 
+    def add_target_uids(self, uids: Iterable[int]) -> None:
+        """--user: processes of these uids become targets on their first probed call (pid filter)."""
+        with self._lock:
+            if self._closed:
+                return
+            table = self.bpf[b"target_uids"]
+            for uid in uids:
+                table[ct.c_uint(uid)] = ct.c_ubyte(1)
+
     # --- reading maps ----------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:

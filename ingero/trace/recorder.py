@@ -96,6 +96,7 @@ _NAME_SOURCES = (_op("sched_switch"), _op("sched_wakeup"))  # arg1 = another tas
 class StoragePolicy:
     mode: str = "selective"  # selective | all
     budget_per_s: int = 1000
+    stack_samples: int = 0  # --stack-samples: distinct stacks kept per (pid, op); 0 = no limit
 
 
 @dataclass
@@ -147,6 +148,8 @@ class Recorder:
         self._comm_of = comm_of
         self._budgets: dict[int, _Budget] = {}
         self._stack_hashes: dict[int, int] = {}  # kernel stack id -> stack_traces.hash
+        self._stacks_per_op: dict[int, int] = {}  # pid << 16 | source << 8 | op -> distinct stacks kept
+        self.stacks_over_limit = 0  # stored events left without a stack by --stack-samples
         self._named: set[int] = set()
         self._page_allocs: dict[int, tuple[int, int]] = {}
         self._last_page_ns = now_ns()
@@ -308,6 +311,8 @@ class Recorder:
             return hashes
         for sid in np.unique(ids[with_stack]).tolist():
             h = self._stack_hashes.get(sid)
+            if h is None and not self._stack_allowed(kept, ids, sid):
+                continue
             if h is None:
                 ips = self._stack_ips(sid)
                 if ips:
@@ -321,6 +326,20 @@ class Recorder:
             if h:
                 hashes[ids == sid] = h
         return hashes
+
+    def _stack_allowed(self, kept: np.ndarray, ids: np.ndarray, sid: int) -> bool:
+        """--stack-samples: may a new stack of the (pid, op) of ``sid``'s first event be kept?"""
+        limit = self.policy.stack_samples
+        if limit <= 0:
+            return True
+        first = int(np.flatnonzero(ids == sid)[0])
+        key = int(kept["pid"][first]) << 16 | int(kept["source"][first]) << 8 | int(kept["op"][first])
+        n = self._stacks_per_op.get(key, 0)
+        if n >= limit:
+            self.stacks_over_limit += int((ids == sid).sum())
+            return False
+        self._stacks_per_op[key] = n + 1
+        return True
 
     def _names(self, kept: np.ndarray, out: WriteBatch) -> None:
         pids = set(np.unique(kept["pid"]).tolist())
@@ -387,6 +406,8 @@ class Recorder:
         self._named -= gone
         for key in [k for k in self._budgets if k >> 16 in gone]:
             del self._budgets[key]
+        for key in [k for k in self._stacks_per_op if k >> 16 in gone]:
+            del self._stacks_per_op[key]
 
 
 __all__ = ["BULK_OPS", "Recorder", "StoragePolicy", "WriteBatch", "monotonic_offset_ns", "stack_hash"]

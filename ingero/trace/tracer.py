@@ -51,11 +51,13 @@ class TraceOptions:
     db_path: Path
     identity: Identity
     pids: list[int] = field(default_factory=list)
+    uids: list[int] = field(default_factory=list)  # --user: later processes of these uids are enrolled too
     overrides: dict[str, list[str]] = field(default_factory=dict)
     duration_s: float | None = None
     stack_mode: str = "site"
     store_mode: str = "selective"
     budget_per_s: int = 1000
+    stack_samples: int = 0  # distinct stacks kept per (pid, op); 0 = no limit
     max_db_bytes: int = 0
     ring_mb: int = 16
     host: bool = True
@@ -138,6 +140,10 @@ def _session_flags(opts: TraceOptions) -> str:
     parts = [f"stack={opts.stack_mode}", f"store={opts.store_mode}", "record"]
     if opts.max_db_bytes:
         parts.append(f"max-db={opts.max_db_bytes}")
+    if opts.uids:
+        parts.append("users=" + "+".join(str(u) for u in opts.uids))
+    if opts.stack_samples:
+        parts.append(f"stack-samples={opts.stack_samples}")
     if opts.listen is not None:
         parts.append("listen")
     if opts.flags:
@@ -205,7 +211,11 @@ async def run_trace(
         lambda: discovery.discover(opts.overrides, pids=opts.pids or None, system=opts.system_search)
     )
     probe_opts = ProbeOptions(
-        pid_filter=bool(opts.pids), stack_mode=opts.stack_mode, ring_mb=opts.ring_mb, host=opts.host, io=opts.io
+        pid_filter=bool(opts.pids or opts.uids),
+        stack_mode=opts.stack_mode,
+        ring_mb=opts.ring_mb,
+        host=opts.host,
+        io=opts.io,
     )
     # The database first: a second tracer on it fails at once (the writer lock), before any compiling.
     writer = StoreWriter(opts.db_path, opts.identity)
@@ -229,9 +239,11 @@ async def run_trace(
         session_id = writer.start_session(info)
         if opts.pids:
             probes.add_targets(opts.pids)
+        if opts.uids:
+            probes.add_target_uids(opts.uids)
         follower = _Follower(probes, opts)
         attached = await trio.to_thread.run_sync(follower.attach, found.libraries)
-        recorder = Recorder(StoragePolicy(opts.store_mode, opts.budget_per_s), probes.stack_ips)
+        recorder = Recorder(StoragePolicy(opts.store_mode, opts.budget_per_s, opts.stack_samples), probes.stack_ips)
         pipeline = Pipeline(
             probes,
             writer,
@@ -302,6 +314,8 @@ async def _close(
             await pipeline.refresh_kernel_counters()
         stats = pipeline.stats()
         stats["probes_attached"] = len(probes.attached_probes())
+        if pipeline.recorder.stacks_over_limit:
+            stats["stacks_over_limit"] = pipeline.recorder.stacks_over_limit
         stats["elapsed_ms"] = int(elapsed * 1000)
     if writer is not None:
         try:

@@ -25,7 +25,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 source_op, u64 arg0
     if (s->allowed == 0) {  // first call of this thread: decide once
         u32 tgid = id >> 32;
 #if INGERO_PID_FILTER
-        s->allowed = targets.lookup(&tgid) ? 1 : 2;
+        s->allowed = (targets.lookup(&tgid) || uid_targeted(tgid)) ? 1 : 2;
 #else
         u8 one = 1;
         s->allowed = 1;

@@ -73,6 +73,7 @@ struct entry_stack {
 BPF_RINGBUF_OUTPUT(events, INGERO_RING_PAGES);
 BPF_TABLE("lru_hash", u32, struct entry_stack, entries, 65536);  // tid -> its entry stack
 BPF_HASH(targets, u32, u8, 65536);  // tgids whose host events are recorded
+BPF_HASH(target_uids, u32, u8, 64);  // --user: uids whose processes are enrolled (pid filter mode)
 BPF_PERCPU_ARRAY(counters, u64, CNT_SLOTS);
 BPF_ARRAY(control, u32, 1);  // [0] = 1: stopping, emit nothing (set before the last drain)
 
@@ -101,6 +102,17 @@ static __always_inline int stopping(void) {
     u32 k = 0;
     u32 *v = control.lookup(&k);
     return v && *v;
+}
+
+// --user (pid filter mode): a process of one of `target_uids` becomes a target on its first probed
+// call, so jobs the user starts after the tracer are traced too. One lookup per thread, once.
+static __always_inline int uid_targeted(u32 tgid) {
+    u32 uid = (u32)bpf_get_current_uid_gid();
+    if (!target_uids.lookup(&uid))
+        return 0;
+    u8 one = 1;
+    targets.update(&tgid, &one);
+    return 1;
 }
 
 static __always_inline void count(u32 slot) {
