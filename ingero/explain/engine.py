@@ -19,7 +19,16 @@ from typing import Any
 import numpy as np
 
 from ingero.errors import StoreError
-from ingero.explain import rules_events, rules_idle, rules_latency, rules_launch, rules_memory, rules_periodic
+from ingero.explain import (
+    rules_events,
+    rules_graphs,
+    rules_idle,
+    rules_latency,
+    rules_launch,
+    rules_leak,
+    rules_memory,
+    rules_periodic,
+)
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
@@ -98,6 +107,10 @@ def explain(
         ops += o
         hosts[name] = h
         notes += n
+    try:
+        rules_leak.add_stacks(conn, chains)
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot read the trace database: {e}") from None
     if not frames:
         notes.append("no events in the window" + (f" for node {node}" if node else ""))
     report = ExplainReport(
@@ -196,6 +209,7 @@ def _explain_node(
         cold = rules_events.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx) + rules_idle.starvation_chains(ctx)
         chains += rules_launch.first_launch_chains(ctx, ctx.notes)
+        chains += rules_leak.leak_chains(ctx) + rules_graphs.graph_chains(ctx)
         explained |= {c.cuda_op for c in periodic} | {op for c in cold for op in c.evidence.get("ops", {})}
         for st in unexplained:
             if st.name not in explained:

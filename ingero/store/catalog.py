@@ -22,7 +22,7 @@ DRIVER = 4
 IO = 5
 TCP = 6
 NET = 7
-CUDA_GRAPH = 8  # Ingero's; ingero does not trace CUDA Graphs but reads databases that have them
+CUDA_GRAPH = 8  # Ingero's id for CUDA Graph events; traced by ingero too (capture, instantiate, launch)
 NCCL = 9
 
 SOURCES: list[tuple[int, str, str]] = [
@@ -32,8 +32,8 @@ SOURCES: list[tuple[int, str, str]] = [
     (DRIVER, "DRIVER", "CUDA Driver API (libcuda.so) — uprobes"),
     (IO, "IO", "Block I/O events — tracepoints (block_rq_issue/block_rq_complete)"),
     (TCP, "TCP", "TCP events — tracepoints (tcp_retransmit_skb)"),
-    (NET, "NET", "Network socket events — syscall tracepoints (sendto/recvfrom)"),
-    (CUDA_GRAPH, "CUDA_GRAPH", "CUDA Graph events (Ingero) — not traced by ingero"),
+    (NET, "NET", "Socket send/receive of traced processes — syscall tracepoints (sendto/sendmsg/recvfrom/recvmsg)"),
+    (CUDA_GRAPH, "CUDA_GRAPH", "CUDA Graph events — uprobes on libcudart/libcuda; arg0/arg1 = graph handles"),
     (NCCL, "NCCL", "NCCL collectives (libnccl.so) — uprobes; arg0 = bytes, arg1 = communicator (see nccl_calls)"),
 ]
 
@@ -76,6 +76,23 @@ OPS: list[tuple[int, int, str, str]] = [
     (NCCL, 5, "ncclReduceScatter", "NCCL reduce-scatter collective"),
     (NCCL, 6, "ncclSend", "NCCL point-to-point send"),
     (NCCL, 7, "ncclRecv", "NCCL point-to-point receive"),
+    # More runtime calls (ours, after Ingero's ids). Arguments: see ingero/trace/bpf/gpu_probes.c.
+    (CUDA, 9, "cudaMemcpy2D", "Synchronous 2-D copy (arg0 = width x height bytes, arg1 = cudaMemcpyKind)"),
+    (CUDA, 10, "cudaMemcpy2DAsync", "Asynchronous 2-D copy (arg0 = width x height bytes, arg1 = cudaMemcpyKind)"),
+    (CUDA, 11, "cudaMemcpyPeer", "Synchronous copy between GPUs (arg0 = bytes, arg1 = src device << 16 | dst device)"),
+    (CUDA, 12, "cudaMemcpyPeerAsync", "Asynchronous copy between GPUs (arg0 = bytes, arg1 = src << 16 | dst)"),
+    (CUDA, 13, "cudaMemset", "Synchronous device memset, 1-D or 2-D (arg0 = bytes)"),
+    (CUDA, 14, "cudaMemsetAsync", "Asynchronous device memset, 1-D or 2-D (arg0 = bytes)"),
+    (CUDA, 15, "cudaEventSynchronize", "Wait for a CUDA event (arg0 = event)"),
+    (CUDA, 16, "cudaEventQuery", "Poll a CUDA event (arg0 = event; ret 600 = not ready)"),
+    (CUDA, 17, "cudaHostAlloc", "Pinned host memory allocation (arg0 = bytes, arg1 = flags)"),
+    (CUDA, 18, "cudaMallocHost", "Pinned host memory allocation (arg0 = bytes)"),
+    (DRIVER, 7, "cuMemFree", "GPU memory free via driver API (arg0 = device pointer)"),
+    # CUDA Graphs (Ingero's source 8); runtime and driver calls share an op.
+    (CUDA_GRAPH, 1, "cudaStreamBeginCapture", "Stream capture begins (arg0 = stream, arg1 = capture mode)"),
+    (CUDA_GRAPH, 2, "cudaStreamEndCapture", "Stream capture ends (arg0 = stream, arg1 = the captured graph)"),
+    (CUDA_GRAPH, 3, "cudaGraphInstantiate", "Graph instantiated (arg0 = graph, arg1 = the executable graph)"),
+    (CUDA_GRAPH, 4, "cudaGraphLaunch", "Executable graph launched (arg0 = executable graph, arg1 = stream)"),
 ]
 
 ALIASES: dict[str, str] = {
@@ -86,7 +103,36 @@ ALIASES: dict[str, str] = {
     "cumemcpy_v2": "cuMemcpy",
     "cumemcpyasync_v2": "cuMemcpyAsync",
     "culaunchkernel_ptsz": "cuLaunchKernel",
+    "cudamemcpy2d_ptds": "cudaMemcpy2D",
+    "cudamemcpy2dasync_ptsz": "cudaMemcpy2DAsync",
+    "cudamemset2d": "cudaMemset",
+    "cudamemset2dasync": "cudaMemsetAsync",
+    "custreambegincapture": "cudaStreamBeginCapture",
+    "custreambegincapture_v2": "cudaStreamBeginCapture",
+    "custreamendcapture": "cudaStreamEndCapture",
+    "cugraphinstantiate": "cudaGraphInstantiate",
+    "cugraphinstantiatewithflags": "cudaGraphInstantiate",
+    "cugraphlaunch": "cudaGraphLaunch",
+    "cumemfree_v2": "cuMemFree",
 }
+
+# Allocations whose returned pointer the tracer records in arg1 (read from the out-parameter at
+# return; 0 when the call failed), and the frees whose arg0 is that pointer (see allocations.py).
+ALLOC_OPS: tuple[tuple[int, int], ...] = ((CUDA, 1), (CUDA, 8), (DRIVER, 5), (DRIVER, 6))
+FREE_OPS: tuple[tuple[int, int], ...] = ((CUDA, 2), (DRIVER, 7))
+
+# Kernel launches (cudaLaunchKernel, cuLaunchKernel) carry their grid and block in arg1:
+#   bits 0-10 block.x, 11-21 block.y, 22-28 block.z, 32-63 grid blocks (x*y*z, saturated at 2^32-1).
+LAUNCH_BLOCK_BITS = ((0, 11), (11, 11), (22, 7))
+LAUNCH_GRID_SHIFT = 32
+
+
+def launch_dims(arg1: int) -> tuple[int, tuple[int, int, int]]:
+    """(grid blocks, (block.x, block.y, block.z)) of a launch's arg1 (see LAUNCH_BLOCK_BITS)."""
+    u = arg1 & U64
+    bx, by, bz = ((u >> shift) & ((1 << width) - 1) for shift, width in LAUNCH_BLOCK_BITS)
+    return u >> LAUNCH_GRID_SHIFT, (bx, by, bz)
+
 
 # Sources whose ops are GPU API calls with meaningful latency (the explain engine's targets).
 GPU_API_SOURCES = (CUDA, DRIVER, NCCL)

@@ -35,9 +35,10 @@ TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 # Library kind -> [(symbol alternatives, entry program, return program)]. The first alternative the
 # library exports is probed; aliases at one address (ncclAllReduce/pncclAllReduce) are probed once.
 R, C = "on_return", "on_return_comm"
+RO = "on_return_out"  # arg1 holds an out-parameter's address: the return reads the value written there
 GPU_FUNCTIONS: dict[str, list[tuple[tuple[str, ...], str, str]]] = {
     "cudart": [
-        (("cudaMalloc",), "enter_cudaMalloc", R),
+        (("cudaMalloc",), "enter_cudaMalloc", RO),
         (("cudaFree",), "enter_cudaFree", R),
         (("cudaLaunchKernel",), "enter_cudaLaunchKernel", R),
         (("cudaLaunchKernel_ptsz",), "enter_cudaLaunchKernel", R),
@@ -48,7 +49,34 @@ GPU_FUNCTIONS: dict[str, list[tuple[tuple[str, ...], str, str]]] = {
         (("cudaDeviceSynchronize",), "enter_cudaDeviceSynchronize", R),
         (("cudaMemcpyAsync",), "enter_cudaMemcpyAsync", R),
         (("cudaMemcpyAsync_ptsz",), "enter_cudaMemcpyAsync", R),
-        (("cudaMallocManaged",), "enter_cudaMallocManaged", R),
+        (("cudaMallocManaged",), "enter_cudaMallocManaged", RO),
+        # cuda_more_probes.c
+        (("cudaMemcpy2D",), "enter_cudaMemcpy2D", R),
+        (("cudaMemcpy2D_ptds",), "enter_cudaMemcpy2D", R),
+        (("cudaMemcpy2DAsync",), "enter_cudaMemcpy2DAsync", R),
+        (("cudaMemcpy2DAsync_ptsz",), "enter_cudaMemcpy2DAsync", R),
+        (("cudaMemcpyPeer",), "enter_cudaMemcpyPeer", R),
+        (("cudaMemcpyPeerAsync",), "enter_cudaMemcpyPeerAsync", R),
+        (("cudaMemset",), "enter_cudaMemset", R),
+        (("cudaMemset_ptds",), "enter_cudaMemset", R),
+        (("cudaMemsetAsync",), "enter_cudaMemsetAsync", R),
+        (("cudaMemsetAsync_ptsz",), "enter_cudaMemsetAsync", R),
+        (("cudaMemset2D",), "enter_cudaMemset2D", R),
+        (("cudaMemset2D_ptds",), "enter_cudaMemset2D", R),
+        (("cudaMemset2DAsync",), "enter_cudaMemset2DAsync", R),
+        (("cudaMemset2DAsync_ptsz",), "enter_cudaMemset2DAsync", R),
+        (("cudaEventSynchronize",), "enter_cudaEventSynchronize", R),
+        (("cudaEventQuery",), "enter_cudaEventQuery", R),
+        (("cudaHostAlloc",), "enter_cudaHostAlloc", R),
+        (("cudaMallocHost",), "enter_cudaMallocHost", R),
+        (("cudaStreamBeginCapture",), "enter_cudaStreamBeginCapture", R),
+        (("cudaStreamBeginCapture_ptsz",), "enter_cudaStreamBeginCapture", R),
+        (("cudaStreamEndCapture",), "enter_cudaStreamEndCapture", RO),
+        (("cudaStreamEndCapture_ptsz",), "enter_cudaStreamEndCapture", RO),
+        (("cudaGraphInstantiate",), "enter_cudaGraphInstantiate", RO),
+        (("cudaGraphInstantiateWithFlags",), "enter_cudaGraphInstantiate", RO),
+        (("cudaGraphLaunch",), "enter_cudaGraphLaunch", R),
+        (("cudaGraphLaunch_ptsz",), "enter_cudaGraphLaunch", R),
     ],
     "cuda": [
         (("cuLaunchKernel",), "enter_cuLaunchKernel", R),
@@ -64,8 +92,14 @@ GPU_FUNCTIONS: dict[str, list[tuple[tuple[str, ...], str, str]]] = {
         (("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync"), "enter_cuMemcpyDtoHAsync", R),
         (("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), "enter_cuMemcpyDtoDAsync", R),
         (("cuCtxSynchronize",), "enter_cuCtxSynchronize", R),
-        (("cuMemAlloc_v2", "cuMemAlloc"), "enter_cuMemAlloc", R),
-        (("cuMemAllocManaged",), "enter_cuMemAllocManaged", R),
+        (("cuMemAlloc_v2", "cuMemAlloc"), "enter_cuMemAlloc", RO),
+        (("cuMemAllocManaged",), "enter_cuMemAllocManaged", RO),
+        (("cuMemFree_v2", "cuMemFree"), "enter_cuMemFree", R),
+        # CUDA Graphs through the driver (same arguments as the runtime's: cuda_more_probes.c)
+        (("cuStreamBeginCapture_v2", "cuStreamBeginCapture"), "enter_cudaStreamBeginCapture", R),
+        (("cuStreamEndCapture",), "enter_cudaStreamEndCapture", RO),
+        (("cuGraphInstantiateWithFlags", "cuGraphInstantiate"), "enter_cudaGraphInstantiate", RO),
+        (("cuGraphLaunch",), "enter_cudaGraphLaunch", R),
     ],
     "nccl": [
         (("ncclAllReduce",), "enter_ncclAllReduce", R),
@@ -159,11 +193,13 @@ def _first_clang_error(text: str) -> str:
 
 
 def program_text(options: ProbeOptions) -> str:
-    parts = [(BPF_DIR / name).read_text() for name in ("ingero_common.h", "gpu_probes.c", "nccl_probes.c")]
+    names = ("ingero_common.h", "gpu_probes.c", "nccl_probes.c", "cuda_more_probes.c")
+    parts = [(BPF_DIR / name).read_text() for name in names]
     if options.host:
         parts.append((BPF_DIR / "host_probes.c").read_text())
     if options.io:
         parts.append((BPF_DIR / "io_probes.c").read_text())
+        parts.append((BPF_DIR / "net_probes.c").read_text())
     return "\n".join(parts)
 
 

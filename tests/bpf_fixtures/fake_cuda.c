@@ -32,3 +32,19 @@ int cuCtxSynchronize(void) {
     nanosleep(&ts, NULL);
     return 0;
 }
+
+/* CUDA Graphs through the driver (tests/test_bpf_breadth_calls.py). */
+typedef void *CUgraph;
+typedef void *CUgraphExec;
+static unsigned long long next_cugraph = 0x4000000000ull;
+int cuStreamBeginCapture_v2(CUstream s, int mode) { return 0; }
+int cuStreamEndCapture(CUstream s, CUgraph *phGraph) {
+    *phGraph = (CUgraph)next_cugraph++;
+    return 0;
+}
+int cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags) {
+    *phGraphExec = (CUgraphExec)(next_cugraph++ | 0x100000000000ull);
+    return 0;
+}
+int cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) { return hGraphExec ? 0 : 400; }
+int cuMemFree_v2(CUdeviceptr dptr) { return dptr ? 0 : 1; }

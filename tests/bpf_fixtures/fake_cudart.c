@@ -64,3 +64,50 @@ int cudaDeviceSynchronize(void) {
     sleep_us(3000);
     return 0;
 }
+
+/* The calls beyond the core set (tests/test_bpf_breadth_calls.py): real signatures.
+ *   cudaEventSynchronize(event) sleeps `event` microseconds; cudaEventQuery(event) returns
+ *   cudaErrorNotReady (600) for an odd event; cudaStreamEndCapture / cudaGraphInstantiate write a new
+ *   handle (0x6000000000 + n, 0x5000000000 + n) to their out-parameter. */
+typedef void *cudaEvent_t;
+typedef void *cudaGraph_t;
+typedef void *cudaGraphExec_t;
+static uintptr_t next_graph = 0x6000000000ull, next_exec = 0x5000000000ull;
+
+int cudaMemcpy2D(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height, int kind) {
+    return copy(kind);
+}
+int cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height, int kind,
+                      cudaStream_t stream) {
+    return copy(kind);
+}
+int cudaMemcpyPeer(void *dst, int dstDevice, const void *src, int srcDevice, size_t count) { return 0; }
+int cudaMemcpyPeerAsync(void *dst, int dstDevice, const void *src, int srcDevice, size_t count, cudaStream_t stream) {
+    return 0;
+}
+int cudaMemset(void *devPtr, int value, size_t count) { return 0; }
+int cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t stream) { return 0; }
+int cudaMemset2D(void *devPtr, size_t pitch, int value, size_t width, size_t height) { return 0; }
+int cudaMemset2DAsync(void *devPtr, size_t pitch, int value, size_t width, size_t height, cudaStream_t stream) {
+    return 0;
+}
+int cudaEventSynchronize(cudaEvent_t event) {
+    sleep_us((uint64_t)(uintptr_t)event);
+    return 0;
+}
+int cudaEventQuery(cudaEvent_t event) { return ((uintptr_t)event & 1) ? 600 : 0; }
+int cudaHostAlloc(void **pHost, size_t size, unsigned int flags) { return alloc(pHost, size); }
+int cudaMallocHost(void **ptr, size_t size) { return alloc(ptr, size); }
+int cudaStreamBeginCapture(cudaStream_t stream, int mode) { return 0; }
+int cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph) {
+    *pGraph = (cudaGraph_t)next_graph++;
+    return 0;
+}
+int cudaGraphInstantiate(cudaGraphExec_t *pGraphExec, cudaGraph_t graph, unsigned long long flags) {
+    *pGraphExec = (cudaGraphExec_t)next_exec++;
+    return 0;
+}
+int cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
+    sleep_us(50);
+    return graphExec ? 0 : 400;
+}
