@@ -138,11 +138,27 @@ def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_na
     stored = stored_chains(conn, window)
     if args.node:
         stored = [c for c in stored if c.node == args.node]
+    marks = _annotations(conn, window, args.node)
     if args.format == "json":
         doc = {"db": str(path), **report.as_dict(), "stored_chains": len(stored)}
+        doc["annotations"] = [a.as_dict() for a in marks]
         emit_json(doc)
         return 0
     print(render_report(report, source=str(path), stored=len(stored) if not report.chains else 0), end="")
+    if marks:
+        from ingero.timeutil import fmt_ts
+
+        print("\nannotations (ingero annotate):")
+        for a in marks:
+            print(f"  {fmt_ts(a.timestamp)}  {a.node}  {a.message}  ({a.author})")
     for msg in report.notes:
         note(msg)
     return 0
+
+
+def _annotations(conn: Any, window: Any, node: str | None) -> list[Any]:
+    """The window's annotations (``ingero annotate``), of ``node`` only when given."""
+    from ingero.store.annotations import list_annotations
+
+    marks = list_annotations(conn, window.start_ns, window.end_ns)
+    return [a for a in marks if node is None or a.node == node]

@@ -36,6 +36,7 @@ from typing import IO, Any
 
 from ingero import __version__
 from ingero.explain.model import SEVERITIES, Chain
+from ingero.store.annotations import Annotation
 from ingero.store.catalog import CUDA, DRIVER, HOST, NCCL, NET, SOURCE_NAMES, op_name
 from ingero.store.catalog import IO as IO_SOURCE
 
@@ -70,6 +71,7 @@ class NodeTrace:
     chains: list[Chain] = field(default_factory=list)
     offset_ns: int = 0  # this node's clock minus the reference clock: subtracted from its timestamps
     offset_uncertainty_ns: int | None = None
+    annotations: list[Annotation] = field(default_factory=list)  # ``ingero annotate`` marks of this node
 
     @property
     def label(self) -> str:
@@ -199,6 +201,7 @@ class TraceWriter:
                 self._thread_slices(slot, lane, off_cpu[tid])
         self._io_lanes(slot, base, io, nt.process_names)
         self._chains(slot, base, nt, shift)
+        self._annotations(slot, nt, shift)
 
     def _meta(self, pid: int, tid: int | None, name: str, args: dict[str, Any]) -> None:
         ev: dict[str, Any] = {"ph": "M", "pid": pid, "name": name, "args": args}
@@ -322,6 +325,23 @@ class TraceWriter:
                 }
             )
             self.stats.chains += 1
+
+    def _annotations(self, pid: int, nt: NodeTrace, shift: int) -> None:
+        """``ingero annotate`` marks: process-wide instant events (a line across the node's lanes)."""
+        for a in nt.annotations:
+            self._emit(
+                {
+                    "ph": "i",
+                    "s": "p",
+                    "pid": pid,
+                    "tid": 0,
+                    "ts": _us(a.timestamp - shift),
+                    "name": f"annotation: {a.message}"[:160],
+                    "cat": "annotation",
+                    "args": {"message": a.message, "author": a.author, "id": a.id},
+                }
+            )
+            self.stats.instants += 1
 
 
 def base_for(nodes: Iterable[NodeTrace]) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 from ingero.errors import StoreError
 from ingero.explain.model import Chain, stored_chains
 from ingero.export.perfetto import EXPORT_COLUMNS, ExportRow, NodeTrace, iter_rows
+from ingero.store.annotations import list_annotations
 from ingero.store.db import open_readonly, translate
 from ingero.store.window import Window
 
@@ -93,6 +94,7 @@ def traces_from_db(path: str | Path, window: Window | None = None) -> LocalExpor
         nodes = [r[0] for r in conn.execute(f"SELECT DISTINCT node FROM events WHERE {where}", params)]
         first = conn.execute(f"SELECT min(timestamp) FROM events WHERE {where}", params).fetchone()[0]
         chains = local_chains(conn, window)
+        marks = list_annotations(conn, window.start_ns, window.end_ns)
         for c in chains:
             if c.node not in nodes:
                 nodes.append(c.node)
@@ -108,6 +110,7 @@ def traces_from_db(path: str | Path, window: Window | None = None) -> LocalExpor
                     events=_cursor(conn, node, window, p),
                     process_names=_process_names(conn, node),
                     chains=[c for c in chains if c.node == node],
+                    annotations=[a for a in marks if a.node == node or (not a.node and len(nodes) == 1)],
                 )
             )
         traces.sort(key=lambda t: (t.rank if t.rank is not None else 1 << 30, t.node))
