@@ -154,7 +154,7 @@ def test_bad_sql_is_exit_2_locally_too(capsys: pytest.CaptureFixture[str], db: P
 
 
 def test_tables_fit_the_terminal_width_and_pipes_get_everything() -> None:
-    from ingero.cli.output import render_table
+    from ingero.texttable import render_table
 
     cols = ["node", "summary", "n"]
     rows = [["gpu-node-01", "cuLaunchKernel p99 63x p50 — CPU preemption " * 3, 12], ["gpu-node-02", "short", 7]]

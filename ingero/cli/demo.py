@@ -67,7 +67,7 @@ def _speed(text: str) -> float | None:
 
 
 def _list(fmt: str) -> int:
-    from ingero.cli.output import render_table
+    from ingero.texttable import render_table
     from ingero.demo.scenarios import SCENARIOS
 
     if fmt == "json":
