@@ -25,9 +25,11 @@ The verdict (:func:`analyze`), in order:
 * **no straggler** — otherwise.
 
 Calls missing some rank (a node restarted, a rank outside the window) are counted as incomplete and
-left out. A rank whose ``seq`` restarts (its agent restarted: the counter lives in the tracer) is
-re-based segment by segment onto the communicator's longest segment by matching completion times,
-which synchronising collectives share across ranks.
+left out. A rank whose ``seq`` restarts (its agent restarted: the counter lives in the tracer) or
+started late (its agent came up after the others') is re-based segment by segment onto the
+communicator's longest segment by matching completion times, which synchronising collectives share
+across ranks; clock offsets are trusted within their stated uncertainty for that (an unknown error
+beyond half a step would read as a shifted counter).
 """
 
 from __future__ import annotations
@@ -117,11 +119,13 @@ def _flatten(nodes: Sequence[NodeCalls]) -> _Flat:
 
 
 def _rebase(f: _Flat, cidx: np.ndarray, pidx: np.ndarray) -> np.ndarray:
-    """``seq`` made comparable across ranks when a rank's counter restarted (see the module docstring).
+    """``seq`` made comparable across ranks whose counters did not start together (see the module
+    docstring): an agent restarted, or started after the others.
 
-    Segments are runs of one participant's calls (in entry order) whose seq never decreases; every
-    segment but the communicator's longest is shifted by the most common difference between the
-    longest segment's seq and its own, matched on completion time within half a step."""
+    Segments are runs of one participant's calls (in entry order) whose seq never decreases. Each
+    segment but the communicator's longest is matched to the longest on completion time (within half
+    a step); it is shifted by the most common seq difference when that difference holds for at least
+    half the matches and twice as many as no shift at all (so clock noise never moves a good one)."""
     seq = f.seq.copy()
     order = np.lexsort((f.entry, pidx))
     sp, ss = pidx[order], f.seq[order]
@@ -133,40 +137,43 @@ def _rebase(f: _Flat, cidx: np.ndarray, pidx: np.ndarray) -> np.ndarray:
         return seq
     seg = np.empty(order.size, dtype=np.int64)
     seg[order] = seg_sorted
-    # Only participants with a restart need work; in the common case there is one segment each.
-    seg_part = np.zeros(nseg, dtype=np.int64)
-    seg_part[seg_sorted] = sp
-    per_part = np.bincount(seg_part, minlength=int(pidx.max()) + 1)
-    if not (per_part > 1).any():
-        return seq
     seg_len = np.bincount(seg, minlength=nseg)
     seg_comm = np.zeros(nseg, dtype=np.int64)
     seg_comm[seg] = cidx
-    end = f.entry + np.where(f.duration >= 0, f.duration, np.nan)
-    for c in np.unique(seg_comm[per_part[seg_part] > 1]):
+    # rows of segment s, in entry order: order[bounds[s]:bounds[s + 1]] (one sort, then slices)
+    bounds = np.concatenate((np.flatnonzero(brk), [order.size]))
+    end_all = f.entry + np.where(f.duration >= 0, f.duration, np.nan)
+    for c in np.unique(seg_comm):
         segs = np.flatnonzero(seg_comm == c)
+        if segs.size < 2:
+            continue
         ref = int(segs[np.argmax(seg_len[segs])])
-        rmask = (seg == ref) & np.isfinite(end)
-        rord = np.argsort(end[rmask])
-        r_end, r_seq = end[rmask][rord], f.seq[rmask][rord]
+        rows = order[bounds[ref] : bounds[ref + 1]]
+        rows = rows[np.isfinite(end_all[rows])]
+        rord = np.argsort(end_all[rows])
+        r_end, r_seq = end_all[rows][rord], f.seq[rows][rord]
         if r_end.size < 2:
             continue
         tol = 0.5 * float(np.median(np.diff(r_end)))
         for s in segs:
             if s == ref:
                 continue
-            m = (seg == s) & np.isfinite(end)
-            e = end[m]
+            mine = order[bounds[s] : bounds[s + 1]]
+            m = mine[np.isfinite(end_all[mine])]
+            e = end_all[m]
             j = np.clip(np.searchsorted(r_end, e), 1, r_end.size - 1)
             near = np.where(np.abs(r_end[j - 1] - e) <= np.abs(r_end[j] - e), j - 1, j)
             good = np.abs(r_end[near] - e) <= tol
-            if good.sum() == 0:
+            if not good.any():
                 continue
             shifts = r_seq[near][good] - f.seq[m][good]
+            unshifted = int(np.count_nonzero(shifts == 0))
+            if unshifted * 2 >= shifts.size:
+                continue  # the common case: already aligned
             vals, counts = np.unique(shifts, return_counts=True)
             best = int(np.argmax(counts))
-            if counts[best] * 2 >= good.sum():
-                seq[seg == s] += int(vals[best])
+            if vals[best] != 0 and counts[best] * 2 >= good.sum() and counts[best] > 2 * unshifted:
+                seq[mine] += int(vals[best])
     return seq
 
 
