@@ -279,3 +279,27 @@ def test_investigations_merge_like_their_cluster_db(tmp_path: Path) -> None:
     assert {n: r.events for n, r in report.nodes.items()} == dict(
         open_readonly(ref).execute("SELECT node, count(*) FROM events GROUP BY node").fetchall()
     )
+
+
+def test_collectives_survive_a_merge(tmp_path: Path) -> None:
+    """nccl_calls and nccl_comms (with the cluster-wide comm_id) of every input reach the merged database."""
+    inputs = []
+    for rank, node in enumerate(("rank-a", "rank-b")):
+        path = tmp_path / f"{node}.db"
+        with StoreWriter(path, Identity(node)) as w:
+            w.write_batch(
+                [_ev(0)],
+                nccl_comms=[(0xC0 + rank, 7, rank, 2, 1, 0x5EED)],
+                nccl_calls=[(7, 7, 0xC0 + rank, k, 1, 1_000 + k, 50 + rank, 7, 0, 4, 16, -1, 0) for k in range(3)],
+            )
+        inputs.append(path)
+    out = tmp_path / "cluster.db"
+    merge_databases(inputs, out)
+    conn = sqlite3.connect(out)
+    try:
+        comms = conn.execute("SELECT node, rank, comm_id FROM nccl_comms ORDER BY node").fetchall()
+        calls = conn.execute("SELECT node, count(*), sum(duration) FROM nccl_calls GROUP BY node ORDER BY node")
+        assert comms == [("rank-a", 0, 0x5EED), ("rank-b", 1, 0x5EED)]
+        assert calls.fetchall() == [("rank-a", 3, 150), ("rank-b", 3, 153)]
+    finally:
+        conn.close()

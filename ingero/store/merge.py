@@ -276,7 +276,16 @@ class _Merger:
             "cgroup_schedstat",
             ("cgroup_id", "p99_off_cpu", "total_off_cpu", "event_count", "window_start", "window_end"),
         )
-        mt.copy_simple(c, info, "nccl_comms", ("comm", "pid", "rank", "nranks", "node", "seen_at"))
+        mt.copy_simple(c, info, "nccl_comms", ("comm", "pid", "rank", "nranks", "node", "seen_at", "comm_id"))
+        mt.copy_simple(
+            c,
+            info,
+            "nccl_calls",
+            (
+                *("node", "pid", "tid", "comm", "seq", "op", "timestamp", "duration"),
+                *("datatype", "redop", "count", "bytes", "peer", "ret_code"),
+            ),
+        )
         if info.has("schema_info", "value"):
             c.execute("INSERT OR IGNORE INTO schema_info(key, value) SELECT key, value FROM src.schema_info")
 
