@@ -31,6 +31,7 @@ from ingero.errors import DiskFullError, IngeroError, UsageError
 from ingero.identity import Identity
 from ingero.store import catalog
 from ingero.trace import discovery
+from ingero.trace.cgroups import CgroupTracker
 from ingero.trace.livemode import LiveView, tick_loop
 from ingero.trace.livestats import LiveStats
 from ingero.trace.pipeline import Pipeline, PipelineOptions
@@ -166,8 +167,10 @@ class _Follower:
         self.opts = opts
         self.targets: set[int] = set(opts.pids)
         self.exited: list[int] = []
+        self.cgroups = CgroupTracker()  # cgroup id -> container / pod / Slurm job (cgroup_metadata)
 
     def on_events(self, ev: np.ndarray) -> None:
+        self.cgroups.on_events(ev)
         host = ev[ev["source"] == _FORK.source]
         if host.size == 0:
             return
@@ -279,6 +282,7 @@ async def run_trace(
             pipeline.request_stop()
             with trio.CancelScope(shield=True):
                 await pipeline_done.wait()
+                await trio.to_thread.run_sync(follower.cgroups.flush, opts.db_path)
             nursery.cancel_scope.cancel()
     except BaseException:
         with trio.CancelScope(shield=True):
@@ -371,6 +375,7 @@ async def _maintenance_loop(
             for lib in new:
                 if view is not None:
                     view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
+        await trio.to_thread.run_sync(follower.cgroups.flush, follower.opts.db_path)
         if follower.exited:
             gone, follower.exited = follower.exited, []
             await trio.to_thread.run_sync(probes.forget_page_allocs, gone)
