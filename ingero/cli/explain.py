@@ -16,6 +16,7 @@ examples:
   ingero explain --db trace.db --from 2026-04-03T12:18:40Z --to 2026-04-03T12:19:40Z
   ingero explain --db trace.db --pid 4242               one process (its GPU calls, its off-CPU time)
   ingero explain --db trace.db --per-process            chains and op tables per GPU process
+  ingero explain --db trace.db --per-cgroup             ... grouped by container / pod / Slurm job
   ingero explain --db investigations/sample-cluster.db --node gpu-node-01
   ingero explain --db investigations/sample-cluster.db --op cuLaunchKernel --json
   ingero explain --db tests/data/ingero-samples/sample-cluster.db --chains   chains stored while tracing
@@ -47,6 +48,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     who = p.add_mutually_exclusive_group()
     who.add_argument("--pid", type=int, metavar="PID", help="only this process's GPU calls and off-CPU time")
     who.add_argument("--per-process", action="store_true", help="op tables and chains for each GPU process")
+    who.add_argument(
+        "--per-cgroup",
+        action="store_true",
+        help="op tables and chains grouped by container / Kubernetes pod / Slurm job (cgroup) of each GPU process",
+    )
     p.add_argument("--node", metavar="NAME", help="only this node of a merged (cluster) database")
     p.add_argument(
         "--op", metavar="NAME", help="only this op in the table and chains (cudaStreamSync, cuMemAlloc, ...)"
@@ -93,6 +99,8 @@ def run_local(args: argparse.Namespace) -> int:
                 raise UsageError(f"no node {args.node!r} in {path}", hint="nodes: " + ", ".join(known))
         if args.chains:
             return _stored(conn, args, path, window, op_name)
+        if args.per_cgroup:
+            return _per_cgroup(conn, args, path, window)
         return _computed(conn, args, path, window, op_name)
     except sqlite3.Error as e:
         raise translate(e, path) from None
@@ -162,3 +170,19 @@ def _annotations(conn: Any, window: Any, node: str | None) -> list[Any]:
 
     marks = list_annotations(conn, window.start_ns, window.end_ns)
     return [a for a in marks if node is None or a.node == node]
+
+
+def _per_cgroup(conn: Any, args: argparse.Namespace, path: Any, window: Any) -> int:
+    from ingero.explain.cgroups import pid_cgroups
+    from ingero.explain.engine import explain
+    from ingero.explain.per_cgroup import group_by_cgroup, render_groups
+
+    report = explain(conn, window, per_process=True, node=args.node)
+    groups = group_by_cgroup(report, pid_cgroups(conn, window))
+    if args.format == "json":
+        emit_json({"db": str(path), "window": window.as_dict(), "groups": [g.as_dict() for g in groups]})
+        return 0
+    print(render_groups(groups, source=str(path)), end="")
+    for msg in report.notes:
+        note(msg)
+    return 0

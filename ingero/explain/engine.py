@@ -29,6 +29,7 @@ from ingero.explain import (
     rules_memory,
     rules_periodic,
 )
+from ingero.explain.cgroups import pid_cgroups, with_cgroups
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
@@ -85,7 +86,7 @@ def explain(
     window = window or Window()
     try:
         frames = load_frames(conn, window, node=node, pid=pid)
-        names = _process_names(conn)
+        names = with_cgroups(_process_names(conn), pid_cgroups(conn, window, named_only=True))
         cores = _cpu_cores(conn)
         snap_rows = _snapshot_rows(conn, frames)
         # event_aggregates carry no node: they describe the database's only node, or nobody
