@@ -3,7 +3,10 @@
 1. Per-call cost of a tight loop of probed calls (cuLaunchKernel of a gcc-built, CUDA-shaped
    libcuda.so.1 whose functions start with ``push %rbp``, like the real ones) with the ingero agent
    recording, divided by the same loop with empty uprobe+uretprobe programs. Target: <= 1.3x.
-   Rounds alternate (empty, agent, empty, agent, ...) so machine noise hits both sides alike.
+   Rounds alternate (empty, agent, empty, agent, ...) so machine noise hits both sides alike. The
+   agent runs with every probe on (the more CUDA calls, CUDA Graphs, allocation pointers, launch
+   dimensions, socket tracepoints). 1b: sendto/recvfrom round trips of an untraced process with the
+   agent's socket tracepoints on, divided by the same without the agent (the host-wide cost).
 2. 300 k events/s for a few seconds: every event must arrive (kernel ring drops = 0, aggregates
    count = calls made). Target: no lost events.
 3. 100 k events/s: CPU of the drainer (ring buffer reads) in % of one core; the writer thread and
@@ -146,6 +149,32 @@ def bench_overhead(b: dict[str, Path], tmp: Path, rounds: int, reps: int, calls:
         )
 
 
+def bench_sockets(b: dict[str, Path], tmp: Path, rounds: int, reps: int, trips: int) -> None:
+    """Socket round trips (sendto + recvfrom) of a process ingero does not trace: the host-wide cost of
+    the socket tracepoints (net_probes.c), agent recording vs no agent, rounds alternating."""
+    exe = tmp / "syscall_loop"
+    subprocess.run(["gcc", "-O2", "-o", str(exe), str(FIXTURES / "syscall_loop.c")], check=True)
+
+    def trip_ns() -> float:
+        cmd = ["taskset", "-c", str(LOOP_CPU), str(exe), str(trips)]
+        return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+    off: list[float] = []
+    on: list[float] = []
+    for r in range(rounds):
+        off += [trip_ns() for _ in range(reps)]
+        got, _ = with_agent(b, tmp / f"sockets{r}.db", lambda _ready: [trip_ns() for _ in range(reps)])
+        on += got
+    print(
+        f"  no agent min {min(off):7.1f} ns/round trip (median {statistics.median(off):7.1f}); "
+        f"agent min {min(on):7.1f} (median {statistics.median(on):7.1f})"
+    )
+    print(
+        f"  ratio: {min(on) / min(off):.2f}x (min/min), {statistics.median(on) / statistics.median(off):.2f}x "
+        "(median/median)   target <= 1.30x"
+    )
+
+
 def paced(b: dict[str, Path], db: Path, rate: int, seconds: float) -> tuple[int, dict[str, Any], int]:
     def action(_ready: TraceReady) -> int:
         out = subprocess.run(
@@ -178,6 +207,9 @@ def main() -> int:
 
         print("1. per-call cost of a probed cuLaunchKernel loop (agent recording / empty probes)")
         bench_overhead(b, tmp, rounds, reps, calls)
+
+        print("1b. socket round trips of an untraced process (agent with its socket tracepoints / no agent)")
+        bench_sockets(b, tmp, rounds, reps, calls)
 
         print("2. 300 k events/s: lost events")
         calls_made, info, counted = paced(b, tmp / "r300k.db", 300_000, secs)
