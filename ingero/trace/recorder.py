@@ -46,6 +46,17 @@ PAGE_ALLOC = _op("mm_page_alloc")
 PROCESS_EXEC = _op("process_exec")
 BULK_OPS = frozenset(
     _op(n) for n in ("cudaLaunchKernel", "cudaMemcpyAsync", "cuLaunchKernel", "cuMemcpyAsync", "sched_wakeup")
+) | frozenset(  # tracer breadth: async copies/memsets, event polling, graph launches, socket I/O
+    _op(n)
+    for n in (
+        "cudaMemcpy2DAsync",
+        "cudaMemcpyPeerAsync",
+        "cudaMemsetAsync",
+        "cudaEventQuery",
+        "cudaGraphLaunch",
+        "net_send",
+        "net_recv",
+    )
 )
 # Ops whose arg0 is a byte count (summed into event_aggregates.sum_arg0).
 BYTES_OPS = frozenset(
@@ -70,6 +81,16 @@ BYTES_OPS = frozenset(
         "ncclReduceScatter",
         "ncclSend",
         "ncclRecv",
+        "cudaMemcpy2D",
+        "cudaMemcpy2DAsync",
+        "cudaMemcpyPeer",
+        "cudaMemcpyPeerAsync",
+        "cudaMemset",
+        "cudaMemsetAsync",
+        "cudaHostAlloc",
+        "cudaMallocHost",
+        "net_send",
+        "net_recv",
     )
 )
 # Lookup tables indexed by source << 8 | op: one gather per batch instead of a set test per event.
