@@ -30,6 +30,14 @@ pytestmark = pytest.mark.bpf
 REAL_CALLS = 37
 LEAK_CALLS = 240
 NET_ROUNDS = 25
+UNTRACED_SOCKETS = """
+import os, socket
+a, b = socket.socketpair()
+for _ in range(50):
+    a.send(b"x" * 100)  # sendto(2) / recvfrom(2), as the traced workload's
+    b.recv(100)
+print(os.getpid())
+"""
 
 
 @dataclass
@@ -62,6 +70,10 @@ def _phases(exe: Path, built: Built, ready: TraceReady) -> tuple[dict[str, int],
         stdout, _ = p.communicate(timeout=120)
         assert p.returncode == 0, stdout
         pids[mode], outs[mode] = p.pid, stdout
+    # socket traffic of a process that never calls the GPU: not traced, must not be recorded
+    untraced = subprocess.run([sys.executable, "-c", UNTRACED_SOCKETS], capture_output=True, text=True, timeout=60)
+    assert untraced.returncode == 0, untraced.stderr
+    pids["untraced"] = int(untraced.stdout)
     p = subprocess.Popen(
         [sys.executable, str(FIXTURES / "cudart_breadth_ctypes.py"), str(REAL_CUDART), str(REAL_CALLS)],
         stdout=subprocess.PIPE,
@@ -201,6 +213,10 @@ def test_socket_send_and_recv_bytes_and_latency(rec: Rec) -> None:
     assert sorted({(r[0], r[1]) for r in recvs}) == sorted({(1000, fd1), (300, fd0)})
     assert len(sends) == len(recvs) == 2 * NET_ROUNDS
     assert all(r[2] == 0 and r[3] > 0 for r in sends + recvs)
+    # block I/O and exec are host-wide by design; socket I/O is the traced processes' only
+    assert rec.all("SELECT count(*) FROM events WHERE pid = ? AND source = ?", rec.pids["untraced"], catalog.NET) == [
+        (0,)
+    ]
 
 
 def test_real_libcudart_new_calls(rec: Rec) -> None:
