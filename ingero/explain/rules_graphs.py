@@ -133,8 +133,8 @@ def _late(ctx: Context, pid: int, ts: I64, tid: I64, wall: int) -> Chain | None:
         return None
     words = (
         f"{n} of {ts.size} graph launches came late (more than {LATE_FACTOR:.0f}x the {fmt_duration(round(period))} "
-        f"replay period) with the launching thread busy outside CUDA; "
-        f"{fmt_duration(round(host_lost / NS_PER_MS) * NS_PER_MS)} of GPU time lost between replays"
+        f"replay period) while the launching thread was outside CUDA calls; "
+        f"{fmt_duration(round(host_lost / NS_PER_MS) * NS_PER_MS)} lost between replays"
     )
     return ctx.chain(
         cid=ctx.chain_id("graph-late", f"pid{pid}" if ctx.pid is None else ""),

@@ -121,7 +121,7 @@ def _chain(ctx: Context, pid: int, g: Growth, series: al.LiveSeries, frees: int)
         ),
         explanation=(
             f"{words}. Allocations are matched with their frees by pointer; a caching allocator warming up "
-            "levels off, this does not. At this rate the process runs out of GPU memory."
+            "levels off, this does not. Left running, the process runs out of GPU memory."
         ),
         recommendations=[
             "Look at the top allocating stacks: what is allocated there and who keeps a reference to it",
