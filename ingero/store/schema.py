@@ -380,6 +380,23 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1, _migrat
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
+def _add_catalog_rows(conn: sqlite3.Connection) -> None:
+    """The ``sources``/``ops`` rows a newer ingero added to the catalog (new ops need no schema
+    change), in a database already at :data:`SCHEMA_VERSION`; writes only when some are missing."""
+    have = set(conn.execute("SELECT source_id, op_id FROM ops").fetchall())
+    have_src = {r[0] for r in conn.execute("SELECT id FROM sources")}
+    if all((s, o) in have for s, o, _, _ in OPS) and all(sid in have_src for sid, _, _ in SOURCES):
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.executemany("INSERT OR IGNORE INTO sources(id, name, description) VALUES (?, ?, ?)", SOURCES)
+        conn.executemany("INSERT OR IGNORE INTO ops(source_id, op_id, name, description) VALUES (?, ?, ?, ?)", OPS)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 def migrate(conn: sqlite3.Connection) -> Layout:
     """Create or upgrade the schema in place (one transaction). Returns the final layout."""
     layout = inspect_layout(conn)
@@ -389,6 +406,7 @@ def migrate(conn: sqlite3.Connection) -> Layout:
             hint="convert it with: ingero merge OLD.db --force-node NAME -o NEW.db",
         )
     if layout.user_version == SCHEMA_VERSION:
+        _add_catalog_rows(conn)
         return layout
     conn.execute("BEGIN IMMEDIATE")
     try:
