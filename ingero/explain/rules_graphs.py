@@ -117,13 +117,18 @@ def _late(ctx: Context, pid: int, ts: I64, tid: I64, wall: int) -> Chain | None:
     late = np.flatnonzero(gaps > LATE_FACTOR * period)
     g = ctx.gpu
     own = g.pid == pid
-    g_ts, g_end, g_tid = g.ts_ns[own], g.ts_ns[own] + g.dur[own], (g.tid if g.tid.size == g.pid.size else g.pid)[own]
+    g_tid_all = g.tid if g.tid.size == g.pid.size else g.pid
+    o = np.argsort(g.ts_ns[own], kind="stable")
+    g_ts, g_dur, g_tid = g.ts_ns[own][o], g.dur[own][o], g_tid_all[own][o]
+    longest = int(g_dur.max()) if g_dur.size else 0
     host_lost, n = 0, 0
     for i in late.tolist():
         # the part of the gap beyond one period: GPU calls there (a synchronize) are the GPU's delay
         a, b = int(ts[i]) + round(period), int(ts[i + 1])
-        same = g_tid == tid[i + 1]
-        inside = np.clip(np.minimum(g_end[same], b) - np.maximum(g_ts[same], a), 0, None).sum()
+        lo, hi = np.searchsorted(g_ts, [a - longest, b])  # the calls that can overlap [a, b]
+        w_ts, w_end = g_ts[lo:hi], g_ts[lo:hi] + g_dur[lo:hi]
+        same = g_tid[lo:hi] == tid[i + 1]
+        inside = np.clip(np.minimum(w_end[same], b) - np.maximum(w_ts[same], a), 0, None).sum()
         excess = b - a
         host = excess - float(inside)
         if host >= HOST_SHARE * excess:
