@@ -12,6 +12,7 @@ import pytest
 from ingero.cli.main import main
 from ingero.errors import InvalidNodeNameError, StoreError, UsageError
 from ingero.identity import Identity
+from ingero.store.annotations import add_annotation
 from ingero.store.db import open_readonly, open_writable
 from ingero.store.merge import merge_databases
 from ingero.store.merge_inputs import inspect_input
@@ -281,8 +282,8 @@ def test_investigations_merge_like_their_cluster_db(tmp_path: Path) -> None:
     )
 
 
-def test_collectives_survive_a_merge(tmp_path: Path) -> None:
-    """nccl_calls and nccl_comms (with the cluster-wide comm_id) of every input reach the merged database."""
+def test_collectives_and_annotations_survive_a_merge(tmp_path: Path) -> None:
+    """nccl_calls, nccl_comms (with the cluster-wide comm_id) and annotations of every input reach the merged database."""
     inputs = []
     for rank, node in enumerate(("rank-a", "rank-b")):
         path = tmp_path / f"{node}.db"
@@ -292,6 +293,7 @@ def test_collectives_survive_a_merge(tmp_path: Path) -> None:
                 nccl_comms=[(0xC0 + rank, 7, rank, 2, 1, 0x5EED)],
                 nccl_calls=[(7, 7, 0xC0 + rank, k, 1, 1_000 + k, 50 + rank, 7, 0, 4, 16, -1, 0) for k in range(3)],
             )
+        add_annotation(path, f"deploy on {node}", node=node, timestamp=2_000 + rank)
         inputs.append(path)
     out = tmp_path / "cluster.db"
     merge_databases(inputs, out)
@@ -301,5 +303,7 @@ def test_collectives_survive_a_merge(tmp_path: Path) -> None:
         calls = conn.execute("SELECT node, count(*), sum(duration) FROM nccl_calls GROUP BY node ORDER BY node")
         assert comms == [("rank-a", 0, 0x5EED), ("rank-b", 1, 0x5EED)]
         assert calls.fetchall() == [("rank-a", 3, 150), ("rank-b", 3, 153)]
+        notes = conn.execute("SELECT node, message FROM annotations ORDER BY timestamp").fetchall()
+        assert notes == [("rank-a", "deploy on rank-a"), ("rank-b", "deploy on rank-b")]
     finally:
         conn.close()

@@ -267,25 +267,9 @@ class _Merger:
         mt.copy_process_names(c, info)
         if not (self.dedupe and info.nodes and all(n.node in self.merged_nodes for n in info.nodes)):
             mt.copy_aggregates(c, info)
-        mt.copy_simple(
-            c, info, "cgroup_metadata", ("cgroup_id", "container_id", "cgroup_path", "pod_name", "namespace")
-        )
-        mt.copy_simple(
-            c,
-            info,
-            "cgroup_schedstat",
-            ("cgroup_id", "p99_off_cpu", "total_off_cpu", "event_count", "window_start", "window_end"),
-        )
-        mt.copy_simple(c, info, "nccl_comms", ("comm", "pid", "rank", "nranks", "node", "seen_at", "comm_id"))
-        mt.copy_simple(
-            c,
-            info,
-            "nccl_calls",
-            (
-                *("node", "pid", "tid", "comm", "seq", "op", "timestamp", "duration"),
-                *("datatype", "redop", "count", "bytes", "peer", "ret_code"),
-            ),
-        )
+        for table in ("cgroup_metadata", "cgroup_schedstat", "nccl_comms", "nccl_calls"):
+            mt.copy_simple(c, info, table)
+        mt.copy_simple(c, info, "annotations", skip=("id",))
         if info.has("schema_info", "value"):
             c.execute("INSERT OR IGNORE INTO schema_info(key, value) SELECT key, value FROM src.schema_info")
 

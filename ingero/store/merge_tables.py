@@ -163,10 +163,13 @@ def copy_aggregates(conn: sqlite3.Connection, info: mi.InputInfo) -> None:
     )
 
 
-def copy_simple(conn: sqlite3.Connection, info: mi.InputInfo, table: str, columns: tuple[str, ...]) -> None:
+def copy_simple(conn: sqlite3.Connection, info: mi.InputInfo, table: str, *, skip: tuple[str, ...] = ()) -> None:
+    """Copy the rows of ``table``: every column the merged table and the input share, less ``skip``
+    (e.g. an AUTOINCREMENT id that would collide across inputs)."""
     if not info.has(table):
         return
-    have = [col for col in columns if info.has(table, col)]
+    mine = [r[1] for r in conn.execute(f'PRAGMA main.table_info("{table}")')]
+    have = [col for col in mine if col not in skip and info.has(table, col)]
     if not have:
         return
     names = ", ".join(have)
