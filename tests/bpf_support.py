@@ -68,6 +68,14 @@ def build_program(source: str, out: Path) -> Path:
     return exe
 
 
+def build_busy_cudart(out: Path) -> Path:
+    """``busy_cudart.c`` as ``out/libcudart.so.12``: the six functions busy_threads.c calls, only."""
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / "libcudart.so.12"
+    _gcc([*LIB_CFLAGS, "-Wl,-soname,libcudart.so.12", "-o", str(lib), str(FIXTURES / "busy_cudart.c")])
+    return lib
+
+
 def build(out: Path) -> Built:
     """Compile the fixtures once per test session (cached by the first output directory)."""
     if "b" in _built:
@@ -117,9 +125,9 @@ def record(opts: TraceOptions, action: Callable[[TraceReady], Any]) -> tuple[Tra
 class BusyJob:
     """busy_threads (tests/bpf_fixtures/busy_threads.c) running until closed: its pid and thread ids."""
 
-    def __init__(self, exe: Path, built: Built, mode: str, threads: int) -> None:
+    def __init__(self, exe: Path, lib_dir: Path, mode: str, threads: int) -> None:
         self.proc = subprocess.Popen(
-            [str(exe), mode, str(built.dir), str(threads)],
+            [str(exe), mode, str(lib_dir), str(threads)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -113,15 +113,15 @@ def test_a_full_disk_prunes_the_oldest_events_and_recording_goes_on(
     import time
 
     from ingero.trace.tracer import TraceOptions
-    from tests.bpf_support import BusyJob, build, build_program, record
+    from tests.bpf_support import BusyJob, build_busy_cudart, build_program, record
 
-    built = build(tmp_path_factory.mktemp("bpf-build"))
-    job = BusyJob(build_program("busy_threads.c", tmp_path_factory.mktemp("bpf-busy")), built, "busy", 2)
+    cudart = build_busy_cudart(tmp_path_factory.mktemp("bpf-busy-lib"))
+    job = BusyJob(build_program("busy_threads.c", tmp_path_factory.mktemp("bpf-busy")), cudart.parent, "busy", 2)
     db = small_disk / "full.db"
     opts = TraceOptions(
         db_path=db,
         identity=Identity("full-node"),
-        overrides={"cudart": [str(built.cudart)], "cuda": [], "nccl": []},
+        overrides={"cudart": [str(cudart)], "cuda": [], "nccl": []},
         system_search=False,
         follow=False,
         stack_mode="off",

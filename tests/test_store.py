@@ -38,7 +38,10 @@ def test_schema_matches_ingero_tables_and_columns(tmp_path: Path, samples: Path)
         r[0] for r in theirs.execute("SELECT name FROM sqlite_master WHERE type='table' AND name != 'sqlite_sequence'")
     ]
     assert len(their_tables) == 12
-    additions = {"system_snapshots": [("node", "TEXT")]}  # schema 2: snapshots say whose they are
+    additions = {
+        "system_snapshots": [("node", "TEXT")],  # schema 2: snapshots say whose they are
+        "cgroup_metadata": [("job_id", "TEXT"), ("seen_at", "INTEGER")],  # schema 4: Slurm job, last seen
+    }
     for table in their_tables:
         assert _columns(ours, table) == _columns(theirs, table) + additions.get(table, []), table
     # same source and op ids and names for everything Ingero defines
