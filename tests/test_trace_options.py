@@ -48,7 +48,8 @@ def test_trace_cli_options(tmp_path: Path) -> None:
     assert opts.pids == [1, me]
     assert opts.duration_s == 5400.0
     assert opts.store_mode == "all"
-    assert opts.stack_samples == 0 and opts.uids == []
+    assert opts.stack_samples == 0 and opts.uids == [] and opts.python_frames
+    assert not _trace_opts(tmp_path, "--no-python-frames").python_frames
     opts = _trace_opts(tmp_path, "--stack-samples", "8", "--duration", "250ms", "--max-db", "64m")
     assert (opts.stack_samples, opts.duration_s, opts.max_db_bytes, opts.store_mode) == (8, 0.25, 64 << 20, "selective")
     with pytest.raises(UsageError, match="stack-samples"):

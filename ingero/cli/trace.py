@@ -99,6 +99,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     )
     rec.add_argument("--no-stack", dest="stack", action="store_const", const="off", help="same as --stack off")
     rec.add_argument(
+        "--no-python-frames",
+        dest="python_frames",
+        action="store_false",
+        help="no [Python] file:line frames in stored stacks (read from CPython 3.11/3.12 processes' memory)",
+    )
+    rec.add_argument(
         "--store",
         choices=("selective", "all"),
         default="selective",
@@ -178,6 +184,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         store_mode=args.store,
         budget_per_s=args.sample_budget,
         stack_samples=args.stack_samples,
+        python_frames=args.python_frames,
         max_db_bytes=max_db,
         ring_mb=args.ring_mb,
         host=args.host,

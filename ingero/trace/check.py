@@ -185,6 +185,30 @@ def check_gpu() -> CheckResult:
     )
 
 
+def check_python_frames(scope: int | None = None, *, root: bool | None = None) -> CheckResult:
+    """Can the tracer read CPython 3.11/3.12 frames from traced processes (kernel.yama.ptrace_scope)?"""
+    from ingero.trace.pyframes import SUPPORTED, ptrace_problem, ptrace_scope
+
+    scope = ptrace_scope() if scope is None else scope
+    root = os.geteuid() == 0 if root is None else root
+    problem = ptrace_problem(scope, root=root)
+    setting = "no Yama LSM" if scope is None else f"kernel.yama.ptrace_scope = {scope}"
+    if problem:
+        fix = (
+            "sysctl kernel.yama.ptrace_scope=1 (3 can only be lowered by a reboot)"
+            if scope == 3
+            else "trace as root (or with CAP_SYS_PTRACE)"
+        )
+        return CheckResult("python frames", False, problem, fix, required=False)
+    return CheckResult(
+        "python frames",
+        True,
+        f"{setting}: [Python] frames readable from CPython {', '.join(SUPPORTED)} processes "
+        "(other interpreters and versions: native frames only)",
+        required=False,
+    )
+
+
 def run_checks(overrides: dict[str, list[str]] | None = None) -> list[CheckResult]:
     return [
         check_kernel(),
@@ -197,6 +221,7 @@ def run_checks(overrides: dict[str, list[str]] | None = None) -> list[CheckResul
         check_privileges(),
         *check_libraries(overrides),
         check_gpu(),
+        check_python_frames(),
     ]
 
 

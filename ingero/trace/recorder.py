@@ -338,7 +338,7 @@ class Recorder:
                 ips = self._stack_ips(sid)
                 if ips:
                     first = int(np.flatnonzero(ids == sid)[0])
-                    row = stack_row(int(kept["pid"][first]), ips, self._symbolizer)
+                    row = stack_row(int(kept["pid"][first]), ips, self._symbolizer, int(kept["tid"][first]))
                     out.stacks.append(row)
                     h = row[0]
                 else:

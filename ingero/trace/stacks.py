@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ingero.trace import elfsyms
+from ingero.trace.pyframes import PyFrames, insert_python
 
 FNV64_OFFSET = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3
@@ -84,13 +85,16 @@ def read_maps(pid: int) -> list[Mapping]:
 class Symbolizer:
     """Turns (pid, ips) into frame dicts. Caches each process's maps and each IP's frame."""
 
-    def __init__(self, max_cached_frames: int = 200_000) -> None:
+    def __init__(self, max_cached_frames: int = 200_000, *, python: PyFrames | None = None) -> None:
+        self.python = python  # Python frames of CPython threads (ingero.trace.pyframes); None: off
         self._maps: dict[int, tuple[list[int], list[Mapping]]] = {}
         self._frames: dict[tuple[int, int], dict[str, str]] = {}
         self._max = max_cached_frames
 
     def forget(self, pid: int) -> None:
         self._maps.pop(pid, None)
+        if self.python is not None:
+            self.python.forget(pid)
 
     def _mapping(self, pid: int, ip: int, *, refresh: bool = True) -> Mapping | None:
         entry = self._maps.get(pid)
@@ -141,6 +145,10 @@ class Symbolizer:
         return [self.frame(pid, ip) for ip in ips]
 
 
-def stack_row(pid: int, ips: Sequence[int], symbolizer: Symbolizer) -> tuple[int, str, str]:
-    """A ``stack_traces`` row: (hash, ips JSON, frames JSON)."""
-    return stack_hash(ips), ips_json(ips), frames_json(symbolizer.frames(pid, ips))
+def stack_row(pid: int, ips: Sequence[int], symbolizer: Symbolizer, tid: int = 0) -> tuple[int, str, str]:
+    """A ``stack_traces`` row: (hash, ips JSON, frames JSON); with the thread ``tid`` and Python frames
+    on, the thread's ``[Python] file:line in function()`` frames beside the native ones."""
+    frames = symbolizer.frames(pid, ips)
+    if tid and symbolizer.python is not None:
+        frames = insert_python(frames, symbolizer.python.frames(pid, tid))
+    return stack_hash(ips), ips_json(ips), frames_json(frames)

@@ -35,7 +35,9 @@ from ingero.trace.cgroups import CgroupTracker
 from ingero.trace.livemode import LiveView, tick_loop
 from ingero.trace.livestats import LiveStats
 from ingero.trace.pipeline import Pipeline, PipelineOptions
+from ingero.trace.pyframes import PyFrames
 from ingero.trace.recorder import Recorder, StoragePolicy
+from ingero.trace.stacks import Symbolizer
 from ingero.trace.sysinfo import session_info
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ class TraceOptions:
     store_mode: str = "selective"
     budget_per_s: int = 1000
     stack_samples: int = 0  # distinct stacks kept per (pid, op); 0 = no limit
+    python_frames: bool = True  # [Python] file:line frames in stored stacks of CPython 3.11/3.12 threads
     max_db_bytes: int = 0
     ring_mb: int = 16
     host: bool = True
@@ -168,6 +171,8 @@ class _Follower:
         self.targets: set[int] = set(opts.pids)
         self.exited: list[int] = []
         self.cgroups = CgroupTracker()  # cgroup id -> container / pod / Slurm job (cgroup_metadata)
+        self.pyframes: PyFrames | None = None
+        self.py_noted: set[int] = set()
 
     def on_events(self, ev: np.ndarray) -> None:
         self.cgroups.on_events(ev)
@@ -246,7 +251,12 @@ async def run_trace(
             probes.add_target_uids(opts.uids)
         follower = _Follower(probes, opts)
         attached = await trio.to_thread.run_sync(follower.attach, found.libraries)
-        recorder = Recorder(StoragePolicy(opts.store_mode, opts.budget_per_s, opts.stack_samples), probes.stack_ips)
+        follower.pyframes = PyFrames() if opts.python_frames and opts.stack_mode != "off" else None
+        recorder = Recorder(
+            StoragePolicy(opts.store_mode, opts.budget_per_s, opts.stack_samples),
+            probes.stack_ips,
+            symbolizer=Symbolizer(python=follower.pyframes),
+        )
         pipeline = Pipeline(
             probes,
             writer,
@@ -376,6 +386,11 @@ async def _maintenance_loop(
                 if view is not None:
                     view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
         await trio.to_thread.run_sync(follower.cgroups.flush, follower.opts.db_path)
+        if follower.pyframes is not None and view is not None:
+            for pid, problem in list(follower.pyframes.problems.items()):
+                if pid not in follower.py_noted:
+                    follower.py_noted.add(pid)
+                    view.note(f"pid {pid}: no Python frames in its stacks: {problem}")
         if follower.exited:
             gone, follower.exited = follower.exited, []
             await trio.to_thread.run_sync(probes.forget_page_allocs, gone)

@@ -1,0 +1,403 @@
+"""Python frames of a CPython 3.11 / 3.12 thread, read from the process's memory (``/proc/<pid>/mem``).
+
+For a stored stack the tracer adds ``[Python] train.py:42 in step()`` frames beside the native ones:
+the interpreter's ``_PyRuntime`` (its own ELF section ``.PyRuntime`` in libpython or the python
+executable) -> the main interpreter -> its thread states -> the one whose ``native_thread_id`` is
+the calling thread -> its current ``_PyInterpreterFrame`` chain. Code objects (file, qualified name,
+first line, line table) are cached by address; the line comes from the frame's last instruction and
+the code's location table (PEP 626/657 format, the same in 3.11 and 3.12). Struct offsets are version
+tables (:data:`OFFSETS`, generated with ``offsetof`` against each version's internal headers; 3.13+
+would read ``_Py_DebugOffsets`` instead). Stacks are symbolized when first stored, a few
+milliseconds after the call: the frames are the thread's at that moment — the caller's while it is
+still in the call or its loop, which is the case this exists for (hot GPU call sites).
+
+Not CPython, an unsupported version, or memory that cannot be read (``kernel.yama.ptrace_scope`` 3,
+no CAP_SYS_PTRACE, another PID namespace) gives no Python frames and a :attr:`PyProcess.problem`;
+``ingero check`` reports the ptrace setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_FRAMES = 64
+MAX_THREADS = 4096
+MAX_STR = 1024
+YAMA = Path("/proc/sys/kernel/yama/ptrace_scope")
+_VERSION = re.compile(r"python(3\.\d+)")
+
+# offsetof() of what is read, per CPython version (x86_64 / aarch64 LP64 layout).
+OFFSETS: dict[str, dict[str, int]] = {
+    "3.11": {
+        "runtime_interpreters_head": 40,
+        "interp_threads_head": 16,
+        "tstate_next": 8,
+        "tstate_native_thread_id": 160,
+        "tstate_cframe": 56,
+        "cframe_current_frame": 8,
+        "frame_code": 32,
+        "frame_previous": 48,
+        "frame_prev_instr": 56,
+        "frame_owner": 69,
+        "code_filename": 112,
+        "code_qualname": 128,
+        "code_firstlineno": 72,
+        "code_linetable": 136,
+        "code_adaptive": 184,
+        "bytes_size": 16,
+        "bytes_data": 32,
+        "unicode_length": 16,
+        "unicode_state": 32,
+        "unicode_ascii_data": 48,
+        "unicode_compact_data": 72,
+    },
+    "3.12": {
+        "runtime_interpreters_head": 40,
+        "interp_threads_head": 72,
+        "tstate_next": 8,
+        "tstate_native_thread_id": 144,
+        "tstate_cframe": 56,
+        "cframe_current_frame": 0,
+        "frame_code": 0,
+        "frame_previous": 8,
+        "frame_prev_instr": 56,
+        "frame_owner": 70,
+        "code_filename": 112,
+        "code_qualname": 128,
+        "code_firstlineno": 68,
+        "code_linetable": 136,
+        "code_adaptive": 192,
+        "bytes_size": 16,
+        "bytes_data": 32,
+        "unicode_length": 16,
+        "unicode_state": 32,
+        "unicode_ascii_data": 40,
+        "unicode_compact_data": 56,
+    },
+}
+SUPPORTED = tuple(OFFSETS)
+FRAME_OWNED_BY_CSTACK = 3  # 3.12: the C stack's entry shim, not Python code
+
+
+@dataclass(frozen=True)
+class PyFrame:
+    filename: str
+    qualname: str
+    line: int
+
+    def as_frame(self) -> dict[str, str]:
+        """A ``stack_traces.frames`` entry."""
+        return {"s": f"[Python] {os.path.basename(self.filename)}:{self.line} in {self.qualname}()", "f": self.filename}
+
+
+@dataclass(frozen=True)
+class _Code:
+    filename: str
+    qualname: str
+    firstlineno: int
+    linetable: bytes
+
+
+def ptrace_scope() -> int | None:
+    """kernel.yama.ptrace_scope (None: no Yama here, so only the usual permission checks)."""
+    try:
+        return int(YAMA.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def ptrace_problem(scope: int | None, *, root: bool) -> str:
+    """Why Python frames cannot be read here ('' when they can)."""
+    if scope == 3:
+        return "kernel.yama.ptrace_scope = 3: no process may read another's memory (Python frames off)"
+    if scope in (1, 2) and not root:
+        return f"kernel.yama.ptrace_scope = {scope}: reading another process's memory needs root or CAP_SYS_PTRACE"
+    return ""
+
+
+def _pyruntime_vaddr(path: str) -> int | None:
+    """Virtual address of the ``.PyRuntime`` section of an ELF file (64-bit little endian)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return None
+            (shoff,) = struct.unpack_from("<Q", head, 0x28)
+            shentsize, shnum, shstrndx = struct.unpack_from("<HHH", head, 0x3A)
+            if not shoff or not shnum or shentsize < 64:
+                return None
+            f.seek(shoff)
+            table = f.read(shentsize * shnum)
+            _n, _t, _fl, _a, str_off, str_size = struct.unpack_from("<IIQQQQ", table, shstrndx * shentsize)
+            f.seek(str_off)
+            names = f.read(str_size)
+    except (OSError, struct.error):
+        return None
+    for i in range(shnum):
+        name_off, _type, _flags, addr = struct.unpack_from("<IIQQ", table, i * shentsize)
+        end = names.find(b"\0", name_off)
+        if names[name_off:end] == b".PyRuntime":
+            return int(addr)
+    return None
+
+
+def _python_mappings(pid: int) -> dict[str, tuple[int, int]] | None:
+    """File mappings whose name says python: path -> (lowest start, its file offset); None: gone."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or not parts[5].startswith("/") or "python" not in os.path.basename(parts[5]):
+            continue
+        start = int(parts[0].partition("-")[0], 16)
+        if parts[5] not in out or start < out[parts[5]][0]:
+            out[parts[5]] = (start, int(parts[2], 16))
+    return out
+
+
+class PyProcess:
+    """One process's interpreter, found once; :meth:`frames` walks a thread's frame chain."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.version = ""
+        self.problem = ""
+        self.runtime = 0
+        self._fd: int | None = None
+        self._codes: dict[int, _Code | None] = {}
+        self._locate()
+
+    def _locate(self) -> None:
+        from ingero.trace import elfsyms
+
+        maps = _python_mappings(self.pid)
+        if maps is None:
+            self.problem = "process gone"
+            return
+        for path, (start, offset) in maps.items():
+            base = os.path.basename(path)
+            reachable = path if os.path.exists(path) else f"/proc/{self.pid}/root{path}"
+            vaddr = _pyruntime_vaddr(reachable)
+            ver = _VERSION.search(base)
+            if vaddr is None or ver is None:
+                continue
+            self.version = ver.group(1)
+            if self.version not in OFFSETS:
+                self.problem = f"CPython {self.version}: Python frames are read for {', '.join(SUPPORTED)} only"
+                return
+            try:
+                image = elfsyms.load(reachable)
+            except (OSError, elfsyms.ElfError):
+                continue
+            at_start = image.offset_to_vaddr(offset)
+            load_base = 0 if image.elf_type == 2 or at_start is None else start - at_start
+            self.runtime = load_base + vaddr
+            break
+        else:
+            self.problem = "not a CPython process (no .PyRuntime section mapped)"
+            return
+        try:
+            self._fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
+        except OSError as e:
+            scope = ptrace_scope()
+            self.problem = f"cannot read the memory of pid {self.pid} ({e.strerror})" + (
+                f"; kernel.yama.ptrace_scope = {scope}" if scope else ""
+            )
+
+    @property
+    def ok(self) -> bool:
+        return self._fd is not None and not self.problem
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _read(self, addr: int, size: int) -> bytes:
+        assert self._fd is not None
+        if addr <= 0:
+            raise OSError("null pointer")
+        data = os.pread(self._fd, size, addr)
+        if len(data) != size:
+            raise OSError("short read")
+        return data
+
+    def _ptr(self, addr: int) -> int:
+        return int(struct.unpack("<Q", self._read(addr, 8))[0])
+
+    def _str(self, obj: int, o: dict[str, int]) -> str:
+        length = min(int(struct.unpack("<q", self._read(obj + o["unicode_length"], 8))[0]), MAX_STR)
+        state = int(struct.unpack("<I", self._read(obj + o["unicode_state"], 4))[0])
+        kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
+        if length <= 0 or not compact:
+            return ""
+        if ascii_:
+            return self._read(obj + o["unicode_ascii_data"], length).decode("ascii", "replace")
+        width = {1: 1, 2: 2, 4: 4}.get(kind, 1)
+        raw = self._read(obj + o["unicode_compact_data"], length * width)
+        return raw.decode({1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[width], "replace")
+
+    def _code(self, addr: int, o: dict[str, int]) -> _Code | None:
+        if addr in self._codes:
+            return self._codes[addr]
+        code: _Code | None
+        try:
+            table = self._ptr(addr + o["code_linetable"])
+            size = min(int(struct.unpack("<q", self._read(table + o["bytes_size"], 8))[0]), 1 << 20)
+            code = _Code(
+                self._str(self._ptr(addr + o["code_filename"]), o),
+                self._str(self._ptr(addr + o["code_qualname"]), o),
+                int(struct.unpack("<i", self._read(addr + o["code_firstlineno"], 4))[0]),
+                self._read(table + o["bytes_data"], size) if size > 0 else b"",
+            )
+        except OSError:
+            code = None
+        self._codes[addr] = code
+        return code
+
+    def _tstate(self, tid: int, o: dict[str, int]) -> int:
+        interp = self._ptr(self.runtime + o["runtime_interpreters_head"])
+        ts = self._ptr(interp + o["interp_threads_head"])
+        for _ in range(MAX_THREADS):
+            if not ts:
+                break
+            native = int(struct.unpack("<Q", self._read(ts + o["tstate_native_thread_id"], 8))[0])
+            if native == tid:
+                return ts
+            ts = self._ptr(ts + o["tstate_next"])
+        return 0
+
+    def frames(self, tid: int) -> list[PyFrame]:
+        """The thread's Python frames, innermost first ([] when it has none or cannot be read)."""
+        if not self.ok:
+            return []
+        o = OFFSETS[self.version]
+        out: list[PyFrame] = []
+        try:
+            ts = self._tstate(tid, o)
+            if not ts:
+                return []
+            frame = self._ptr(self._ptr(ts + o["tstate_cframe"]) + o["cframe_current_frame"])
+            for _ in range(MAX_FRAMES):
+                if not frame:
+                    break
+                owner = self._read(frame + o["frame_owner"], 1)[0]
+                code_addr = self._ptr(frame + o["frame_code"])
+                if owner != FRAME_OWNED_BY_CSTACK and code_addr:
+                    code = self._code(code_addr, o)
+                    if code is not None:
+                        instr = self._ptr(frame + o["frame_prev_instr"])
+                        index = (instr - (code_addr + o["code_adaptive"])) // 2
+                        out.append(
+                            PyFrame(code.filename, code.qualname, line_of(code.linetable, code.firstlineno, index))
+                        )
+                frame = self._ptr(frame + o["frame_previous"])
+        except OSError:
+            pass  # the thread moved on meanwhile: what was read so far
+        return out
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    b = data[i]
+    i += 1
+    value, shift = b & 63, 6
+    while b & 64:
+        b = data[i]
+        i += 1
+        value |= (b & 63) << shift
+        shift += 6
+    return value, i
+
+
+def _svarint(data: bytes, i: int) -> tuple[int, int]:
+    u, i = _varint(data, i)
+    return (-(u >> 1) if u & 1 else u >> 1), i
+
+
+def line_of(table: bytes, firstlineno: int, index: int) -> int:
+    """Source line of code unit ``index`` from a 3.11+ location table (Objects/locations.md)."""
+    line, unit, i = firstlineno, 0, 0
+    try:
+        while i < len(table):
+            head = table[i]
+            i += 1
+            code, length = (head >> 3) & 15, (head & 7) + 1
+            delta: int | None = 0
+            if code == 15:  # no location
+                delta = None
+            elif code == 14:  # long form: line delta, end line delta, column, end column
+                delta, i = _svarint(table, i)
+                _, i = _varint(table, i)
+                _, i = _varint(table, i)
+                _, i = _varint(table, i)
+            elif code == 13:  # no column
+                delta, i = _svarint(table, i)
+            elif code >= 10:  # one-line forms: the line delta is the code - 10, then 2 column bytes
+                delta = code - 10
+                i += 2
+            else:  # short form: same line, one column byte
+                i += 1
+            if delta is not None:
+                line += delta
+            if unit <= index < unit + length:
+                return line
+            unit += length
+    except IndexError:
+        pass
+    return line
+
+
+class PyFrames:
+    """Python frames for the recorder's stored stacks: one :class:`PyProcess` per traced pid."""
+
+    def __init__(self, opener: Callable[[int], PyProcess] = PyProcess) -> None:
+        self._opener = opener
+        self._procs: dict[int, PyProcess] = {}
+        self.problems: dict[int, str] = {}
+
+    def frames(self, pid: int, tid: int) -> list[PyFrame]:
+        proc = self._procs.get(pid)
+        if proc is None:
+            proc = self._opener(pid)
+            self._procs[pid] = proc
+            if proc.problem and proc.version:  # CPython we cannot read: worth saying (others: not Python)
+                self.problems[pid] = proc.problem
+        return proc.frames(tid)
+
+    def forget(self, pid: int) -> None:
+        proc = self._procs.pop(pid, None)
+        if proc is not None:
+            proc.close()
+
+
+def insert_python(native: list[dict[str, str]], python: list[PyFrame]) -> list[dict[str, str]]:
+    """Python frames where the interpreter's evaluation loop is in the native stack (innermost
+    first), or after the native frames when the walk stopped before it (no frame pointers)."""
+    if not python:
+        return native
+    py = [p.as_frame() for p in python]
+    for i, f in enumerate(native):
+        if f.get("s", "").startswith("_PyEval_EvalFrame"):
+            return native[:i] + py + native[i:]
+    return native + py
+
+
+__all__ = [
+    "OFFSETS",
+    "PyFrame",
+    "PyFrames",
+    "PyProcess",
+    "insert_python",
+    "line_of",
+    "ptrace_problem",
+    "ptrace_scope",
+]

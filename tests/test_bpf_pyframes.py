@@ -1,0 +1,79 @@
+"""Real uprobes: a CPython program calling the test libcudart through ctypes from step() gets
+``[Python] cudart_pyframes.py:<line> in step()`` frames in its stored stacks (3.11 and 3.12)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ingero.identity import Identity
+from ingero.store import catalog
+from ingero.trace.tracer import TraceOptions, TraceReady
+from tests.bpf_support import FIXTURES, Built, build, record
+
+pytestmark = pytest.mark.bpf
+PROGRAM = FIXTURES / "cudart_pyframes.py"
+SYNC = catalog.lookup_op("cudaDeviceSynchronize")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build(tmp_path_factory.mktemp("bpf-build"))
+
+
+def _python(version: str) -> str:
+    """An interpreter of that version that runs (a pyenv shim for another version does not)."""
+    if sys.version_info[:2] == tuple(int(x) for x in version.split(".")):
+        return sys.executable
+    found = shutil.which(f"python{version}")
+    candidates = [found] if found else []
+    candidates += [str(p) for p in sorted(Path(sys.base_prefix).parent.glob(f"{version}*/bin/python{version}"))]
+    for exe in candidates:
+        if subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0:
+            return exe
+    pytest.skip(f"no python{version} here")
+
+
+@pytest.mark.parametrize("version", ["3.11", "3.12"])
+def test_python_function_and_line_in_stored_stacks(built: Built, tmp_path: Path, version: str) -> None:
+    exe = _python(version)
+    opts = TraceOptions(
+        db_path=tmp_path / "py.db",
+        identity=Identity("py-node"),
+        overrides=built.overrides(),
+        system_search=False,
+        follow=False,
+        output="quiet",
+    )
+
+    def action(_ready: TraceReady) -> tuple[int, int]:
+        proc = subprocess.Popen(
+            [exe, str(PROGRAM), str(built.cudart), "1.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        _done, calls, line = proc.stdout.readline().split()
+        assert proc.wait(timeout=60) == 0 and int(calls) > 0
+        return proc.pid, int(line)
+
+    _summary, (pid, line) = record(opts, action)
+    with sqlite3.connect(f"file:{opts.db_path}?mode=ro", uri=True) as conn:
+        rows = conn.execute(
+            "SELECT DISTINCT s.frames FROM events e JOIN stack_traces s ON s.hash = e.stack_hash "
+            "WHERE e.pid = ? AND e.source = ? AND e.op = ?",
+            (pid, SYNC.source, SYNC.op),
+        ).fetchall()
+    assert rows, "no stored stack for cudaDeviceSynchronize"
+    entries = [f for (text,) in rows for f in json.loads(text)]
+    frames = [f.get("s", "") for f in entries]
+    assert f"[Python] cudart_pyframes.py:{line} in step()" in frames
+    assert any(f.startswith("[Python] cudart_pyframes.py:") and f.endswith(" in train()") for f in frames)
+    assert any("i" in f for f in entries), entries  # the native frames (with their addresses) stay
