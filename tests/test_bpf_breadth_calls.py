@@ -163,18 +163,13 @@ def test_cuda_graphs_stored_as_source_8_with_handles(rec: Rec) -> None:
     assert [(r[0], r[1]) for r in launches] == [(e, 0x77) for _, e in graphs for _ in range(8)] + [
         (cugraph[1], 0x88)
     ] * 2
-    # Ingero's SQL: source 8 joins the sources/ops tables by name
+    # Ingero's SQL: source 8 joins the sources/ops tables by Ingero's op names
     names = rec.all(
         "SELECT DISTINCT o.name FROM events e JOIN ops o ON o.source_id = e.source AND o.op_id = e.op "
         "JOIN sources s ON s.id = e.source WHERE s.name = 'CUDA_GRAPH' AND e.pid = ?",
         pid,
     )
-    assert {n for (n,) in names} == {
-        "cudaStreamBeginCapture",
-        "cudaStreamEndCapture",
-        "cudaGraphInstantiate",
-        "cudaGraphLaunch",
-    }
+    assert {n for (n,) in names} == {"graphBeginCapture", "graphEndCapture", "graphInstantiate", "graphLaunch"}
 
 
 def test_allocation_pointers_and_live_bytes(rec: Rec) -> None:

@@ -24,6 +24,6 @@ def test_missing_catalog_rows_are_added_on_open(tmp_path: Path) -> None:
         assert conn.execute(
             "SELECT o.name FROM ops o JOIN sources s ON s.id = o.source_id WHERE s.name = 'CUDA_GRAPH' AND o.op_id = ?",
             (ref.op,),
-        ).fetchone() == ("cudaGraphLaunch",)
+        ).fetchone() == ("graphLaunch",)
     finally:
         conn.close()

@@ -89,10 +89,10 @@ OPS: list[tuple[int, int, str, str]] = [
     (CUDA, 18, "cudaMallocHost", "Pinned host memory allocation (arg0 = bytes)"),
     (DRIVER, 7, "cuMemFree", "GPU memory free via driver API (arg0 = device pointer)"),
     # CUDA Graphs (Ingero's source 8); runtime and driver calls share an op.
-    (CUDA_GRAPH, 1, "cudaStreamBeginCapture", "Stream capture begins (arg0 = stream, arg1 = capture mode)"),
-    (CUDA_GRAPH, 2, "cudaStreamEndCapture", "Stream capture ends (arg0 = stream, arg1 = the captured graph)"),
-    (CUDA_GRAPH, 3, "cudaGraphInstantiate", "Graph instantiated (arg0 = graph, arg1 = the executable graph)"),
-    (CUDA_GRAPH, 4, "cudaGraphLaunch", "Executable graph launched (arg0 = executable graph, arg1 = stream)"),
+    (CUDA_GRAPH, 1, "graphBeginCapture", "Stream capture begins (arg0 = stream, arg1 = capture mode)"),
+    (CUDA_GRAPH, 2, "graphEndCapture", "Stream capture ends (arg0 = stream, arg1 = the captured graph)"),
+    (CUDA_GRAPH, 3, "graphInstantiate", "Graph instantiated (arg0 = graph, arg1 = the executable graph)"),
+    (CUDA_GRAPH, 4, "graphLaunch", "Executable graph launched (arg0 = executable graph, arg1 = stream)"),
 ]
 
 ALIASES: dict[str, str] = {
@@ -107,12 +107,21 @@ ALIASES: dict[str, str] = {
     "cudamemcpy2dasync_ptsz": "cudaMemcpy2DAsync",
     "cudamemset2d": "cudaMemset",
     "cudamemset2dasync": "cudaMemsetAsync",
-    "custreambegincapture": "cudaStreamBeginCapture",
-    "custreambegincapture_v2": "cudaStreamBeginCapture",
-    "custreamendcapture": "cudaStreamEndCapture",
-    "cugraphinstantiate": "cudaGraphInstantiate",
-    "cugraphinstantiatewithflags": "cudaGraphInstantiate",
-    "cugraphlaunch": "cudaGraphLaunch",
+    # CUDA Graph ops carry Ingero's names (its events.go); the runtime/driver C names are aliases
+    "cudastreambegincapture": "graphBeginCapture",
+    "cudastreambegincapture_ptsz": "graphBeginCapture",
+    "cudastreamendcapture": "graphEndCapture",
+    "cudastreamendcapture_ptsz": "graphEndCapture",
+    "cudagraphinstantiate": "graphInstantiate",
+    "cudagraphinstantiatewithflags": "graphInstantiate",
+    "cudagraphlaunch": "graphLaunch",
+    "cudagraphlaunch_ptsz": "graphLaunch",
+    "custreambegincapture": "graphBeginCapture",
+    "custreambegincapture_v2": "graphBeginCapture",
+    "custreamendcapture": "graphEndCapture",
+    "cugraphinstantiate": "graphInstantiate",
+    "cugraphinstantiatewithflags": "graphInstantiate",
+    "cugraphlaunch": "graphLaunch",
     "cumemfree_v2": "cuMemFree",
 }
 

@@ -58,7 +58,7 @@ int enter_cuLaunchKernel(struct pt_regs *ctx) {
 }
 
 // --- CUDA Graphs (runtime and driver share the op) ---
-ENTRY(cudaStreamBeginCapture, SRC_CUDA_GRAPH, OP_cudaStreamBeginCapture, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx))
-ENTRY(cudaStreamEndCapture, SRC_CUDA_GRAPH, OP_cudaStreamEndCapture, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx))
-ENTRY(cudaGraphInstantiate, SRC_CUDA_GRAPH, OP_cudaGraphInstantiate, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx))
-ENTRY(cudaGraphLaunch, SRC_CUDA_GRAPH, OP_cudaGraphLaunch, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx))
+ENTRY(cudaStreamBeginCapture, SRC_CUDA_GRAPH, OP_graphBeginCapture, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx))
+ENTRY(cudaStreamEndCapture, SRC_CUDA_GRAPH, OP_graphEndCapture, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx))
+ENTRY(cudaGraphInstantiate, SRC_CUDA_GRAPH, OP_graphInstantiate, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx))
+ENTRY(cudaGraphLaunch, SRC_CUDA_GRAPH, OP_graphLaunch, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx))
