@@ -287,20 +287,22 @@ class PyProcess:
             if not ts:
                 return []
             frame = self._ptr(self._ptr(ts + o["tstate_cframe"]) + o["cframe_current_frame"])
+            span = max(o["frame_owner"] + 1, o["frame_code"] + 8, o["frame_previous"] + 8, o["frame_prev_instr"] + 8)
             for _ in range(MAX_FRAMES):
                 if not frame:
                     break
-                owner = self._read(frame + o["frame_owner"], 1)[0]
-                code_addr = self._ptr(frame + o["frame_code"])
+                raw = self._read(frame, span)  # one read per frame: the fields used lie in its first bytes
+                owner = raw[o["frame_owner"]]
+                code_addr = int.from_bytes(raw[o["frame_code"] : o["frame_code"] + 8], "little")
                 if owner != FRAME_OWNED_BY_CSTACK and code_addr:
                     code = self._code(code_addr, o)
                     if code is not None:
-                        instr = self._ptr(frame + o["frame_prev_instr"])
+                        instr = int.from_bytes(raw[o["frame_prev_instr"] : o["frame_prev_instr"] + 8], "little")
                         index = (instr - (code_addr + o["code_adaptive"])) // 2
                         out.append(
                             PyFrame(code.filename, code.qualname, line_of(code.linetable, code.firstlineno, index))
                         )
-                frame = self._ptr(frame + o["frame_previous"])
+                frame = int.from_bytes(raw[o["frame_previous"] : o["frame_previous"] + 8], "little")
         except OSError:
             pass  # the thread moved on meanwhile: what was read so far
         return out
