@@ -67,8 +67,8 @@ def _speed(text: str) -> float | None:
 
 
 def _list(fmt: str) -> int:
-    from ingero.texttable import render_table
     from ingero.demo.scenarios import SCENARIOS
+    from ingero.texttable import render_table
 
     if fmt == "json":
         emit_json(
