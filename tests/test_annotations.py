@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from ingero.cli.main import main
 from ingero.identity import Identity
-from ingero.store.annotations import add_annotation
+from ingero.store.annotations import add_annotation, list_annotations
 from ingero.store.writer import StoreWriter
 
 S = 1_000_000_000
@@ -51,3 +52,30 @@ def test_export_shows_annotations_on_the_timeline(db: Path, tmp_path: Path) -> N
     first_launch = min(e["ts"] for e in events if e.get("ph") == "X")
     assert deploy["ph"] == "i" and deploy["s"] == "p"
     assert deploy["ts"] - first_launch == pytest.approx(500_000, abs=1)  # 0.5 s after the first call, in µs
+
+
+def test_ingero_written_annotations_read_and_their_sql_runs(tmp_path: Path) -> None:
+    """The table has Ingero's layout: its INSERT and SELECT run here, and its label rows read as text."""
+    db = tmp_path / "mixed.db"
+    add_annotation(db, "deploy v2.3", node="n1", timestamp=1_000, author="ops@host")
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute(  # Ingero's RecordAnnotation statement
+            "INSERT INTO annotations (timestamp, labels, pid, start_time, span_start, span_end, "
+            "peer_uid, peer_gid, peer_pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (2_000, '{"epoch":"3","step":"1200"}', 42, 7, 0, 0, 1000, 1000, 99),
+        )
+        conn.commit()
+        marks = list_annotations(conn)
+        assert [(m.timestamp, m.node, m.message, m.author) for m in marks] == [
+            (1_000, "n1", "deploy v2.3", "ops@host"),
+            (2_000, "", "epoch=3, step=1200", "uid 1000"),
+        ]
+        ingero_query = conn.execute(  # Ingero's QueryAnnotations
+            "SELECT timestamp, labels, pid, start_time, span_start, span_end, peer_uid, peer_gid, peer_pid "
+            "FROM annotations WHERE 1=1 AND timestamp >= ? ORDER BY timestamp DESC LIMIT ?",
+            (0, 10),
+        ).fetchall()
+        assert [r[0] for r in ingero_query] == [2_000, 1_000]
+    finally:
+        conn.close()

@@ -303,7 +303,7 @@ def test_collectives_and_annotations_survive_a_merge(tmp_path: Path) -> None:
         calls = conn.execute("SELECT node, count(*), sum(duration) FROM nccl_calls GROUP BY node ORDER BY node")
         assert comms == [("rank-a", 0, 0x5EED), ("rank-b", 1, 0x5EED)]
         assert calls.fetchall() == [("rank-a", 3, 150), ("rank-b", 3, 153)]
-        notes = conn.execute("SELECT node, message FROM annotations ORDER BY timestamp").fetchall()
+        notes = conn.execute("SELECT node, labels ->> 'message' FROM annotations ORDER BY timestamp").fetchall()
         assert notes == [("rank-a", "deploy on rank-a"), ("rank-b", "deploy on rank-b")]
     finally:
         conn.close()

@@ -6,11 +6,18 @@ tracer records into the same database: the tracer's exclusive lock is a side fil
 ``BEGIN IMMEDIATE`` transaction on its own connection; SQLite's WAL serialises it with the tracer's
 batches (waiting up to the busy timeout, never failing because the tracer is busy). Explain lists
 the annotations of its window and the Perfetto timeline shows them as instant events.
+
+The table has Ingero's layout (its agent 0.17: ``labels`` is a JSON object, with process scope, span
+and writer provenance columns) plus ``node``, so Ingero's SQL over annotations runs here and its rows
+read here: ours carry ``{"message": ..., "author": ...}``; a row written by Ingero reads as its labels
+(``key=value, ...``) with its writer's uid as the author.
 """
 
 from __future__ import annotations
 
 import getpass
+import json
+import os
 import socket
 import sqlite3
 from dataclasses import dataclass
@@ -65,8 +72,10 @@ def add_annotation(
     conn = open_writable(path)
     try:
         conn.execute("BEGIN IMMEDIATE")
+        labels = json.dumps({"message": text, "author": who}, separators=(",", ":"))
         cur = conn.execute(
-            f"INSERT INTO {TABLE}(timestamp, node, message, author) VALUES (?, ?, ?, ?)", (ts, node, text, who)
+            f"INSERT INTO {TABLE}(timestamp, labels, node, peer_uid, peer_gid, peer_pid) VALUES (?, ?, ?, ?, ?, ?)",
+            (ts, labels, node, os.getuid(), os.getgid(), os.getpid()),
         )
         conn.execute("COMMIT")
         row_id = int(cur.lastrowid or 0)
@@ -92,12 +101,30 @@ def list_annotations(
         return []
     lo = -(1 << 63) if start_ns is None else int(start_ns)
     hi = (1 << 63) - 1 if end_ns is None else int(end_ns)
+    cols = {r[1] for r in conn.execute(f"PRAGMA table_info({TABLE})")}
+    node = "node" if "node" in cols else "''"
     rows = conn.execute(
-        f"SELECT id, timestamp, node, message, author FROM {TABLE} WHERE timestamp BETWEEN ? AND ? "
+        f"SELECT id, timestamp, {node}, labels, peer_uid FROM {TABLE} WHERE timestamp BETWEEN ? AND ? "
         "ORDER BY timestamp, id LIMIT ?",
         (lo, hi, int(limit)),
     ).fetchall()
-    return [Annotation(int(r[0]), int(r[1]), str(r[2]), str(r[3]), str(r[4])) for r in rows]
+    return [Annotation(int(r[0]), int(r[1]), str(r[2]), *_message_author(r[3], int(r[4] or 0))) for r in rows]
+
+
+def _message_author(labels_json: object, peer_uid: int) -> tuple[str, str]:
+    """Our rows' message and author; any other labels (Ingero's) as ``key=value, ...``."""
+    try:
+        labels = json.loads(str(labels_json))
+    except ValueError:
+        return str(labels_json), ""
+    if not isinstance(labels, dict):
+        return str(labels_json), ""
+    author = str(labels.pop("author", "") or (f"uid {peer_uid}" if peer_uid else ""))
+    message = labels.pop("message", None)
+    rest = ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    if message is None:
+        return rest, author
+    return (f"{message} ({rest})" if rest else str(message)), author
 
 
 __all__ = ["Annotation", "add_annotation", "default_author", "has_annotations", "list_annotations"]

@@ -353,12 +353,18 @@ def _migrate_to_3(conn: sqlite3.Connection) -> None:
 
 
 ANNOTATIONS_TABLE = """
-CREATE TABLE IF NOT EXISTS annotations (
-	id        INTEGER PRIMARY KEY AUTOINCREMENT,
-	timestamp INTEGER NOT NULL,           -- unix nanos: the moment marked
-	node      TEXT NOT NULL DEFAULT '',
-	message   TEXT NOT NULL,              -- e.g. "deploy v2.3", "lr 3e-4 -> 1e-4"
-	author    TEXT NOT NULL DEFAULT ''    -- user@host that wrote it
+CREATE TABLE IF NOT EXISTS annotations (  -- Ingero's layout (agent 0.17), plus node
+	id         INTEGER PRIMARY KEY AUTOINCREMENT,
+	timestamp  INTEGER NOT NULL,            -- unix nanos (annotation instant)
+	labels     TEXT    NOT NULL,            -- JSON object of key/value strings (ingero annotate: message, author)
+	pid        INTEGER NOT NULL DEFAULT 0,  -- process scope (0 = unscoped)
+	start_time INTEGER NOT NULL DEFAULT 0,  -- /proc/<pid>/stat field 22 (incarnation key)
+	span_start INTEGER NOT NULL DEFAULT 0,  -- unix nanos (0 = instant, not a span)
+	span_end   INTEGER NOT NULL DEFAULT 0,  -- unix nanos
+	peer_uid   INTEGER NOT NULL DEFAULT 0,  -- uid of the writer
+	peer_gid   INTEGER NOT NULL DEFAULT 0,  -- gid of the writer
+	peer_pid   INTEGER NOT NULL DEFAULT 0,  -- pid of the writer
+	node       TEXT    NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS idx_annotations_timestamp ON annotations(timestamp);
 """
