@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 
+from ingero.api.server import serve_api
 from ingero.cli.main import build_parser
 from ingero.cli.trace import options_from
 from ingero.cli.trace_view import render_ops
@@ -23,7 +25,7 @@ def test_defaults(tmp_path: Path) -> None:
     o = _opts("--db", str(tmp_path / "t.db"), "--node", "gpu-7")
     assert o.db_path == tmp_path / "t.db" and o.identity.node == "gpu-7"
     assert (o.stack_mode, o.store_mode, o.budget_per_s, o.ring_mb) == ("site", "selective", 1000, 16)
-    assert o.max_db_bytes == 10 << 30 and o.duration_s is None and o.listen is None
+    assert o.max_db_bytes == 10 << 30 and o.duration_s is None and o.serve is None
     assert o.follow and o.system_search and o.host and o.io and o.output == "table"
     assert o.overrides == {"cudart": [], "cuda": [], "nccl": []}
 
@@ -44,9 +46,10 @@ def test_every_flag(tmp_path: Path) -> None:
 
 def test_listen_uses_the_serve_settings(tmp_path: Path) -> None:
     o = _opts("--db", str(tmp_path / "t.db"), "--listen", "127.0.0.1:0", "--no-tls", "--token", "s3cret")
-    assert o.listen is not None
-    assert (o.listen.host, o.listen.port, o.listen.no_tls, o.listen.token) == ("127.0.0.1", 0, True, "s3cret")
-    assert o.listen.db_path == tmp_path / "t.db"
+    assert isinstance(o.serve, functools.partial) and o.serve.func is serve_api
+    (settings,) = o.serve.args
+    assert (settings.host, settings.port, settings.no_tls, settings.token) == ("127.0.0.1", 0, True, "s3cret")
+    assert settings.db_path == tmp_path / "t.db"
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -168,7 +169,11 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         raise UsageError("--ring-mb must be between 1 and 1024")
     listen = None
     if args.listen:
-        listen = serve.settings_from(args)
+        from ingero.api.server import serve_api
+
+        settings = serve.settings_from(args)
+        serve.warn_about_exposure(settings)
+        listen = functools.partial(serve_api, settings)
     elif args.no_tls or args.tls_cert or args.client_ca or args.token or args.token_file or args.insecure_no_auth:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
     raw_db = args.db or common.config_from(args).agent.db or common.DEFAULT_DB
@@ -192,7 +197,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         follow=args.follow,
         system_search=args.system_search,
         output=args.output,
-        listen=listen,
+        serve=listen,
     )
 
 
@@ -212,8 +217,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.db:
         args.db = common.config_from(args).agent.db or common.DEFAULT_DB
     opts = options_from(args)
-    if opts.listen is not None:
-        serve.warn_about_exposure(opts.listen)
     ready = Path(args.ready_file).expanduser() if args.ready_file else None
     exporters = metrics_flags.start(args, opts.identity, opts.db_path, "trace")
     if exporters is not None:

@@ -9,8 +9,8 @@ instant), drains what the kernel already produced, closes the ``sessions`` row w
 then detaches the probes (the kernel takes ~0.1 s per uprobe to unregister one). The tracer never
 prints: progress goes to a :class:`~ingero.trace.livemode.LiveView` given by the caller.
 
-Within a run, ``--listen`` serves the agent API (:func:`ingero.api.server.serve_api`) from the same
-trio nursery; a maintenance task probes libraries that new processes map (follow mode, every 2 s) and
+Within a run, a server given by the caller (``--listen``: the CLI hands in the agent API,
+:func:`ingero.api.server.serve_api`; the tracer does not import the API) runs in the same trio nursery; a maintenance task probes libraries that new processes map (follow mode, every 2 s) and
 forgets what is kept per process (kernel page-allocation counters, recorder state) once it exited.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,7 +41,6 @@ from ingero.trace.stacks import Symbolizer
 from ingero.trace.sysinfo import session_info
 
 if TYPE_CHECKING:
-    from ingero.api.server import BoundServer, ServerSettings
     from ingero.store.writer import StoreWriter
     from ingero.trace.probes import BpfProbes, LibraryAttach
 
@@ -70,7 +69,9 @@ class TraceOptions:
     system_search: bool = True  # ldconfig, CUDA installs, pip bundles (off: overrides + processes only)
     drain_interval_s: float = 0.05
     output: str = "table"  # table | json | quiet
-    listen: ServerSettings | None = None
+    # A server to run beside the recording (``--listen``): started with ``nursery.start``, it reports
+    # readiness with ``task_status.started(value)``; ``value`` becomes ``TraceReady.server``.
+    serve: Callable[..., Awaitable[Any]] | None = None
     flags: str = ""
     observer: TraceObserver | None = None  # e.g. ingero.metrics (--prometheus / --otlp)
 
@@ -88,7 +89,7 @@ class TraceReady:
     session_id: int
     libraries: list[LibraryAttach]
     probes: int
-    server: BoundServer | None
+    server: Any  # what ``TraceOptions.serve`` reported when started (the CLI's BoundServer); None without one
     control: TraceControl
 
 
@@ -148,7 +149,7 @@ def _session_flags(opts: TraceOptions) -> str:
         parts.append("users=" + "+".join(str(u) for u in opts.uids))
     if opts.stack_samples:
         parts.append(f"stack-samples={opts.stack_samples}")
-    if opts.listen is not None:
+    if opts.serve is not None:
         parts.append("listen")
     if opts.flags:
         parts.append(opts.flags)
@@ -270,10 +271,8 @@ async def run_trace(
             opts.observer.attach(pipeline)
         async with trio.open_nursery() as nursery:
             bound = None
-            if opts.listen is not None:
-                from ingero.api.server import serve_api
-
-                bound = await nursery.start(serve_api, opts.listen)
+            if opts.serve is not None:
+                bound = await nursery.start(opts.serve)
             pipeline_done = trio.Event()
             nursery.start_soon(_run_pipeline, pipeline, pipeline_done)
             if handle_signals:
