@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import trio
 
-from ingero.api.app import AgentAPI, ASGIApp
+from ingero.api.app import AgentAPI
 from ingero.api.server import BoundServer, ServerSettings, serve_api
+from ingero.asgi import ASGIApp
 from ingero.identity import Identity
 from ingero.tls.context import client_ssl_context
 from ingero.tls.pki import create_ca, issue_cert, split_sans

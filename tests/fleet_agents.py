@@ -18,8 +18,8 @@ from typing import Any
 
 import trio
 
-from ingero.api.app import ASGIApp, Message, Receive, Scope, Send
 from ingero.api.server import BoundServer, ServerSettings, serve_api
+from ingero.asgi import ASGIApp, Message, Receive, Scope, Send
 from ingero.config import NodeSpec
 from ingero.fleet.settings import ClientSettings
 from ingero.identity import Identity

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import trio
 
-from ingero.api.app import ASGIApp, Receive, Scope, Send
 from ingero.api.server import BoundServer, serve_api
+from ingero.asgi import ASGIApp, Receive, Scope, Send
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget
 from ingero.tls.context import client_ssl_context

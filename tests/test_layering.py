@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "timeutil": 1,
     "identity": 1,
     "texttable": 1,
+    "asgi": 1,
     "tls": 1,
     "config": 2,
     "store": 2,

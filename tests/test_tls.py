@@ -258,8 +258,8 @@ def test_client_context_rejects_half_a_client_identity(certs: Pki) -> None:
 def test_admission_tells_mtls_clients_apart_by_certificate_subject(certs: Pki, tmp_path: Path) -> None:
     """Two clients on the same address with different certificates are two identities for fair
     admission; without a client certificate the identity is the peer address."""
-    from ingero.api.app import ASGIApp, Receive, Scope, Send
     from ingero.api.workers import client_identity
+    from ingero.asgi import ASGIApp, Receive, Scope, Send
 
     ca_dir = certs.ca.parent
     second = pki.issue_cert(ca_dir, "client", "second-tester", out_dir=tmp_path / "second")

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from ingero import __version__
 from ingero.api import collectives, endpoints
 from ingero.api.endpoints import AgentContext, encode, ok
 from ingero.api.workers import META, SHORT, client_identity
+from ingero.asgi import Receive, Scope, Send, lifespan
 from ingero.errors import (
     AuthError,
     BodyTooLargeError,
@@ -43,11 +44,6 @@ from ingero.errors import (
 
 log = logging.getLogger("ingero.api.app")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PREFIX = "/api/v1/"
 MAX_BODY_BYTES = 1024 * 1024  # a query body; SQL text itself is capped at 100 000 characters
@@ -92,7 +88,7 @@ class AgentAPI:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":  # websockets: refuse
             return
@@ -319,13 +315,3 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
     while (await receive())["type"] != "http.disconnect":
         pass
     scope.cancel()
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -26,9 +26,10 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from ingero.api.app import AgentAPI, ASGIApp
+from ingero.api.app import AgentAPI
 from ingero.api.endpoints import AgentContext
 from ingero.api.workers import Admission, AdmissionLimits, PeerRecordingSSLObject
+from ingero.asgi import ASGIApp
 from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.identity import Identity

@@ -29,22 +29,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ingero import __version__
+from ingero.asgi import ASGIApp, Receive, Scope, Send, lifespan
 from ingero.errors import RateLimitedError
 from ingero.store.catalog import GPU_API_SOURCES, SOURCE_NAMES
 from ingero.tools import registry
-from ingero.tools.http import (
-    ASGIApp,
-    Auth,
-    Guard,
-    RateLimit,
-    Receive,
-    Scope,
-    Send,
-    ToolsAPI,
-    is_tools_path,
-    lifespan,
-    send_json,
-)
+from ingero.tools.http import Auth, Guard, RateLimit, ToolsAPI, is_tools_path, send_json
 from ingero.tools.registry import ToolEnv
 
 if TYPE_CHECKING:

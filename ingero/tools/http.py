@@ -23,13 +23,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from ingero import API_VERSION, __version__
+from ingero.asgi import ASGIApp, Message, Receive, Scope, Send, lifespan
 from ingero.errors import (
     AuthError,
     IngeroError,
@@ -41,12 +42,6 @@ from ingero.errors import (
 from ingero.tools import registry
 from ingero.tools.failures import Failure, classify
 from ingero.tools.registry import ToolEnv
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 VERSIONS_PATH = "/api/versions"
 TOOLS_PREFIX = "/api/v1/tools/"
@@ -276,17 +271,6 @@ class ToolsAPI:
             raise MethodNotAllowedError(f"{method} is not allowed on {path}; use POST with a JSON object")
         args = _json_object(await _read_body(receive))
         return registry.encode_answer(await registry.call(tool, args, self.env, run_sync=self._run_sync))
-
-
-async def lifespan(receive: Receive, send: Send) -> None:
-    """Answer the server's start-up and shutdown (nothing to set up)."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 async def _read_body(receive: Receive) -> bytes:
