@@ -8,13 +8,12 @@ The socket, the hypercorn configuration and the SSL contexts are the agent's own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import trio
 
-from ingero.api.server import BoundServer, _HypercornConfig, _is_wildcard, _url, bind_socket
+from ingero.api.server import BoundServer, _is_wildcard, _url, bind_socket, serve_on_socket
 from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.tls import context
@@ -71,10 +70,6 @@ async def serve_asgi(
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` until cancelled; ``task_status.started`` gets the bound address (``url`` ends in ``path``)."""
-    from hypercorn.config import Sockets
-    from hypercorn.trio.run import worker_serve
-    from hypercorn.utils import wrap_app
-
     ctx, fingerprint = ssl_context(listen)
     sock = bind_socket(listen.host, listen.port, listen.backlog)
     try:
@@ -87,15 +82,7 @@ async def serve_asgi(
             tls_mode=listen.tls_mode,
             fingerprint_sha256=fingerprint,
         )
-        config = _HypercornConfig(ctx)
-        config.read_timeout = None  # an MCP stream or a dashboard refresh may stay open
-        sockets = Sockets(secure_sockets=[sock] if ctx else [], insecure_sockets=[] if ctx else [sock], quic_sockets=[])
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                partial(
-                    worker_serve, wrap_app(cast(Any, app), config.wsgi_max_body_size, "asgi"), config, sockets=sockets
-                )
-            )
-            task_status.started(bound)
+        # an MCP stream or a dashboard refresh may stay open
+        await serve_on_socket(app, sock, ctx, bound, read_timeout=None, task_status=task_status)
     finally:
         sock.close()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -240,18 +240,32 @@ async def serve_api(
             tls_mode=setup.mode,
             fingerprint_sha256=setup.fingerprint,
         )
-        config = _HypercornConfig(setup.context)
-        sockets = Sockets(
-            secure_sockets=[sock] if setup.context else [],
-            insecure_sockets=[] if setup.context else [sock],
-            quic_sockets=[],
-        )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                partial(
-                    worker_serve, wrap_app(cast(Any, app), config.wsgi_max_body_size, "asgi"), config, sockets=sockets
-                )
-            )
-            task_status.started(bound)
+        await serve_on_socket(app, sock, setup.context, bound, task_status=task_status)
     finally:
         sock.close()
+
+
+async def serve_on_socket(
+    app: ASGIApp,
+    sock: socket.socket,
+    ssl_context: ssl.SSLContext | None,
+    bound: BoundServer,
+    *,
+    read_timeout: int | Literal["default"] | None = "default",
+    task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """hypercorn's trio worker serving ``app`` on a socket bound by the caller (TLS when ``ssl_context``)
+    until cancelled; ``task_status.started(bound)`` once it accepts. Every ingero server listens this way."""
+    config = _HypercornConfig(ssl_context)
+    if read_timeout != "default":
+        config.read_timeout = read_timeout
+    sockets = Sockets(
+        secure_sockets=[sock] if ssl_context else [],
+        insecure_sockets=[] if ssl_context else [sock],
+        quic_sockets=[],
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            partial(worker_serve, wrap_app(cast(Any, app), config.wsgi_max_body_size, "asgi"), config, sockets=sockets)
+        )
+        task_status.started(bound)
