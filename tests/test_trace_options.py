@@ -142,7 +142,7 @@ def test_old_database_gains_the_annotations_table(tmp_path: Path) -> None:
     conn = sqlite3.connect(db)
     try:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert conn.execute("SELECT message FROM annotations").fetchall() == [("after upgrade",)]
+        assert conn.execute("SELECT labels ->> 'message' FROM annotations").fetchall() == [("after upgrade",)]
         cols = {r[1] for r in conn.execute("PRAGMA table_info(cgroup_metadata)")}
         assert {"job_id", "seen_at"} <= cols
     finally:
