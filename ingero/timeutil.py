@@ -111,7 +111,7 @@ def fmt_duration(ns: float) -> str:
     return f"{sign}{int(hours)}h{int(minutes)}m{int(rest)}s"
 
 
-def fmt_us(ns: float) -> str:
+def fmt_latency(ns: float) -> str:
     """Short human figure for tables: ``18.4 ms``, ``734 µs``, ``1.2 s``."""
     ns = float(ns)
     if ns >= NS_PER_S:

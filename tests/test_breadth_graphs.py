@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ingero.demo.synth import Recorder
+from ingero.demo.synth import SyntheticNode
 from ingero.explain.engine import ExplainReport, explain
 from ingero.store.catalog import CUDA, CUDA_GRAPH, lookup_op
 from ingero.store.db import open_readonly
@@ -22,11 +22,11 @@ BEGIN, END, INST, LAUNCH = (
     for n in ("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate", "cudaGraphLaunch")
 )
 SYNC = lookup_op("cudaStreamSync").op
-Step = Callable[[Recorder, float, int], float]  # writes one step's rows at t, returns the step's length (s)
+Step = Callable[[SyntheticNode, float, int], float]  # writes one step's rows at t, returns the step's length (s)
 
 
 def build(path: Path, step: Step, seconds: float = 20.0) -> Path:
-    rec = Recorder("node-g", BASE, 3)
+    rec = SyntheticNode("node-g", BASE, 3)
     rec.process(PID, "python3 serve.py", 0.0, exec_event=False)
     rec.ev(0.05, PID, CUDA_GRAPH, BEGIN, 20_000, arg0=0x77)
     rec.ev(0.06, PID, CUDA_GRAPH, END, 2 * NS_PER_MS, arg0=0x77, arg1=0x6000)
@@ -39,7 +39,7 @@ def build(path: Path, step: Step, seconds: float = 20.0) -> Path:
     return path
 
 
-def replay(rec: Recorder, t: float, i: int, *, gap_s: float = 0.0, wait_on_gpu: bool = False) -> float:
+def replay(rec: SyntheticNode, t: float, i: int, *, gap_s: float = 0.0, wait_on_gpu: bool = False) -> float:
     """One steady step: a graph launch, 6 ms of GPU waited for, 2 ms of host work; ``gap_s`` more before it."""
     if gap_s and wait_on_gpu:
         rec.ev(t, PID, CUDA, SYNC, gap_s * 1e9)  # the thread waits on the GPU during the gap
@@ -70,7 +70,7 @@ def test_steady_replays_name_no_graph_chain(tmp_path: Path) -> None:
 
 
 def test_capture_per_step_is_churn(tmp_path: Path) -> None:
-    def step(rec: Recorder, t: float, i: int) -> float:
+    def step(rec: SyntheticNode, t: float, i: int) -> float:
         rec.ev(t, PID, CUDA_GRAPH, BEGIN, 50_000, arg0=0x77)
         rec.ev(t + 0.001, PID, CUDA_GRAPH, END, 3 * NS_PER_MS, arg0=0x77, arg1=0x6000 + i)
         rec.ev(t + 0.004, PID, CUDA_GRAPH, INST, 9 * NS_PER_MS, arg0=0x6000 + i, arg1=0x5000 + i)

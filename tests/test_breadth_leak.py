@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ingero.demo.synth import Recorder
+from ingero.demo.synth import SyntheticNode
 from ingero.explain.engine import ExplainReport, explain
 from ingero.explain.rules_leak import FAMILY, MIN_GROWTH_BYTES
 from ingero.store import allocations as al
@@ -30,7 +30,7 @@ Keep = Callable[[int], bool]  # step -> whether that step's activation buffer is
 def build(path: Path, keep: Keep, *, steps: int = 600, nested: bool = False, warm_steps: int = 0) -> Path:
     """``steps`` steps of 10 ms: a 4 MiB workspace allocated and freed, an 8 MiB activation buffer kept
     when ``keep(step)``; ``warm_steps``: a caching allocator growing a 2 MiB block per step first."""
-    rec = Recorder("node-a", BASE, 1)
+    rec = SyntheticNode("node-a", BASE, 1)
     rec.process(PID, "python3 train.py", 0.0, exec_event=False)
     leak_stack = rec.stack([("cudaMalloc", "libcudart.so.12"), ("store_activations", "train.py"), ("main", "train")])
     work_stack = rec.stack([("cudaMalloc", "libcudart.so.12"), ("workspace", "train.py"), ("main", "train")])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ingero.cli.main import main
-from ingero.demo.synth import Recorder
+from ingero.demo.synth import SyntheticNode
 from ingero.store.cgroups import CgroupInfo, write_cgroups
 from ingero.trace.cgroups import describe
 from tests.test_explain_rules import BASE, only, report_of, trainer
@@ -21,7 +21,7 @@ JOB = describe(4303, "/system.slice/slurmstepd.scope/job_77/step_0", {})
 
 @pytest.fixture
 def shared_gpu(tmp_path: Path) -> Path:
-    rec = Recorder("node-a", BASE, 4)
+    rec = SyntheticNode("node-a", BASE, 4)
     rec.process(100, "python3 train.py", 0.0, exec_event=False)
     rec.process(200, "python3 eval.py", 9.9)
     trainer(rec, 100, 0.1, 30.0, slow_factor=lambda t: 2.0 if 10.0 <= t < 20.0 else 1.0)
@@ -44,7 +44,7 @@ def test_noisy_neighbour_chain_names_the_other_container(shared_gpu: Path) -> No
 
 
 def test_bare_metal_names_stay_plain(tmp_path: Path) -> None:
-    rec = Recorder("node-a", BASE, 4)
+    rec = SyntheticNode("node-a", BASE, 4)
     rec.process(100, "python3 train.py", 0.0, exec_event=False)
     rec.process(200, "python3 eval.py", 9.9)
     trainer(rec, 100, 0.1, 30.0, slow_factor=lambda t: 2.0 if 10.0 <= t < 20.0 else 1.0)

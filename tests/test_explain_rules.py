@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ingero.demo.synth import Recorder
+from ingero.demo.synth import SyntheticNode
 from ingero.explain.engine import ExplainReport, explain
 from ingero.explain.model import Chain
 from ingero.store.catalog import CUDA, HOST, TCP
@@ -21,11 +21,11 @@ from ingero.timeutil import NS_PER_MS
 
 BASE = 1_776_000_000_000_000_000
 WINDOW = (10.0, 18.0)
-Hook = Callable[[Recorder, float, int], float]  # returns extra ns added to the step's sync
+Hook = Callable[[SyntheticNode, float, int], float]  # returns extra ns added to the step's sync
 
 
 def trainer(
-    rec: Recorder,
+    rec: SyntheticNode,
     pid: int,
     t0: float,
     t1: float,
@@ -56,10 +56,10 @@ def build(
     *,
     node: str = "node-a",
     seconds: float = 30.0,
-    extra: Callable[[Recorder], None] | None = None,
+    extra: Callable[[SyntheticNode], None] | None = None,
     seed: int = 1,
 ) -> Path:
-    rec = Recorder(node, BASE, seed)
+    rec = SyntheticNode(node, BASE, seed)
     rec.process(100, "python3 train.py", 0.0, exec_event=False)
     trainer(rec, 100, 0.1, seconds, hook=hook)
     rec.background(0.0, seconds, 100, 2, 40_000)
@@ -84,7 +84,7 @@ def only(report: ExplainReport, family: str, op: str | None = None) -> Chain:
 
 
 def stall(prob: float, lo_ms: float, hi_ms: float, *, sched: bool, window: tuple[float, float] = WINDOW) -> Hook:
-    def hook(rec: Recorder, t: float, _i: int) -> float:
+    def hook(rec: SyntheticNode, t: float, _i: int) -> float:
         if in_window(t, window) and rec.rng.random() < prob:
             off = float(rec.rng.uniform(lo_ms, hi_ms)) * NS_PER_MS
             if sched:
@@ -115,7 +115,7 @@ def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path
     """ingero's tracer records in sched_switch arg1 which task ran in the thread's place: the hog is
     named from that even when it started long before (and an unrelated process started just before)."""
 
-    def hook(rec: Recorder, t: float, i: int) -> float:
+    def hook(rec: SyntheticNode, t: float, i: int) -> float:
         if in_window(t) and rec.rng.random() < 0.3:
             off = float(rec.rng.uniform(20, 40)) * NS_PER_MS
             preemptor = 777 if i % 5 else 4242  # the hog most of the time, a kworker sometimes
@@ -123,7 +123,7 @@ def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path
             return off
         return 0.0
 
-    def extra(rec: Recorder) -> None:
+    def extra(rec: SyntheticNode) -> None:
         rec.process(777, "cpu_hog --spin", 0.0, exec_event=False)  # started long before the trouble
         rec.process(4242, "kworker/0:1", 0.0, exec_event=False)
         rec.process(555, "unrelated-cron-job", 9.0)  # started just before: not the best evidence
@@ -134,11 +134,11 @@ def test_cpu_contention_names_the_task_that_preempted_the_trainer(tmp_path: Path
     assert next(t.op for t in c.timeline if t.layer == "HOST") == "preemption"
 
 
-def _io(write: bool, n: int = 400, pid: int = 281, forked: bool = True) -> Callable[[Recorder], None]:
+def _io(write: bool, n: int = 400, pid: int = 281, forked: bool = True) -> Callable[[SyntheticNode], None]:
     """Block I/O by ``pid``: a worker the trainer forked (part of the traced tree) or, with
     ``forked=False``, an unrelated process (context, never a cause)."""
 
-    def add(rec: Recorder) -> None:
+    def add(rec: SyntheticNode) -> None:
         if forked:
             rec.ev(0.05, 100, HOST, 7, 0, arg1=pid)
         for t in sorted(rec.rng.uniform(*WINDOW, n)):
@@ -173,7 +173,7 @@ def test_block_io_of_other_processes_is_context_never_a_cause(tmp_path: Path) ->
 
 
 def test_tail_with_large_page_allocations_is_memory_pressure(tmp_path: Path) -> None:
-    def pages(rec: Recorder) -> None:
+    def pages(rec: SyntheticNode) -> None:
         for t in sorted(rec.rng.uniform(*WINDOW, 48)):
             rec.ev(float(t), 555, HOST, 3, 2000, arg0=64 << 20)  # 48 x 64 MB = 3 GB
 
@@ -184,7 +184,7 @@ def test_tail_with_large_page_allocations_is_memory_pressure(tmp_path: Path) -> 
 
 
 def test_tail_with_tcp_retransmits_blames_the_network(tmp_path: Path) -> None:
-    def retrans(rec: Recorder) -> None:
+    def retrans(rec: SyntheticNode) -> None:
         for t in sorted(rec.rng.uniform(*WINDOW, 40)):
             rec.ev(float(t), 100, TCP, 1, 0)  # the trainer's own connection
 
@@ -198,7 +198,7 @@ def test_tail_with_tcp_retransmits_blames_the_network(tmp_path: Path) -> None:
 def test_host_wide_tcp_retransmits_are_context(tmp_path: Path) -> None:
     """Retransmits in softirq (pid 0) have no owner in the traced processes: said, never blamed."""
 
-    def retrans(rec: Recorder) -> None:
+    def retrans(rec: SyntheticNode) -> None:
         for t in sorted(rec.rng.uniform(*WINDOW, 150)):
             rec.ev(float(t), 0, TCP, 1, 0)
 
@@ -208,7 +208,7 @@ def test_host_wide_tcp_retransmits_are_context(tmp_path: Path) -> None:
 
 
 def test_tcp_retransmit_burst_alone_makes_its_own_chain(tmp_path: Path) -> None:
-    def retrans(rec: Recorder) -> None:
+    def retrans(rec: SyntheticNode) -> None:
         for t in sorted(rec.rng.uniform(12.0, 15.0, 150)):
             rec.ev(float(t), 100, TCP, 1, 0)
 
@@ -224,7 +224,7 @@ def test_severity_comes_from_time_lost_with_an_absolute_floor(tmp_path: Path) ->
     (host-wide context, not a cause)."""
     hook = stall(0.1, 10, 11, sched=True, window=(1.0, 2.0))
 
-    def hot(rec: Recorder) -> None:
+    def hot(rec: SyntheticNode) -> None:
         rec.snapshots_every(0.0, 3.0, lambda s: 97.0)
 
     r = report_of(build(tmp_path / "hot.db", hook, extra=hot, seconds=3.0))
@@ -234,7 +234,7 @@ def test_severity_comes_from_time_lost_with_an_absolute_floor(tmp_path: Path) ->
 
 
 def test_snapshots_alone_make_no_chain(tmp_path: Path) -> None:
-    def hot(rec: Recorder) -> None:
+    def hot(rec: SyntheticNode) -> None:
         rec.snapshots_every(0.0, 30.0, lambda s: 99.0 if in_window(s) else 40.0)
         for s_ in range(30):
             rec.snapshot(float(s_) + 0.5, 40.0, 97.0 if in_window(s_) else 60.0, 900, 0)
@@ -246,7 +246,7 @@ def test_snapshots_alone_make_no_chain(tmp_path: Path) -> None:
 
 
 def test_throughput_drop_with_cpu_contention(tmp_path: Path) -> None:
-    rec = Recorder("node-a", BASE, 3)
+    rec = SyntheticNode("node-a", BASE, 3)
     t = 0.1
     while t < 30.0:
         share = 0.4 if 12.0 <= t < 24.0 else 1.0
@@ -263,7 +263,7 @@ def test_throughput_drop_with_cpu_contention(tmp_path: Path) -> None:
 
 
 def test_oom_kill_is_always_high(tmp_path: Path) -> None:
-    def oom(rec: Recorder) -> None:
+    def oom(rec: SyntheticNode) -> None:
         rec.ev(20.0, 100, HOST, 4, 0)
 
     r = report_of(build(tmp_path / "o.db", seconds=20.0, extra=oom))
@@ -273,7 +273,7 @@ def test_oom_kill_is_always_high(tmp_path: Path) -> None:
 
 
 def test_multi_process_gpu_contention(tmp_path: Path) -> None:
-    rec = Recorder("node-a", BASE, 4)
+    rec = SyntheticNode("node-a", BASE, 4)
     rec.process(100, "python3 train.py", 0.0, exec_event=False)
     rec.process(200, "python3 eval.py", 9.9)
     trainer(rec, 100, 0.1, 30.0, slow_factor=lambda t: 2.0 if 10.0 <= t < 20.0 else 1.0)
@@ -290,7 +290,7 @@ def test_multi_process_gpu_contention(tmp_path: Path) -> None:
 
 
 def test_many_similar_windows_make_one_chain_per_op_and_family(tmp_path: Path) -> None:
-    def storms(rec: Recorder, t: float, _i: int) -> float:
+    def storms(rec: SyntheticNode, t: float, _i: int) -> float:
         if (t % 5.0) < 1.0 and rec.rng.random() < 0.4:  # a one-second storm every 5 s, 12 times
             off = float(rec.rng.uniform(20, 40)) * NS_PER_MS
             rec.sched(t + 1e-4, 100, off, by=900)
@@ -304,7 +304,7 @@ def test_many_similar_windows_make_one_chain_per_op_and_family(tmp_path: Path) -
 
 
 def test_per_process_and_pid_filter(tmp_path: Path) -> None:
-    rec = Recorder("node-a", BASE, 5)
+    rec = SyntheticNode("node-a", BASE, 5)
     rec.process(100, "python3 train.py", 0.0, exec_event=False)
     rec.process(200, "python3 other.py", 0.0, exec_event=False)
     trainer(rec, 100, 0.1, 30.0, hook=stall(0.3, 20, 40, sched=True), gpu=0)
@@ -326,7 +326,7 @@ def test_per_process_and_pid_filter(tmp_path: Path) -> None:
 def test_nodes_of_a_merged_database_are_never_mixed(tmp_path: Path) -> None:
     db = tmp_path / "cluster.db"
     build(db, stall(0.3, 20, 40, sched=True), node="node-a")
-    rec = Recorder("node-b", BASE, 9)
+    rec = SyntheticNode("node-b", BASE, 9)
     trainer(rec, 100, 0.1, 30.0, sync_ms=20.0)  # same pid, other machine, slower GPU
     rec.write(db)
     r = report_of(db)

@@ -193,10 +193,10 @@ def test_new_kernels_mid_run_are_recompilation(reports: dict[str, ExplainReport]
 def test_empty_cache_at_irregular_steps_is_allocator_churn(tmp_path: Path) -> None:
     """Bursts of cudaFree (the cache handed back) followed by slow cudaMallocs, at irregular steps:
     no period to find, but the churn itself is measured."""
-    from ingero.demo.synth import Recorder
+    from ingero.demo.synth import SyntheticNode
     from ingero.store.catalog import CUDA
 
-    rec = Recorder("churn-node", BASE, 5)
+    rec = SyntheticNode("churn-node", BASE, 5)
     pid = 5400
     rec.process(pid, "python3 train.py", 0.0, exec_event=False)
     t, step = 0.2, 0

@@ -57,7 +57,7 @@ def big_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-class Recorder:
+class LiveWriter:
     """A writer that keeps recording into the database while the agent answers (no event may be lost)."""
 
     def __init__(self, path: Path) -> None:
@@ -78,7 +78,7 @@ class Recorder:
         except BaseException as e:  # reported by the test
             self.error = e
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> LiveWriter:
         self.thread.start()
         return self
 
@@ -88,8 +88,8 @@ class Recorder:
 
 
 @pytest.fixture
-def recording(big_db: Path) -> Iterator[Recorder]:
-    with Recorder(big_db) as rec:
+def recording(big_db: Path) -> Iterator[LiveWriter]:
+    with LiveWriter(big_db) as rec:
         yield rec
     assert rec.error is None, rec.error
     import sqlite3
@@ -110,7 +110,7 @@ async def _ask(client: httpx.AsyncClient, sql: str, timeout_ms: int) -> tuple[in
     return r.status_code, doc, r.headers.get("retry-after")
 
 
-def test_cheap_queries_all_answer_while_heavy_ones_run(big_db: Path, recording: Recorder, tmp_path: Path) -> None:
+def test_cheap_queries_all_answer_while_heavy_ones_run(big_db: Path, recording: LiveWriter, tmp_path: Path) -> None:
     """20 heavy + 10 cheap at once from one client: every cheap query answers 200 (the short lane);
     heavy ones end at their own limit (408) or, when the agent is saturated, 503 — and a cheap one is
     never answered 408."""
@@ -141,7 +141,7 @@ def test_cheap_queries_all_answer_while_heavy_ones_run(big_db: Path, recording: 
 
 
 def test_saturation_is_503_with_retry_after_never_408_for_cheap(
-    big_db: Path, recording: Recorder, tmp_path: Path
+    big_db: Path, recording: LiveWriter, tmp_path: Path
 ) -> None:
     limits = AdmissionLimits(short_slots=2, heavy_slots=1, max_waiting=4, max_wait_s=5)
     s = settings(big_db, tmp_path / "tls", budget=QueryBudget(max_timeout_ms=400), admission=limits)

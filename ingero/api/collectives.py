@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from ingero.api.endpoints import WINDOW_PARAMS, AgentContext, encode, ok, reader, window_from
+from ingero.api.endpoints import WINDOW_PARAMS, AgentContext, encode, ok, reader, window_from_params
 from ingero.errors import UsageError
 from ingero.store.nccl import parse_comm, read_calls
 
@@ -24,6 +24,6 @@ def collectives(ctx: AgentContext, params: Mapping[str, str], cancel: threading.
     except ValueError as e:
         raise UsageError(str(e), hint="pass the id shown by: ingero fleet stragglers --json") from None
     with reader(ctx, cancel) as conn:
-        window = window_from(conn, params)
+        window = window_from_params(conn, params)
         body = read_calls(conn, window, comm=comm)
     return encode(ok(ctx, window=window.as_dict(), **body))

@@ -113,7 +113,7 @@ def reader(ctx: AgentContext, cancel: threading.Event) -> Iterator[sqlite3.Conne
         conn.close()
 
 
-def window_from(conn: sqlite3.Connection, params: Mapping[str, str]) -> Window:
+def window_from_params(conn: sqlite3.Connection, params: Mapping[str, str]) -> Window:
     return resolve_window(conn, params.get("since") or None, params.get("from") or None, params.get("to") or None)
 
 
@@ -194,7 +194,7 @@ def query(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -
 
 def _event_filter(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -> tuple[str | None, Window]:
     with reader(ctx, cancel) as conn:
-        window = window_from(conn, {k: body[k] for k in WINDOW_PARAMS if body.get(k) is not None})
+        window = window_from_params(conn, {k: body[k] for k in WINDOW_PARAMS if body.get(k) is not None})
     source_op = None
     if body.get("op") is not None:
         ref = lookup_op(str(body["op"]))
@@ -207,7 +207,7 @@ def ops(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -
     from ingero.explain.storage import load_storage, with_true_counts
 
     with reader(ctx, cancel) as conn:
-        window = window_from(conn, params)
+        window = window_from_params(conn, params)
         # sampled ops (selective storage): true counts and totals from event_aggregates, marked "sampled"
         stats = with_true_counts(op_stats(conn, window), load_storage(conn, window))
         host = host_summary(conn, window)
@@ -218,7 +218,7 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
     from ingero.explain.model import stored_chains
 
     with reader(ctx, cancel) as conn:
-        window = window_from(conn, params)
+        window = window_from_params(conn, params)
         computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"))
         stored = stored_chains(conn, window)
     return encode(
@@ -238,7 +238,7 @@ def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Eve
     with reader(ctx, cancel) as conn:
         s = summarize(conn, ctx.db_path)
         fields = info_fields(ctx, s, conn)
-        window = window_from(conn, params)
+        window = window_from_params(conn, params)
         report = _explain(conn, window)
     counts = {sev: 0 for sev in ("HIGH", "MEDIUM", "LOW")}
     for c in report.chains:

@@ -98,7 +98,7 @@ def db_path_from(args: argparse.Namespace) -> Path:
     return Path(raw).expanduser()
 
 
-def window_from(args: argparse.Namespace, path: Path) -> Window | None:
+def window_from_args(args: argparse.Namespace, path: Path) -> Window | None:
     """The --since/--from/--to window against the database at ``path`` (None when no flag is given).
 
     On a finished recording ``--since`` counts back from its last event; that is said on stderr.

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         from ingero.export.sources import traces_from_db
 
         path = common.db_path_from(args)
-        window = common.window_from(args, path)
+        window = common.window_from_args(args, path)
         local = traces_from_db(path, window)
         nodes, closer = local.nodes, local.close
         meta = {"source": "database", "database": str(path), "window": window.as_dict() if window else None}

@@ -90,7 +90,7 @@ def run_local(args: argparse.Namespace) -> int:
     if args.op:
         ref = lookup_op(args.op)
         source_op = (ref.source, ref.op)
-    window = common.window_from(args, path)
+    window = common.window_from_args(args, path)
     flt = event_filter_sql(window.start_ns if window else None, window.end_ns if window else None, args.pid, source_op)
     sql = sql_from(args)
     result = guard.run_query(

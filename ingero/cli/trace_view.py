@@ -17,7 +17,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ingero.timeutil import fmt_us
+from ingero.timeutil import fmt_latency
 from ingero.trace.livemode import LiveTick
 from ingero.trace.livestats import OpLine
 
@@ -42,7 +42,7 @@ def render_ops(lines: list[OpLine]) -> list[str]:
     out = [head, "-" * len(head)]
     for ln in lines:
         timed = ln.p50_ns or ln.max_ns
-        cells = [fmt_us(v) if timed else "-" for v in (ln.p50_ns, ln.p95_ns, ln.p99_ns, ln.max_ns)]
+        cells = [fmt_latency(v) if timed else "-" for v in (ln.p50_ns, ln.p95_ns, ln.p99_ns, ln.max_ns)]
         out.append(
             f"{ln.name:<22}{_fmt_count(ln.count):>12}{_fmt_count(ln.rate):>10}"
             f"{cells[0]:>11}{cells[1]:>11}{cells[2]:>11}{cells[3]:>11}  {', '.join(ln.flags)}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingero.demo.synth import SESSION, Recorder
+from ingero.demo.synth import SESSION, SyntheticNode
 from ingero.store.catalog import CUDA, DRIVER
 from ingero.timeutil import NS_PER_MS, NS_PER_US, parse_time
 
@@ -31,7 +31,7 @@ CHECKPOINTS = (30.0, 60.0, 88.0)
 
 
 @dataclass(frozen=True)
-class NodeSpec:
+class DemoNode:
     name: str
     rank: int
     trainer: int
@@ -40,9 +40,9 @@ class NodeSpec:
 
 
 NODES = (
-    NodeSpec("gpu-node-01", 0, 3187, 101, straggler=True),
-    NodeSpec("gpu-node-02", 1, 3204, 202),
-    NodeSpec("gpu-node-03", 2, 3199, 303),
+    DemoNode("gpu-node-01", 0, 3187, 101, straggler=True),
+    DemoNode("gpu-node-02", 1, 3204, 202),
+    DemoNode("gpu-node-03", 2, 3199, 303),
 )
 FILES = {spec.name: f"sample-{spec.name}.db" for spec in NODES}
 CLUSTER_FILE = "sample-cluster.db"
@@ -65,8 +65,8 @@ SYNC_FRAMES = [
 ]
 
 
-def build_node(spec: NodeSpec) -> Recorder:
-    rec = Recorder(spec.name, BASE_NS, spec.seed, rank=spec.rank, world_size=WORLD)
+def build_node(spec: DemoNode) -> SyntheticNode:
+    rec = SyntheticNode(spec.name, BASE_NS, spec.seed, rank=spec.rank, world_size=WORLD)
     rec.session = {
         **SESSION,
         "gpu_model": "NVIDIA A100-SXM4-40GB (synthetic)",
@@ -127,7 +127,7 @@ def build_node(spec: NodeSpec) -> Recorder:
     return rec
 
 
-def _host_noise(rec: Recorder, spec: NodeSpec) -> None:
+def _host_noise(rec: SyntheticNode, spec: DemoNode) -> None:
     rng, pid = rec.rng, spec.trainer
     rec.background(0.0, SECONDS, pid, 2.0, 1.5 * NS_PER_MS, by=281)  # ordinary preemption
     rec.background(0.0, SECONDS, pid, 2.0, 0.4 * NS_PER_MS, state=1)  # futex / poll sleeps of its own

@@ -12,7 +12,7 @@ way ingero's tracer writes it:
 * host-wide noise that is nobody's fault here: softirq TCP retransmits (pid 0), a kworker's writeback,
   the ingero agent's own database writes, short ordinary preemptions, an idle pause (evaluation).
 
-Each builder returns a :class:`Recorder` for one node; :data:`REALISTIC` maps a name to the builder and
+Each builder returns a :class:`SyntheticNode` for one node; :data:`REALISTIC` maps a name to the builder and
 to what explain must and must not say about it (checked by ``tests/test_explain_scenarios.py``).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ingero.demo.synth import SESSION, Recorder
+from ingero.demo.synth import SESSION, SyntheticNode
 from ingero.store.catalog import CUDA, HOST, NCCL, TCP
 from ingero.timeutil import NS_PER_MS, NS_PER_US
 
@@ -32,19 +32,19 @@ PINNED_BPS = 11e9
 
 @dataclass(frozen=True)
 class Expectation:
-    builder: Callable[[int, int], Recorder]
+    builder: Callable[[int, int], SyntheticNode]
     must_name: tuple[tuple[str, str], ...]  # (chain family, minimum severity)
     must_not_name: tuple[str, ...]  # family prefixes that must not appear at HIGH/MEDIUM
     no_high_or_medium: bool = False
 
 
-def _rec(node: str, base_ns: int, seed: int) -> Recorder:
-    rec = Recorder(node, base_ns, seed)
+def _rec(node: str, base_ns: int, seed: int) -> SyntheticNode:
+    rec = SyntheticNode(node, base_ns, seed)
     rec.session = dict(SESSION)
     return rec
 
 
-def _noise(rec: Recorder, pid: int, seconds: float) -> None:
+def _noise(rec: SyntheticNode, pid: int, seconds: float) -> None:
     """What a real node shows that is not the job's problem."""
     rec.process(AGENT, "ingero trace --record", 0.0, exec_event=False)
     rec.process(KWORKER, "kworker/u16:6+flush-259:0", 0.0, exec_event=False)
@@ -58,7 +58,7 @@ def _noise(rec: Recorder, pid: int, seconds: float) -> None:
     rec.snapshots_every(0.0, seconds, lambda s: 62.0)
 
 
-def _launches(rec: Recorder, t: float, pid: int, seen: set[int], n: int = 8) -> float:
+def _launches(rec: SyntheticNode, t: float, pid: int, seen: set[int], n: int = 8) -> float:
     """``n`` kernel launches; a kernel's first launch pays lazy module loading. Most launches are only
     counted (selective storage keeps a sample)."""
     for k in range(n):
@@ -71,14 +71,14 @@ def _launches(rec: Recorder, t: float, pid: int, seen: set[int], n: int = 8) -> 
     return t
 
 
-def _copy(rec: Recorder, t: float, pid: int) -> float:
+def _copy(rec: SyntheticNode, t: float, pid: int) -> float:
     size = int(rec.rng.choice([256 << 10, 4 << 20, 16 << 20]))
     dur = size / PINNED_BPS * 1e9 * rec.jitter(1.0, 0.05) + 8 * NS_PER_US
     rec.ev(t, pid, CUDA, 4, dur, arg0=size, arg1=1)
     return t + dur / 1e9 + 10e-6
 
 
-def _sync(rec: Recorder, t: float, pid: int, gpu_ms: float, waker: int = 0) -> float:
+def _sync(rec: SyntheticNode, t: float, pid: int, gpu_ms: float, waker: int = 0) -> float:
     """cudaStreamSynchronize with blocking sync: the thread sleeps inside it until the GPU is done."""
     dur = rec.jitter(gpu_ms * NS_PER_MS, 0.05)
     rec.ev(t, pid, CUDA, 5, dur)
@@ -86,7 +86,7 @@ def _sync(rec: Recorder, t: float, pid: int, gpu_ms: float, waker: int = 0) -> f
     return t + dur / 1e9
 
 
-def _fork_workers(rec: Recorder, pid: int, n: int, t: float) -> list[int]:
+def _fork_workers(rec: SyntheticNode, pid: int, n: int, t: float) -> list[int]:
     kids = [pid + 1 + i for i in range(n)]
     for k in kids:
         rec.process(k, "pt_data_worker", t, exec_event=False)
@@ -94,7 +94,7 @@ def _fork_workers(rec: Recorder, pid: int, n: int, t: float) -> list[int]:
     return kids
 
 
-def healthy(base_ns: int, seed: int) -> Recorder:
+def healthy(base_ns: int, seed: int) -> SyntheticNode:
     """A healthy trainer: fast workers, blocking syncs, usleep between steps, an eval pause, noise."""
     rec = _rec("healthy-node", base_ns, seed)
     pid, seconds = 5000, 40.0
@@ -125,7 +125,7 @@ def healthy(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def dataloader_starved(base_ns: int, seed: int) -> Recorder:
+def dataloader_starved(base_ns: int, seed: int) -> SyntheticNode:
     """The workers are slow to produce batches: each step the trainer sleeps ~35 ms until one wakes it."""
     rec = _rec("starved-node", base_ns, seed)
     pid, seconds = 5100, 30.0
@@ -147,7 +147,7 @@ def dataloader_starved(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def collective_wait(base_ns: int, seed: int) -> Recorder:
+def collective_wait(base_ns: int, seed: int) -> SyntheticNode:
     """A fast rank of a data-parallel job: every step it waits inside ncclAllReduce for a slower peer,
     asleep (futex/poll) in the collective and in the sync that follows — waiting, not contention."""
     rec = _rec("rank-node", base_ns, seed)
@@ -171,7 +171,7 @@ def collective_wait(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def recompiling(base_ns: int, seed: int) -> Recorder:
+def recompiling(base_ns: int, seed: int) -> SyntheticNode:
     """torch.compile meets new batch shapes: every ~4 s, four new kernels are generated and JIT-loaded
     on their first launch (~150-400 ms each) — in the middle of the run."""
     rec = _rec("recompile-node", base_ns, seed)
@@ -196,7 +196,7 @@ def recompiling(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def disk_bound(base_ns: int, seed: int) -> Recorder:
+def disk_bound(base_ns: int, seed: int) -> SyntheticNode:
     """No DataLoader workers: the training loop reads each batch from disk itself (~20 ms in
     uninterruptible sleep per step) while the GPU waits."""
     rec = _rec("disk-node", base_ns, seed)
@@ -216,7 +216,7 @@ def disk_bound(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def runqueue_contention(base_ns: int, seed: int) -> Recorder:
+def runqueue_contention(base_ns: int, seed: int) -> SyntheticNode:
     """From t=10 s a preprocessing job shares the trainer's cores. The trainer sleeps inside its blocking
     syncs as always; when the GPU is done and it is woken, it waits in the run queue while the job runs
     (wakeup → switch delay: involuntary), so its syncs return late."""

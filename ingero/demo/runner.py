@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ingero.demo.scenarios import SCENARIOS, Scenario
-from ingero.demo.synth import Recorder
+from ingero.demo.synth import SyntheticNode
 from ingero.errors import UsageError
 from ingero.explain.engine import ExplainReport, explain
 from ingero.store.db import open_readonly
@@ -78,7 +78,7 @@ def run_scenario(
 
 
 def _play(
-    rec: Recorder, db: Path, speed: float, progress: Callable[[str], None], sleep: Callable[[float], None]
+    rec: SyntheticNode, db: Path, speed: float, progress: Callable[[str], None], sleep: Callable[[float], None]
 ) -> int:
     snaps = sorted(rec.snapshots)
     written = 0

@@ -1,6 +1,6 @@
 """The six ``ingero demo`` scenarios: synthetic but physically coherent traces of classic GPU incidents.
 
-Each builder returns a :class:`~ingero.demo.synth.Recorder` for one node; effects are caused, not
+Each builder returns a :class:`~ingero.demo.synth.SyntheticNode` for one node; effects are caused, not
 painted on: a CUDA call is slow *because* its thread was off-CPU for that long (and the sched_switch
 row says so), a launch rate falls *because* the launching thread gets half a CPU, and so on.
 """
@@ -17,13 +17,13 @@ from ingero.demo.synth import (
     MEMCPY_ASYNC_NS,
     SESSION,
     TRAIN_STACK,
-    Recorder,
+    SyntheticNode,
 )
 from ingero.store.catalog import CUDA
 from ingero.timeutil import NS_PER_MS, NS_PER_US
 
 NODE = "demo-node"
-Builder = Callable[[int, int], Recorder]
+Builder = Callable[[int, int], SyntheticNode]
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,13 @@ class Scenario:
     seconds: float
 
 
-def _rec(base_ns: int, seed: int) -> Recorder:
-    rec = Recorder(NODE, base_ns, seed)
+def _rec(base_ns: int, seed: int) -> SyntheticNode:
+    rec = SyntheticNode(NODE, base_ns, seed)
     rec.session = dict(SESSION)
     return rec
 
 
-def incident(base_ns: int, seed: int) -> Recorder:
+def incident(base_ns: int, seed: int) -> SyntheticNode:
     """CPU spike + sched_switch storm (stress-ng) → cudaStreamSync tail ~8x."""
     rec = _rec(base_ns, seed)
     pid, storm = 4242, (12.0, 20.0)
@@ -71,7 +71,7 @@ def incident(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def cold_start(base_ns: int, seed: int) -> Recorder:
+def cold_start(base_ns: int, seed: int) -> SyntheticNode:
     """An inference server restarted three times; each start pays CUDA initialisation again."""
     rec = _rec(base_ns, seed)
     for n, (pid, t0) in enumerate(((7001, 0.5), (7002, 8.5), (7003, 16.5))):
@@ -111,7 +111,7 @@ def cold_start(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def memcpy_bottleneck(base_ns: int, seed: int) -> Recorder:
+def memcpy_bottleneck(base_ns: int, seed: int) -> SyntheticNode:
     """A training loop that copies 64 MB of pageable memory per step: cudaMemcpy dominates wall time."""
     rec = _rec(base_ns, seed)
     pid = 4343
@@ -134,7 +134,7 @@ def memcpy_bottleneck(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def periodic_spike(base_ns: int, seed: int) -> Recorder:
+def periodic_spike(base_ns: int, seed: int) -> SyntheticNode:
     """cudaMalloc spikes every 200 batches (the loop calls torch.cuda.empty_cache() every 200 steps)."""
     rec = _rec(base_ns, seed)
     pid = 4444
@@ -162,7 +162,7 @@ def periodic_spike(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def cpu_contention(base_ns: int, seed: int) -> Recorder:
+def cpu_contention(base_ns: int, seed: int) -> SyntheticNode:
     """A launch-bound trainer; at t=10 s a 'make -j32' build takes half its CPU: launch rate halves."""
     rec = _rec(base_ns, seed)
     pid, hog = 4545, 10.0
@@ -183,7 +183,7 @@ def cpu_contention(base_ns: int, seed: int) -> Recorder:
     return rec
 
 
-def gpu_steal(base_ns: int, seed: int) -> Recorder:
+def gpu_steal(base_ns: int, seed: int) -> SyntheticNode:
     """A second process (eval.py) shares GPU 0 from t=10 s to t=22 s: time-slicing slows the trainer 2.8x."""
     rec = _rec(base_ns, seed)
     trainer, evaler, window = 4646, 4747, (10.0, 22.0)

@@ -20,22 +20,14 @@ from ingero.identity import Identity
 from ingero.store.catalog import CUDA, DRIVER, HOST, IO
 from ingero.store.writer import EventRow, StoreWriter
 from ingero.timeutil import NS_PER_MS, NS_PER_S, NS_PER_US
+from ingero.trace.stacks import fnv1a64, to_signed64
 
 MINUTE_NS = 60 * NS_PER_S
 Snapshot = tuple[int, float, float, int, int, float]
 
 
-def fnv64(data: bytes) -> int:
-    """FNV-1a 64 as a signed 64-bit integer (how Ingero keys stack_traces.hash)."""
-    h = 0xCBF29CE484222325
-    for b in data:
-        h ^= b
-        h = (h * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h - (1 << 64) if h >= 1 << 63 else h
-
-
 @dataclass
-class Recorder:
+class SyntheticNode:
     """Synthetic rows of one node. Times are seconds after ``base_ns``; durations are nanoseconds."""
 
     node: str
@@ -87,8 +79,8 @@ class Recorder:
 
     def stack(self, frames: list[tuple[str, str]]) -> int:
         """Register a stack (symbol, library) and return its hash for events.stack_hash."""
-        ips = [0x7F3A_0000_0000 + 0x1000 * (i + 1) + (fnv64(s.encode()) & 0xFFF) for i, (s, _) in enumerate(frames)]
-        h = fnv64(b"".join(struct.pack("<Q", ip) for ip in ips))
+        ips = [0x7F3A_0000_0000 + 0x1000 * (i + 1) + (fnv1a64(s.encode()) & 0xFFF) for i, (s, _) in enumerate(frames)]
+        h = to_signed64(fnv1a64(b"".join(struct.pack("<Q", ip) for ip in ips)))
         self.stacks[h] = (
             json.dumps([hex(ip) for ip in ips], separators=(",", ":")),
             json.dumps([{"s": s, "f": f} for s, f in frames], separators=(",", ":")),
@@ -222,4 +214,4 @@ SESSION = {
     "python_ver": "3.11",
     "flags": "synthetic",
 }
-__all__ = ["CUDA", "DRIVER", "HOST", "IO", "SESSION", "Recorder", "fnv64"]
+__all__ = ["CUDA", "DRIVER", "HOST", "IO", "SESSION", "SyntheticNode"]

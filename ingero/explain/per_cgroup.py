@@ -11,7 +11,7 @@ from ingero.explain.model import Chain
 from ingero.explain.render import render_chains
 from ingero.explain.stats import OpStats
 from ingero.store.cgroups import CgroupInfo
-from ingero.timeutil import fmt_us
+from ingero.timeutil import fmt_latency
 
 NODE_WIDE = "node-wide (no single process)"
 
@@ -73,7 +73,7 @@ def render_groups(groups: list[CgroupGroup], *, source: str = "") -> str:
         lines.append(f"== {head}")
         for o in sorted(g.ops, key=lambda o: -o.total_ns)[:8]:
             lines.append(
-                f"   pid {o.pid}  {o.name:<24} n={o.count:<8} p50 {fmt_us(o.p50_ns):>10}  p99 {fmt_us(o.p99_ns):>10}"
+                f"   pid {o.pid}  {o.name:<24} n={o.count:<8} p50 {fmt_latency(o.p50_ns):>10}  p99 {fmt_latency(o.p99_ns):>10}"
             )
         if g.chains:
             lines.append(render_chains(g.chains, verbose=False).rstrip("\n"))

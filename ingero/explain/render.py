@@ -8,7 +8,7 @@ from ingero.explain.engine import ExplainReport
 from ingero.explain.model import Chain
 from ingero.explain.stats import HostSummary, OpStats
 from ingero.texttable import render_table
-from ingero.timeutil import fmt_duration, fmt_ts, fmt_us
+from ingero.timeutil import fmt_duration, fmt_latency, fmt_ts
 
 WIDTH = 100
 SEVERITY_MARK = {"HIGH": "[HIGH]  ", "MEDIUM": "[MEDIUM]", "LOW": "[LOW]   "}
@@ -20,10 +20,10 @@ def _ops_table(ops: list[OpStats], limit: int) -> list[str]:
             o.name,
             o.source_name,
             o.count,
-            fmt_us(o.p50_ns),
-            fmt_us(o.p95_ns),
-            fmt_us(o.p99_ns),
-            fmt_us(o.max_ns),
+            fmt_latency(o.p50_ns),
+            fmt_latency(o.p95_ns),
+            fmt_latency(o.p99_ns),
+            fmt_latency(o.max_ns),
             f"{o.tail_ratio:.1f}x",
             *([o.pid] if o.pid is not None else []),
         ]
@@ -43,7 +43,7 @@ def _host_line(h: HostSummary) -> str:
     parts.append(f"{h.block_io} block I/O ({h.block_reads} reads, {h.block_writes} writes)")
     if h.tcp_retransmits:
         parts.append(f"{h.tcp_retransmits} TCP retransmits")
-    parts.append(f"host events avg {fmt_us(h.host_avg_ns)}")
+    parts.append(f"host events avg {fmt_latency(h.host_avg_ns)}")
     return "  host: " + ", ".join(parts)
 
 

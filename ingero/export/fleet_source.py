@@ -44,7 +44,7 @@ def _window_sql(start: Any, end: Any) -> list[str]:
 
 
 async def _fetch_node(conn: Any, params: dict[str, str] | None, max_events: int) -> dict[str, Any]:
-    """The fan-out job for one agent (``conn`` is a :class:`ingero.fleet.client.NodeConn`)."""
+    """The fan-out job for one agent (``conn`` is a :class:`ingero.fleet.client.NodeClient`)."""
     info = await conn.get("/api/v1/info")
     chains = await conn.get("/api/v1/chains", params)
     window = chains.get("window") if isinstance(chains.get("window"), dict) else {}

@@ -20,7 +20,7 @@ the MCP ``query_fleet`` tool are thin layers over it)::
         result = await fleet_query(nodes, settings, sql, limit=100, client=fc)
         chains = await fleet_explain(nodes, settings, since="5m", client=fc)
         outcomes = await fc.request_all("GET", "/api/v1/overview")   # raw bodies in o.data
-        outcomes = await fc.fan_out(job)    # job: async (NodeConn) -> Any; conn.get/post return bodies
+        outcomes = await fc.fan_out(job)    # job: async (NodeClient) -> Any; conn.get/post return bodies
 
 Pieces, one job per module:
 
@@ -28,7 +28,7 @@ Pieces, one job per module:
   SSL context, the plaintext-to-remote refusal.
 * :mod:`ingero.fleet.client` — :class:`FleetClient` (one shared transport, a ``CapacityLimiter``,
   one trio task per node, per-node deadline, skew samples concurrent with each node's job),
-  :class:`NodeConn`.
+  :class:`NodeClient`.
 * :mod:`ingero.fleet.transport` — HTTP/1.1 over trio (:mod:`ingero.fleet.http1`): per-node keep-alive pools
   over trio (at most 2 connections a node; samples share the query's connection unless it is busy
   for half the deadline), wire-level t1/t4 for skew, per-node release on wide fleets.
@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 # path) does not pull in numpy (straggler), the explain engine, ... before the first byte is sent.
 _EXPORTS = {
     "FleetClient": "client",
-    "NodeConn": "client",
+    "NodeClient": "client",
     "FleetChains": "merge",
     "FleetResult": "merge",
     "merge_chains": "merge",
@@ -89,7 +89,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from ingero.fleet.client import FleetClient, NodeConn
+    from ingero.fleet.client import FleetClient, NodeClient
     from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
     from ingero.fleet.operations import (
         FleetStatus,
@@ -121,7 +121,7 @@ __all__ = [
     "FleetResult",
     "FleetStatus",
     "Kind",
-    "NodeConn",
+    "NodeClient",
     "NodeFailure",
     "NodeFigures",
     "NodeOutcome",

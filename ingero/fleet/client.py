@@ -3,7 +3,7 @@
 :class:`FleetClient` owns one :class:`~ingero.fleet.transport.NodeTransport` (one SSL context, built
 once; at most two keep-alive connections per node, so at most ``2 × fanout`` open at once) and a
 :class:`trio.CapacityLimiter`. :meth:`FleetClient.fan_out` runs a *job* (an async function of a
-:class:`NodeConn`) for every node at once; each node's job runs under its own deadline, concurrently
+:class:`NodeClient`) for every node at once; each node's job runs under its own deadline, concurrently
 with that node's clock-skew sample over the same transport, and ends as a
 :class:`~ingero.fleet.outcome.NodeOutcome` — a node's failure is recorded, never raised, so it cannot
 cancel the others.
@@ -28,7 +28,7 @@ from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, classify
 from ingero.fleet.settings import ClientSettings, build_ssl_context, check_plaintext
 from ingero.fleet.transport import NodeTransport, Origin, Request, Response
 
-NodeJob = Callable[["NodeConn"], Awaitable[Any]]
+NodeJob = Callable[["NodeClient"], Awaitable[Any]]
 OutcomeCallback = Callable[[NodeOutcome], None]
 
 # Failures after which the node's skew samples are pointless (they would fail the same way).
@@ -56,7 +56,7 @@ def common_headers(settings: ClientSettings) -> list[tuple[str, str]]:
     return headers
 
 
-class NodeConn:
+class NodeClient:
     """One node's handle on the shared client: JSON requests that raise :class:`NodeFailure`."""
 
     def __init__(
@@ -253,7 +253,7 @@ class FleetClient:
         s = self.settings
         if not self._open:
             raise RuntimeError("FleetClient used outside 'async with'")
-        conn = NodeConn(spec, s, self.transport, self.headers)
+        conn = NodeClient(spec, s, self.transport, self.headers)
         started = time.perf_counter()
         result: dict[str, Any] = {}
         time_samples: list[skewmod.TimeSample] = []
@@ -339,7 +339,7 @@ class FleetClient:
     ) -> list[NodeOutcome]:
         """One request per node; each outcome's ``data`` is the agent's validated JSON body."""
 
-        async def job(conn: NodeConn) -> dict[str, Any]:
+        async def job(conn: NodeClient) -> dict[str, Any]:
             return await conn.request(method, path, json=json, params=params)
 
         return await self.fan_out(job, skew=skew, on_outcome=on_outcome)

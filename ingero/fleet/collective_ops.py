@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from ingero.config import GpuRates, NodeSpec
-from ingero.fleet.client import FleetClient, NodeConn, OutcomeCallback
+from ingero.fleet.client import FleetClient, NodeClient, OutcomeCallback
 from ingero.fleet.collectives import CollectiveVerdict, NodeCalls, analyze
 from ingero.fleet.cost import WaitCost, wait_cost
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, Outcomes
@@ -33,7 +33,7 @@ COLLECTIVES_PATH = "/api/v1/collectives"
 LIVE_SLACK_NS = 600 * 1_000_000_000  # newest call within 10 min of now: a live job, waits run to now
 
 
-async def fetch_collectives(conn: NodeConn, params: dict[str, str] | None) -> dict[str, Any] | None:
+async def fetch_collectives(conn: NodeClient, params: dict[str, str] | None) -> dict[str, Any] | None:
     """One node's ``/collectives`` body; None from an agent that predates the endpoint (404)."""
     try:
         body = await conn.get(COLLECTIVES_PATH, params)
@@ -131,7 +131,7 @@ async def fleet_stragglers(
     params = _window(since, from_, to, comm)
     ops_params = _window(since, from_, to, None)
 
-    async def job(conn: NodeConn) -> dict[str, Any]:
+    async def job(conn: NodeClient) -> dict[str, Any]:
         colls = await fetch_collectives(conn, params)
         ops = await conn.get("/api/v1/ops", ops_params)
         return {"collectives": colls, "ops": ops}

@@ -18,7 +18,7 @@ import trio
 
 from ingero import API_VERSION
 from ingero.config import NodeSpec
-from ingero.fleet.client import FleetClient, NodeConn, OutcomeCallback
+from ingero.fleet.client import FleetClient, NodeClient, OutcomeCallback
 from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, Outcomes
 from ingero.fleet.settings import ClientSettings
@@ -61,7 +61,7 @@ async def fleet_query(
     extra = {"limit": limit, "timeout_ms": timeout_ms, "since": since, "from": from_, "to": to, "pid": pid, "op": op}
     body.update({k: v for k, v in extra.items() if v is not None})
 
-    async def job(conn: NodeConn) -> dict[str, Any]:
+    async def job(conn: NodeClient) -> dict[str, Any]:
         return await conn.post("/api/v1/query", body)
 
     started = time.perf_counter()
@@ -103,7 +103,7 @@ async def fleet_explain(
 
     chain_params = {**(params or {}), "per_process": "1"} if per_process else params
 
-    async def job(conn: NodeConn) -> dict[str, Any]:
+    async def job(conn: NodeClient) -> dict[str, Any]:
         chains = await conn.get("/api/v1/chains", chain_params)
         if isinstance(chains.get("ops"), list) and isinstance(chains.get("host"), dict) and not per_process:
             ops = {"ops": chains["ops"], "host": chains["host"]}  # the agent computed them with the chains
@@ -217,7 +217,7 @@ async def fleet_status(
 ) -> FleetStatus:
     """``/api/v1/info`` and clock skew for every node."""
 
-    async def job(conn: NodeConn) -> dict[str, Any]:
+    async def job(conn: NodeClient) -> dict[str, Any]:
         info = await conn.get("/api/v1/info")
         version = info.get("api_version")
         if version != API_VERSION:
