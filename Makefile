@@ -26,7 +26,7 @@ typecheck:
 	$(BIN)/mypy
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "not bpf and not netns and not slow"
+	$(BIN)/python -m pytest -n 2 -m "not bpf and not netns and not slow"
 
 bench: setup
 	$(BIN)/python bench/run_all.py
