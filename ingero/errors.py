@@ -36,6 +36,14 @@ class UsageError(IngeroError):
     http_status = 400
 
 
+class PortInUseError(IngeroError):
+    """A listen port that another process holds (EADDRINUSE)."""
+
+    def __init__(self, port: int, *, hint: str | None = None) -> None:
+        self.port = port
+        super().__init__(f"port {port} is in use", hint=hint)
+
+
 class ConfigError(IngeroError):
     """Bad configuration: always names the file and the key."""
 

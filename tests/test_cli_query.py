@@ -91,7 +91,7 @@ def test_default_query_and_limit(capsys: pytest.CaptureFixture[str], db: Path) -
         (["--db", "{db}", "--since", "soon", "SELECT 1"], "cannot parse duration"),
         (["--db", "{db}", "--limit", "0", "SELECT 1"], "limit"),
         (["--db", "{db}", "--nodes", "a:1", "SELECT 1"], "--db and --nodes"),
-        (["SELECT 1"], "no database given"),
+        (["SELECT 1"], "ingero.db: no such database"),  # the default database, said by its path
     ],
 )
 def test_bad_input_is_one_line_error(

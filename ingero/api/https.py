@@ -70,9 +70,9 @@ async def serve_asgi(
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` until cancelled; ``task_status.started`` gets the bound address (``url`` ends in ``path``)."""
-    ctx, fingerprint = ssl_context(listen)
-    sock = bind_socket(listen.host, listen.port, listen.backlog)
+    sock = bind_socket(listen.host, listen.port, listen.backlog)  # bound first: a busy port touches no certificate
     try:
+        ctx, fingerprint = ssl_context(listen)
         host, port = sock.getsockname()[:2]
         shown = listen.host.strip("[]") or host
         bound = BoundServer(

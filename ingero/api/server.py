@@ -11,6 +11,7 @@ hands it ours instead (TLS 1.3 minimum, client CA and ``CERT_REQUIRED`` for mTLS
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import ssl
@@ -31,7 +32,7 @@ from ingero.api.endpoints import AgentContext
 from ingero.api.workers import Admission, AdmissionLimits, PeerRecordingSSLObject
 from ingero.asgi import ASGIApp
 from ingero.config import is_loopback
-from ingero.errors import UsageError
+from ingero.errors import PortInUseError, UsageError
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget
 from ingero.store.db import open_readonly
@@ -168,6 +169,8 @@ def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
         sock.setblocking(False)
     except OSError as e:
         sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(port, hint="pick another --listen port or stop what holds it") from None
         raise UsageError(
             f"cannot listen on {host}:{port}: {e.strerror or e}",
             hint="pick another --listen port or stop what holds it",
@@ -190,6 +193,8 @@ def preflight(settings: ServerSettings) -> TLSSetup:
     """Every check that can fail before listening: the database, then the TLS settings (this makes the
     self-signed certificate when one is needed). Raises IngeroError."""
     check_database(settings.db_path.expanduser())
+    if settings.port:  # a busy port fails here, before the self-signed certificate is made or renewed
+        bind_socket(settings.host, settings.port, 1).close()
     return prepare_tls(settings)
 
 

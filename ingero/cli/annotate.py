@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         epilog=EXAMPLES,
         formatter_class=common.help_formatter(),
     )
-    common.add_db_arg(p, help_extra=f" (default: agent.db in the config, else {common.DEFAULT_DB})")
+    common.add_db_arg(p)
     common.add_node_arg(p)
     p.add_argument("message", nargs="?", help="what happened (one line)")
     p.add_argument("--at", metavar="TIME", help="the moment (ISO 8601 or Unix seconds); default: now")
@@ -39,7 +39,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from ingero.cli.output import emit_json
     from ingero.errors import UsageError
@@ -47,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ingero.store.db import open_readonly
     from ingero.timeutil import parse_time
 
-    db = Path(args.db or common.config_from(args).agent.db or common.DEFAULT_DB).expanduser()
+    db = common.db_path_from(args)
     if args.list:
         if args.message:
             raise UsageError("--list takes no message")

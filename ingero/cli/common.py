@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from ingero.store.window import Window
 
 DEFAULT_DB = "~/.ingero/ingero.db"
+DB_ENV = "INGERO_DB"  # the database every command uses when --db is not given (before the config's agent.db)
 
 
 def help_formatter() -> type[argparse.HelpFormatter]:
@@ -21,7 +23,12 @@ def help_formatter() -> type[argparse.HelpFormatter]:
 
 
 def add_db_arg(parser: argparse.ArgumentParser, *, help_extra: str = "") -> None:
-    parser.add_argument("--db", metavar="PATH", help="trace database (SQLite, ingero or Ingero layout)" + help_extra)
+    parser.add_argument(
+        "--db",
+        metavar="PATH",
+        help=f"trace database (SQLite, ingero or Ingero layout; default: ${DB_ENV}, else agent.db in the config, "
+        f"else {DEFAULT_DB})" + help_extra,
+    )
 
 
 def add_window_args(parser: argparse.ArgumentParser) -> None:
@@ -91,11 +98,14 @@ def fleet_nodes_from(args: argparse.Namespace) -> list[NodeSpec]:
     return list(config_from(args).fleet.nodes)
 
 
+def configured_db(args: argparse.Namespace) -> str | None:
+    """The database named by --db, else ``$INGERO_DB``, else agent.db in the config; None when none is."""
+    return getattr(args, "db", None) or os.environ.get(DB_ENV) or config_from(args).agent.db or None
+
+
 def db_path_from(args: argparse.Namespace) -> Path:
-    raw = getattr(args, "db", None) or config_from(args).agent.db
-    if not raw:
-        raise UsageError("no database given", hint="pass --db PATH (or set agent.db in the config)")
-    return Path(raw).expanduser()
+    """The one database rule of every command: --db > ``$INGERO_DB`` > agent.db in the config > DEFAULT_DB."""
+    return Path(configured_db(args) or DEFAULT_DB).expanduser()
 
 
 def window_from_args(args: argparse.Namespace, path: Path) -> Window | None:
@@ -128,4 +138,4 @@ def wants_fleet(args: argparse.Namespace) -> bool:
     if getattr(args, "db", None):
         return False
     cfg = config_from(args)
-    return bool(cfg.fleet.nodes) and not cfg.agent.db
+    return bool(cfg.fleet.nodes) and not cfg.agent.db and not os.environ.get(DB_ENV)

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         epilog=EXAMPLES,
         formatter_class=common.help_formatter(),
     )
-    common.add_db_arg(p, help_extra=" to show (default: agent.db in the config; with a fleet: optional)")
+    common.add_db_arg(p, help_extra=" to show (with fleet nodes: optional)")
     common.add_fleet_args(p)
     add_https_args(p, "--listen", f"address to serve on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks one)")
     p.add_argument("--ready-file", metavar="PATH", help="write the URL as JSON here once listening (scripts)")
@@ -67,8 +67,5 @@ def run(args: argparse.Namespace) -> int:
             login = "; log in with the token" if listen.token else ""
             print(f"ingero dashboard: listening on {bound.url}{fp}{login}", file=sys.stderr, flush=True)
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:
-        return 130
+    trio.run(main)  # Ctrl-C: ingero.cli.main says so in one line and exits 130
     return 0

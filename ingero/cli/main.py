@@ -15,8 +15,9 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
-from ingero import __version__
+from ingero.cli.version import VersionAction
 from ingero.errors import IngeroError, UsageError
 
 # Every command: its module (which registers it) and its one line for ``ingero --help``. The summary
@@ -39,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("ingero.cli.export", "export a timeline for Perfetto (Chrome Trace Event JSON)"),
     "mcp": ("ingero.cli.mcp", "MCP server (stdio or HTTPS) so an AI assistant can query traces and the fleet"),
     "dashboard": ("ingero.cli.dashboard", "HTTPS browser dashboard for one database or the fleet"),
+    "version": ("ingero.cli.version", "version, Python, platform, bcc, schema and API versions (--json for scripts)"),
     "annotate": ("ingero.cli.annotate", "mark a moment (a deploy, a config change) that explain and the timeline show"),
 }
 COMMAND_MODULES = [module for module, _ in COMMANDS.values()]
@@ -57,9 +59,18 @@ Run 'ingero COMMAND --help' for a command's options and examples.
 """
 
 
+class Parser(argparse.ArgumentParser):
+    """Every ingero parser: no prefix abbreviations (``--dur`` is not ``--duration``), so that a new
+    option never changes what an old command line means. Subparsers inherit the class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def common_parent() -> argparse.ArgumentParser:
     """Options every subcommand accepts (also accepted before the subcommand)."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = Parser(add_help=False)
     g = p.add_argument_group("global options")
     g.add_argument(
         "--config",
@@ -75,17 +86,17 @@ def common_parent() -> argparse.ArgumentParser:
 def build_parser(command: str | None = None, *, lazy: bool = False) -> argparse.ArgumentParser:
     """The whole parser; with ``lazy``, only ``command``'s module is imported and registered (the
     others are listed by their one-line summary), which keeps start-up to what that command needs."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ingero",
         description="GPU causal observability: trace CUDA/NCCL and host events on every node, "
         "query and explain the whole fleet from one place.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"ingero {__version__}")
+    parser.add_argument("--version", action=VersionAction, help="show build details (as 'ingero version') and exit")
     parser.add_argument("--config", metavar="PATH", default=None, help="config file")
     parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     parents = [common_parent()]
     for name, (module, summary) in COMMANDS.items():
         if lazy and name != command:
@@ -138,10 +149,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ingero: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
-    except BaseExceptionGroup as group:  # trio may deliver Ctrl-C inside a nursery's group
+    except BaseExceptionGroup as group:  # trio may deliver Ctrl-C (or an IngeroError) inside a nursery's group
         if group.split(KeyboardInterrupt)[1] is None:
             print("ingero: interrupted (Ctrl-C)", file=sys.stderr)
             return 130
+        ours, rest = group.split(IngeroError)
+        if ours is not None and rest is None:
+            first = _first_leaf(ours)
+            if debug:
+                traceback.print_exception(group)
+            print(f"ingero: error: {first.one_line()}", file=sys.stderr)
+            return first.exit_code
         return _internal_error(group, debug)
     except BrokenPipeError:
         # stdout closed early (| head): not an error
@@ -150,6 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except Exception as e:
         return _internal_error(e, debug)
+
+
+def _first_leaf(group: BaseExceptionGroup[IngeroError]) -> IngeroError:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _internal_error(e: BaseException, debug: bool) -> int:

@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         epilog=EXAMPLES,
         formatter_class=common.help_formatter(),
     )
-    common.add_db_arg(p, help_extra=" for the local tools (default: agent.db in the config)")
+    common.add_db_arg(p, help_extra=" for the local tools (with fleet nodes: optional)")
     common.add_fleet_args(p)
     add_https_args(p, "--http", "serve Streamable HTTP on HOST:PORT (':8471' is loopback) instead of stdio")
     p.set_defaults(func=run)
@@ -114,6 +114,7 @@ def server_token(token_file: str | None) -> str | None:
 
 def settings_from(args: argparse.Namespace) -> object:
     """The tools' environment (database + fleet) shared by ``ingero mcp`` and ``ingero dashboard``."""
+
     from pathlib import Path
 
     from ingero.cli.fleet_cmds import settings_from_args
@@ -122,15 +123,16 @@ def settings_from(args: argparse.Namespace) -> object:
     from ingero.store.db import open_readonly
 
     cfg = common.config_from(args)
-    raw_db = args.db or cfg.agent.db
-    db = Path(raw_db).expanduser() if raw_db else None
+    nodes = common.fleet_nodes_from(args)
+    # the one database rule (--db > $INGERO_DB > agent.db > the default); the default only when it exists
+    default = common.db_path_from(args)
+    db: Path | None = None if not common.configured_db(args) and (nodes or not default.exists()) else default
     if db is not None:
         open_readonly(db).close()  # a wrong --db fails now, in one line, not at the first tool call
-    nodes = common.fleet_nodes_from(args)
     if db is None and not nodes:
         raise UsageError(
             "nothing to serve: no database and no fleet nodes",
-            hint="pass --db PATH, or a --config with fleet.nodes (or --nodes)",
+            hint=f"pass --db PATH (there is no {common.DEFAULT_DB}), or a --config with fleet.nodes (or --nodes)",
         )
     return McpSettings(db=db, nodes=nodes, fleet=settings_from_args(args), rates=cfg.fleet.gpu_hourly_usd)
 
@@ -163,8 +165,5 @@ def _run_http(args: argparse.Namespace, settings: object) -> int:
             fp = f" (certificate sha256 {bound.fingerprint_sha256})" if bound.fingerprint_sha256 else ""
             print(f"ingero mcp: listening on {bound.url} [{bound.tls_mode}]{fp}", file=sys.stderr, flush=True)
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:
-        return 130
+    trio.run(main)  # Ctrl-C: ingero.cli.main says so in one line and exits 130
     return 0

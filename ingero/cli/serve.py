@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,11 +143,14 @@ def warn_about_exposure(settings: ServerSettings) -> None:
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    """``host:port`` (port 0 = any free port), ``[v6]:port``, ``host``. Raises UsageError."""
+    """``host:port`` (port 0 = any free port), ``[v6]:port``, ``host``, ``port`` (on the default host).
+    Raises UsageError."""
     from ingero.config import parse_addr
     from ingero.errors import UsageError
 
     t = text.strip()
+    if t.isdigit():  # a bare number is a port on the default host
+        t = f"{DEFAULT_LISTEN.rsplit(':', 1)[0]}:{t}"
     zero = t.endswith(":0")
     try:
         host, port = parse_addr(t[:-2] + ":1" if zero else t)
@@ -252,17 +256,17 @@ def run(args: argparse.Namespace) -> int:
     for line in exporters.lines if exporters else []:
         note(line)
     try:
-        trio.run(_serve, settings, setup, ready)
+        stopped_by = trio.run(_serve, settings, setup, ready)
     finally:
         if exporters is not None:
             exporters.close()
         if ready is not None:
             remove_ready_file(ready)
-    return 0
+    return 130 if stopped_by == signal.SIGINT else 0  # Ctrl-C: 130 as for every command; SIGTERM: a clean stop
 
 
-async def _serve(settings: ServerSettings, setup: TLSSetup, ready: Path | None) -> None:
-    import signal
+async def _serve(settings: ServerSettings, setup: TLSSetup, ready: Path | None) -> int:
+    """Serve until SIGINT or SIGTERM; returns that signal's number."""
     from functools import partial
 
     import trio
@@ -281,10 +285,13 @@ async def _serve(settings: ServerSettings, setup: TLSSetup, ready: Path | None) 
                 file=sys.stderr,
                 flush=True,
             )
-            async for _ in signals:
-                print("ingero serve: stopping", file=sys.stderr, flush=True)
+            signum: int = signal.SIGTERM
+            async for signum in signals:
+                said = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "stopping (SIGTERM)"
+                print(f"ingero serve: {said}", file=sys.stderr, flush=True)
                 nursery.cancel_scope.cancel()
                 break
+    return int(signum)
 
 
 def write_ready_file(path: Path, bound: BoundServer, node: str) -> None:

@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         epilog=EXAMPLES,
         formatter_class=common.help_formatter(),
     )
-    common.add_db_arg(p, help_extra=f" (default: agent.db in the config, else {common.DEFAULT_DB})")
+    common.add_db_arg(p)
     common.add_node_arg(p)
     p.add_argument("--duration", metavar="DUR", help="stop after DUR (30s, 5m, 1h); default: until Ctrl-C")
     p.add_argument(
@@ -169,14 +169,16 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         raise UsageError("--ring-mb must be between 1 and 1024")
     listen = None
     if args.listen:
-        from ingero.api.server import serve_api
+        from ingero.api.server import bind_socket, serve_api
 
         settings = serve.settings_from(args)
+        if settings.port:  # a busy port fails now, in one line, before any probe is attached
+            bind_socket(settings.host, settings.port, 1).close()
         serve.warn_about_exposure(settings)
         listen = functools.partial(serve_api, settings)
     elif args.no_tls or args.tls_cert or args.client_ca or args.token or args.token_file or args.insecure_no_auth:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
-    raw_db = args.db or common.config_from(args).agent.db or common.DEFAULT_DB
+    raw_db = str(common.db_path_from(args))
     uids = resolve_users(args.user)
     return TraceOptions(
         db_path=Path(raw_db).expanduser(),
@@ -215,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
     preflight()  # not root / no bcc / no tracefs: one line and the fix, before anything else
     if not args.db:
-        args.db = common.config_from(args).agent.db or common.DEFAULT_DB
+        args.db = str(common.db_path_from(args))
     opts = options_from(args)
     ready = Path(args.ready_file).expanduser() if args.ready_file else None
     exporters = metrics_flags.start(args, opts.identity, opts.db_path, "trace")
