@@ -228,27 +228,28 @@ def run(args: argparse.Namespace) -> int:
         for line in exporters.lines:
             note(line)
     try:
-        trio.run(_trace, opts, ready)
+        reason = trio.run(_trace, opts, ready)
     finally:
         if exporters is not None:
             exporters.close()
         if ready is not None:
             serve.remove_ready_file(ready)
-    return 0
+    return 130 if reason == "SIGINT" else 0  # Ctrl-C: the recording is kept, and the exit says 130 as everywhere
 
 
-async def _trace(opts: TraceOptions, ready_file: Path | None) -> None:
+async def _trace(opts: TraceOptions, ready_file: Path | None) -> str:
     """Run the tracer; readiness comes back through ``task_status`` (never scraped from output):
-    the --ready-file is written first, then the view prints the banner."""
+    the --ready-file is written first, then the view prints the banner. Returns why it stopped."""
     import trio
 
     from ingero.cli.trace_view import TraceView
     from ingero.trace.tracer import run_trace
 
     view = TraceView(opts)
+    reasons: list[str] = []
 
     async def tracer(task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED) -> None:
-        await run_trace(opts, view=view, task_status=task_status)
+        reasons.append((await run_trace(opts, view=view, task_status=task_status)).reason)
 
     try:
         async with trio.open_nursery() as nursery:
@@ -260,6 +261,7 @@ async def _trace(opts: TraceOptions, ready_file: Path | None) -> None:
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+    return reasons[0] if reasons else "stopped"
 
 
 def _write_ready(path: Path, info: TraceReady) -> None:
