@@ -232,3 +232,31 @@ def test_ctrl_c_is_one_line_and_exit_130(argv: list[str], tmp_path: Path) -> Non
             proc.wait(10)
     assert "Traceback" not in rest
     assert len(rest.splitlines()) == 1 and "interrupted (Ctrl-C)" in rest
+
+
+def test_ctrl_c_on_the_mcp_stdio_server_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """The stdio server waits on stdin in a thread; Ctrl-C must not wait for the next request."""
+    env = {k: v for k, v in os.environ.items() if k not in ("INGERO_TOKEN", "INGERO_DB", "INGERO_CONFIG")}
+    env["HOME"] = str(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ingero", "mcp", "--db", str(SAMPLE)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        hello = {"clientInfo": {"name": "test", "version": "1"}, "capabilities": {}, "protocolVersion": "2025-06-18"}
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello}) + "\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["id"] == 1  # serving, now waiting on stdin
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        assert proc.stderr.read() == "ingero: interrupted (Ctrl-C)\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -143,9 +143,27 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     assert isinstance(settings, McpSettings)
     if args.listen is None:
+        _exit_on_ctrl_c()
         run_stdio(settings)
         return 0
     return _run_http(args, settings)
+
+
+def _exit_on_ctrl_c() -> None:
+    """Ctrl-C on the stdio server: one line and exit 130 at once. The server waits for stdin in a worker
+    thread that no cancellation reaches, so trio's deferred KeyboardInterrupt would wait for the next
+    request; there is nothing to clean up (the database is read-only, nothing is half written)."""
+    import os
+    import signal
+    import sys
+    from types import FrameType
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        sys.stderr.write("ingero: interrupted (Ctrl-C)\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, stop)
 
 
 def _run_http(args: argparse.Namespace, settings: object) -> int:
