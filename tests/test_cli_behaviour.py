@@ -1,6 +1,6 @@
 """Behaviour users expect of every command (issue 13): a busy port in one line that touches no
 certificate, a bare ``--listen PORT``, no prefix abbreviations, ``ingero version``, one default
-database rule, Ctrl-C → one line and exit 130."""
+database rule, Ctrl-C → one line and exit 130, bash completion from the parser, --timeout with units."""
 
 from __future__ import annotations
 
@@ -260,3 +260,60 @@ def test_ctrl_c_on_the_mcp_stdio_server_is_one_line_and_exit_130(tmp_path: Path)
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# --- 6. shell completion, --timeout with units -------------------------------------------------------
+
+COMPLETE = """source "$1"; shift
+COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); COMPREPLY=(); _ingero
+printf '%s\\n' "${COMPREPLY[@]}"
+"""
+
+
+@pytest.fixture(scope="module")
+def completion_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ingero", "completion", "bash"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    path = tmp_path_factory.mktemp("completion") / "ingero.bash"
+    path.write_text(proc.stdout)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("words", "expected"),
+    [
+        (["ingero", "qu"], ["query"]),
+        (["ingero", "ver"], ["version"]),
+        (["ingero", "trace", "--dur"], ["--duration"]),
+        (["ingero", "cert", ""], ["ca", "client", "node", "show"]),
+        (["ingero", "--config", "x.yaml", "fleet", "st"], ["status", "stragglers"]),  # a value is no command
+        (["ingero", "query", "--db", ""], []),  # a value: left to the shell's file names
+    ],
+)
+def test_bash_completion_comes_from_the_parser(completion_script: Path, words: list[str], expected: list[str]) -> None:
+    proc = subprocess.run(
+        ["bash", "-c", COMPLETE, "complete", str(completion_script), *words], capture_output=True, text=True, check=True
+    )
+    assert [w for w in proc.stdout.splitlines() if w] == expected
+
+
+def test_bash_completion_offers_every_option_of_a_command(completion_script: Path) -> None:
+    proc = subprocess.run(
+        ["bash", "-c", COMPLETE, "complete", str(completion_script), "ingero", "explain", "--"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    parser = _all_parsers(build_parser())
+    explain = next(p for p in parser if p.prog == "ingero explain")
+    wanted = {o for a in explain._actions for o in a.option_strings if o.startswith("--")}
+    assert set(proc.stdout.split()) == wanted
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("500ms", 0.5), ("5s", 5.0), ("2m", 120.0)])
+def test_timeout_takes_units(text: str, seconds: float, isolated: Path) -> None:
+    from ingero.cli.fleet_cmds import settings_from_args
+
+    args = build_parser("query", lazy=True).parse_args(["query", "--nodes", "a:1", "--timeout", text, "SELECT 1"])
+    assert settings_from_args(args).timeout_s == pytest.approx(seconds)

@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mcp": ("ingero.cli.mcp", "MCP server (stdio or HTTPS) so an AI assistant can query traces and the fleet"),
     "dashboard": ("ingero.cli.dashboard", "HTTPS browser dashboard for one database or the fleet"),
     "version": ("ingero.cli.version", "version, Python, platform, bcc, schema and API versions (--json for scripts)"),
+    "completion": ("ingero.cli.completion", "print a shell completion script (bash), generated from the parser"),
     "annotate": ("ingero.cli.annotate", "mark a moment (a deploy, a config change) that explain and the timeline show"),
 }
 COMMAND_MODULES = [module for module, _ in COMMANDS.values()]
