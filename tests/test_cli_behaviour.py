@@ -317,3 +317,15 @@ def test_timeout_takes_units(text: str, seconds: float, isolated: Path) -> None:
 
     args = build_parser("query", lazy=True).parse_args(["query", "--nodes", "a:1", "--timeout", text, "SELECT 1"])
     assert settings_from_args(args).timeout_s == pytest.approx(seconds)
+
+
+def test_every_output_option_is_spelled_dash_o_and_out() -> None:
+    """One spelling across commands: whatever writes a file or directory takes -o/--out."""
+    outs = [
+        (p.prog, set(a.option_strings))
+        for p in _all_parsers(build_parser())
+        for a in p._actions
+        if a.dest in ("out", "output") and a.nargs != 0  # (trace's --json/--quiet set an output *mode*)
+    ]
+    assert len(outs) >= 5  # export, merge, investigations, cert ca/node/client
+    assert [prog for prog, flags in outs if not {"-o", "--out"} <= flags] == []

@@ -52,7 +52,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         "ca", parents=parents, help="create a fleet CA", epilog=EXAMPLES, formatter_class=common.help_formatter()
     )
     ca.add_argument(
-        "--out", metavar="DIR", default=DEFAULT_DIR, help=f"directory for ca.pem and ca-key.pem (default {DEFAULT_DIR})"
+        "-o",
+        "--out",
+        metavar="DIR",
+        default=DEFAULT_DIR,
+        help=f"directory for ca.pem and ca-key.pem (default {DEFAULT_DIR})",
     )
     ca.add_argument("--name", default="ingero fleet CA", help="the CA's common name")
     ca.add_argument("--days", type=int, default=3650, help="validity in days (default 3650)")
@@ -75,7 +79,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         c.add_argument(
             "--ca-dir", metavar="DIR", default=DEFAULT_DIR, help=f"the CA's directory (default {DEFAULT_DIR})"
         )
-        c.add_argument("--out", metavar="DIR", help="where to write the certificate and key (default: --ca-dir)")
+        c.add_argument("-o", "--out", metavar="DIR", help="where to write the certificate and key (default: --ca-dir)")
         c.add_argument("--days", type=int, default=825, help="validity in days (default 825)")
         _common_flags(c)
 

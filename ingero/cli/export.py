@@ -42,7 +42,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         default="perfetto",
         help="perfetto (default) or chrome: the same Chrome Trace Event JSON, which both open",
     )
-    p.add_argument("-o", "--output", required=True, metavar="PATH", help="file to write ('-' for stdout)")
+    p.add_argument(
+        "-o", "--out", "--output", dest="output", required=True, metavar="PATH", help="file to write ('-' for stdout)"
+    )
     common.add_db_arg(p)
     common.add_window_args(p)
     common.add_fleet_args(p)

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         epilog=EXAMPLES,
         formatter_class=common.help_formatter(),
     )
-    p.add_argument("--out", metavar="DIR", required=True, help="directory to write the databases into")
+    p.add_argument("-o", "--out", metavar="DIR", required=True, help="directory to write the databases into")
     add_output_args(p, csv_ok=False)
     p.set_defaults(func=run)
 

@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         formatter_class=common.help_formatter(),
     )
     p.add_argument("inputs", nargs="+", metavar="DB", help="input databases (opened read-only)")
-    p.add_argument("-o", "--output", required=True, metavar="PATH", help="merged database to create")
+    p.add_argument(
+        "-o", "--out", "--output", dest="output", required=True, metavar="PATH", help="merged database to create"
+    )
     p.add_argument("--force", action="store_true", help="replace the output if it exists")
     p.add_argument(
         "--force-node",
