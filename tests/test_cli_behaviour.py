@@ -329,3 +329,11 @@ def test_every_output_option_is_spelled_dash_o_and_out() -> None:
     ]
     assert len(outs) >= 5  # export, merge, investigations, cert ca/node/client
     assert [prog for prog, flags in outs if not {"-o", "--out"} <= flags] == []
+
+
+def test_one_default_agent_port() -> None:
+    """What an agent listens on by default is what --nodes HOST (no port) asks."""
+    from ingero.cli.serve import DEFAULT_LISTEN
+    from ingero.config import parse_node_list
+
+    assert parse_listen(DEFAULT_LISTEN) == ("127.0.0.1", parse_node_list("gpu-node-01")[0].port)

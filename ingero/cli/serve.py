@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ingero.cli import common, metrics_flags
+from ingero.config import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from ingero.api.server import BoundServer, ServerSettings, TLSSetup
 
-DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise
+DEFAULT_LISTEN = f"{DEFAULT_HOST}:{DEFAULT_PORT}"  # the one agent port (what --nodes HOST means too)
 
 EXAMPLES = """\
 examples:
@@ -150,7 +152,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
     t = text.strip()
     if t.isdigit():  # a bare number is a port on the default host
-        t = f"{DEFAULT_LISTEN.rsplit(':', 1)[0]}:{t}"
+        t = f"{DEFAULT_HOST}:{t}"
     zero = t.endswith(":0")
     try:
         host, port = parse_addr(t[:-2] + ":1" if zero else t)
