@@ -203,7 +203,7 @@ def test_the_default_database_is_said_when_missing(isolated: Path, capsys: pytes
     "argv",
     [
         ["serve", "--db", str(SAMPLE), "--listen", "127.0.0.1:0"],
-        ["dashboard", "--db", str(SAMPLE), "--listen", "0", "--no-tls"],
+        ["dashboard", "--db", str(SAMPLE), "--listen", "0", "--no-tls", "--ready-file", "{tmp}/ready.json"],
         ["mcp", "--db", str(SAMPLE), "--http", "127.0.0.1:0", "--no-tls"],
     ],
     ids=["serve", "dashboard", "mcp-http"],
@@ -211,6 +211,7 @@ def test_the_default_database_is_said_when_missing(isolated: Path, capsys: pytes
 def test_ctrl_c_is_one_line_and_exit_130(argv: list[str], tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("INGERO_TOKEN", "INGERO_DB", "INGERO_CONFIG")}
     env["HOME"] = str(tmp_path)
+    argv = [a.format(tmp=tmp_path) for a in argv]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ingero", *argv], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
     )
@@ -232,6 +233,7 @@ def test_ctrl_c_is_one_line_and_exit_130(argv: list[str], tmp_path: Path) -> Non
             proc.wait(10)
     assert "Traceback" not in rest
     assert len(rest.splitlines()) == 1 and "interrupted (Ctrl-C)" in rest
+    assert not (tmp_path / "ready.json").exists()  # nothing left behind that says it still runs
 
 
 def test_ctrl_c_on_the_mcp_stdio_server_is_one_line_and_exit_130(tmp_path: Path) -> None:

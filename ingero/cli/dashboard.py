@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import os
     import sys
 
     import trio
@@ -62,10 +63,19 @@ def run(args: argparse.Namespace) -> int:
             bound = await nursery.start(serve_dashboard, dash, listen)
             if args.ready_file:  # written before the line that says so
                 doc = {"url": bound.url, "port": bound.port, "fingerprint_sha256": bound.fingerprint_sha256}
+                doc["pid"] = os.getpid()  # whose file it is: removed on the way out by this process only
                 await trio.Path(args.ready_file).write_text(json.dumps(doc))
             fp = f" (certificate sha256 {bound.fingerprint_sha256})" if bound.fingerprint_sha256 else ""
             login = "; log in with the token" if listen.token else ""
             print(f"ingero dashboard: listening on {bound.url}{fp}{login}", file=sys.stderr, flush=True)
 
-    trio.run(main)  # Ctrl-C: ingero.cli.main says so in one line and exits 130
+    try:
+        trio.run(main)  # Ctrl-C: ingero.cli.main says so in one line and exits 130
+    finally:
+        if args.ready_file:  # a ready file names a running dashboard only
+            from pathlib import Path
+
+            from ingero.cli.serve import remove_ready_file
+
+            remove_ready_file(Path(args.ready_file).expanduser())
     return 0
