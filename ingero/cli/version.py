@@ -8,8 +8,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ingero.cli import common
-
 SUMMARY = "version, Python, platform, bcc, schema and API versions (--json for scripts)"
 
 EXAMPLES = """\
@@ -21,6 +19,8 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: list[argparse.ArgumentParser]) -> None:
+    from ingero.cli import common  # here, not at the top: ingero.cli.main imports this module for --version
+
     p = sub.add_parser(
         "version",
         parents=parents,
