@@ -53,6 +53,7 @@ def write_config(path: Path, fleet: dict[str, Any] | None = None) -> Path:
     return path
 
 
+@pytest.mark.slow  # an MCP server subprocess: run by make test, not test-fast
 def test_local_tools_over_stdio(tmp_path: Path, samples: Path) -> None:
     cfg = write_config(tmp_path / "ingero.yaml")
     db = samples / "sample-cluster.db"
@@ -161,6 +162,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+@pytest.mark.slow  # an MCP server subprocess: run by make test, not test-fast
 def test_query_fleet_over_three_loopback_agents(tmp_path: Path, samples: Path, pki: Pki) -> None:
     specs = [AgentSpec(samples / db, f"gpu-node-0{i + 1}", rank=i, world_size=3) for i, db in enumerate(NODES)]
     with agents_in_thread(pki, specs) as servers:

@@ -164,6 +164,7 @@ def test_rate_limit_refills_with_time() -> None:
 RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
 
 
+@pytest.mark.slow  # waits out a query time limit: run by make test, not test-fast
 def test_time_limits_answer_timeout(samples: Path, pki: Pki) -> None:
     """A statement that never ends is stopped by the guard's limit: kind ``timeout``, 408, one line."""
     spec = AgentSpec(samples / "sample-cluster.db", "cluster", token=TOKEN)

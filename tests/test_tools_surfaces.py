@@ -75,6 +75,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+@pytest.mark.slow  # MCP stdio + HTTP servers and agents: run by make test, not test-fast
 def test_every_tool_answers_the_same_on_every_surface(tmp_path: Path, samples: Path, pki: Pki) -> None:
     cluster = samples / "sample-cluster.db"
     specs = node_agents(samples)
@@ -138,6 +139,7 @@ def test_every_tool_answers_the_same_on_every_surface(tmp_path: Path, samples: P
         assert set(compared) == set(registry.tools())
 
 
+@pytest.mark.slow  # MCP stdio + HTTP servers and agents: run by make test, not test-fast
 def test_fleet_tools_answer_with_the_straggler_and_every_node(tmp_path: Path, samples: Path, pki: Pki) -> None:
     """The fleet tools' content (not only their agreement): three nodes, the verdict, merged rows."""
     specs = node_agents(samples)
