@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "identity": 1,
     "texttable": 1,
     "asgi": 1,
+    "compactjson": 1,
     "tls": 1,
     "config": 2,
     "store": 2,

@@ -8,8 +8,6 @@ answer happens off the trio loop.
 
 from __future__ import annotations
 
-import json
-import math
 import sqlite3
 import threading
 from collections.abc import Iterator, Mapping
@@ -18,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ingero import API_VERSION, __version__
+from ingero import API_VERSION, __version__, compactjson
 from ingero.api.workers import Admission, Job
 from ingero.errors import QueryTimeoutError, StoreError, UsageError
 from ingero.identity import Identity
@@ -64,21 +62,7 @@ class AgentContext:
 
 
 def encode(doc: Mapping[str, Any]) -> bytes:
-    try:
-        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str)
-    except ValueError:  # NaN/Inf somewhere in computed figures
-        text = json.dumps(_finite(doc), ensure_ascii=False, separators=(",", ":"), default=str)
-    return text.encode("utf-8", "surrogatepass")
-
-
-def _finite(v: Any) -> Any:
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, Mapping):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite(x) for x in v]
-    return v
+    return compactjson.dumps(doc).encode("utf-8", "surrogatepass")
 
 
 def ok(ctx: AgentContext, **fields: Any) -> dict[str, Any]:

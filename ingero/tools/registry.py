@@ -17,13 +17,12 @@ failures with :func:`ingero.tools.failures.classify` (one error vocabulary).
 from __future__ import annotations
 
 import inspect
-import json
-import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ingero import compactjson
 from ingero.config import GpuRates, NodeSpec
 from ingero.errors import ToolNotFoundError, UsageError
 from ingero.fleet.settings import ClientSettings
@@ -153,20 +152,7 @@ async def call(
 
 def encode_answer(doc: Mapping[str, Any]) -> str:
     """Compact JSON (no pretty-printing), the same text on every surface; NaN/Inf become null."""
-    try:
-        return json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str)
-    except ValueError:
-        return json.dumps(_finite(doc), ensure_ascii=False, separators=(",", ":"), default=str)
-
-
-def _finite(v: Any) -> Any:
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, Mapping):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite(x) for x in v]
-    return v
+    return compactjson.dumps(doc)
 
 
 def iso_us(ns: int | None) -> str | None:
