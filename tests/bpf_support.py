@@ -8,6 +8,7 @@ kernel emulates instead of single-stepping. Binaries go to a temporary directory
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,3 +150,26 @@ class BusyJob:
         out = self.proc.stdout.read()
         assert self.proc.wait(timeout=30) == 0
         return out
+
+
+def pin(proc: subprocess.Popen[str] | subprocess.Popen[bytes], cpu: int, nice: int = 0) -> None:
+    os.sched_setaffinity(proc.pid, {cpu})
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+
+
+def run_beside_cpu_hog(work: subprocess.Popen[str], hog_exe: Path, cpu: int) -> int:
+    """Start a CPU hog on ``work``'s core at nice -10, tell ``work`` (waiting for "go") to start, wait for its
+    "done" and its exit; the hog is killed on the way out. Returns the hog's pid."""
+    assert work.stdout is not None and work.stdin is not None
+    hog = subprocess.Popen([str(hog_exe)])
+    pin(hog, cpu, -10)
+    try:
+        work.stdin.write("go\n")
+        work.stdin.flush()
+        assert work.stdout.readline().strip() == "done"
+        assert work.wait(timeout=120) == 0
+    finally:
+        hog.send_signal(signal.SIGKILL)
+        hog.wait()
+    return hog.pid

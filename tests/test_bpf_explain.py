@@ -12,7 +12,6 @@ libraries, then explain on each program's pid:
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from ingero.explain.engine import ExplainReport, explain
 from ingero.identity import Identity
 from ingero.store.db import open_readonly
 from ingero.trace.tracer import TraceOptions, TraceReady
-from tests.bpf_support import Built, build, build_program, record
+from tests.bpf_support import Built, build, build_program, record, run_beside_cpu_hog
 
 pytestmark = pytest.mark.bpf
 
@@ -71,18 +70,7 @@ def _phases(exe: Path, built: Built, ready: TraceReady) -> dict[str, int]:
     os.sched_setaffinity(work.pid, {HOG_CPU})
     assert work.stdout.readline().split() == ["pid", str(work.pid)]
     assert work.stdout.readline().strip() == "ready"
-    hog = subprocess.Popen([str(built.hog)])
-    os.sched_setaffinity(hog.pid, {HOG_CPU})
-    os.setpriority(os.PRIO_PROCESS, hog.pid, -10)
-    try:
-        work.stdin.write("go\n")
-        work.stdin.flush()
-        assert work.stdout.readline().strip() == "done"
-        assert work.wait(timeout=120) == 0
-    finally:
-        hog.send_signal(signal.SIGKILL)
-        hog.wait()
-    out["contended"], out["hog"] = work.pid, hog.pid
+    out["contended"], out["hog"] = work.pid, run_beside_cpu_hog(work, built.hog, HOG_CPU)
     return out
 
 

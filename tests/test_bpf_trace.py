@@ -14,8 +14,6 @@ The module fixture compiles the fake libcudart/libcuda/libnccl and the workload 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -29,7 +27,7 @@ import pytest
 from ingero.identity import Identity
 from ingero.store.catalog import CUDA, DRIVER, HOST, NCCL
 from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary
-from tests.bpf_support import CUDART_CTYPES, REAL_CUDART, Built, build, record
+from tests.bpf_support import CUDART_CTYPES, REAL_CUDART, Built, build, pin, record, run_beside_cpu_hog
 
 pytestmark = pytest.mark.bpf
 
@@ -64,12 +62,6 @@ class Recording:
             return c.execute(sql, params).fetchall()
 
 
-def _pin(proc: subprocess.Popen[str] | subprocess.Popen[bytes], cpu: int, nice: int = 0) -> None:
-    os.sched_setaffinity(proc.pid, {cpu})
-    if nice:
-        os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
-
-
 def _phases(built: Built, tmp: Path, ready: TraceReady) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # 1. CPU contention: baseline, then a higher-priority hog on the same CPU.
@@ -79,20 +71,10 @@ def _phases(built: Built, tmp: Path, ready: TraceReady) -> dict[str, Any]:
         stdout=subprocess.PIPE,
         text=True,
     )
-    _pin(work, HOG_CPU)
+    pin(work, HOG_CPU)
     assert work.stdout is not None and work.stdin is not None
     assert work.stdout.readline().strip() == "ready"
-    hog = subprocess.Popen([str(built.hog)])
-    _pin(hog, HOG_CPU, -10)
-    try:
-        work.stdin.write("go\n")
-        work.stdin.flush()
-        assert work.stdout.readline().strip() == "done"
-        assert work.wait(timeout=120) == 0
-    finally:
-        hog.send_signal(signal.SIGKILL)
-        hog.wait()
-    out["contention_pid"], out["hog_pid"] = work.pid, hog.pid
+    out["contention_pid"], out["hog_pid"] = work.pid, run_beside_cpu_hog(work, built.hog, HOG_CPU)
     # 2. Distinctive call counts with known sleeps.
     p = subprocess.Popen([str(built.workload), "counts", str(built.dir)], stdout=subprocess.PIPE, text=True)
     stdout, _ = p.communicate(timeout=120)
