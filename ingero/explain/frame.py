@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ingero.store.catalog import CUDA, DRIVER, HOST, IO, NCCL, NET, TCP
+from ingero.store.catalog import CUDA, DRIVER, GPU_API_SOURCES, HOST, IO, NCCL, NET, TCP
 from ingero.store.db import node_names
 from ingero.store.window import Window
 
 I64 = npt.NDArray[np.int64]
 
-GPU_SOURCES = (CUDA, DRIVER, NCCL)
+GPU_SOURCES = GPU_API_SOURCES  # the catalog's one list of GPU API sources
 MAX_DUR = (1 << 43) - 1
 PID_BITS = 22
 NODES_PER_QUERY = 127  # node index 127 = "not in the list" (found and loaded in another round)

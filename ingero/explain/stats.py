@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ingero.store.catalog import SOURCE_NAMES, op_name
+from ingero.store.catalog import GPU_API_SOURCES, HOST, IO, NET, SOURCE_NAMES, TCP, lookup_op, op_name
 from ingero.store.window import Window
 
 _DTYPE = np.dtype([("source", np.int64), ("op", np.int64), ("duration", np.int64), ("err", np.int64)])
@@ -190,6 +190,15 @@ class HostSummary:
         }
 
 
+# Host-side sources and ops of the summary, from the catalog (one declaration of every id).
+HOST_SOURCES = (HOST, IO, TCP, NET)
+_SWITCH = lookup_op("sched_switch")
+_READ, _WRITE = lookup_op("block_read").op, lookup_op("block_write").op
+_HOST = ", ".join(map(str, HOST_SOURCES))
+_GPU = ", ".join(map(str, GPU_API_SOURCES))
+_SCHED = f"source = {_SWITCH.source} AND op = {_SWITCH.op}"
+
+
 def host_summary(
     conn: sqlite3.Connection, window: Window | None = None, *, pid: int | None = None, node: str | None = None
 ) -> HostSummary:
@@ -197,11 +206,11 @@ def host_summary(
     where, sql_params = _where(window, pid, node, None, None)
     row = conn.execute(
         "SELECT"
-        " sum(source IN (3, 5, 6, 7)), avg(CASE WHEN source IN (3, 5, 6, 7) THEN duration END),"
-        " sum(source = 3 AND op = 1), total(CASE WHEN source = 3 AND op = 1 THEN duration END),"
-        " sum(source = 5), total(CASE WHEN source = 5 THEN duration END),"
-        " sum(source = 5 AND op = 1), sum(source = 5 AND op = 2), sum(source = 6),"
-        " sum(source IN (1, 4, 8)), avg(CASE WHEN source IN (1, 4, 8) THEN duration END)"
+        f" sum(source IN ({_HOST})), avg(CASE WHEN source IN ({_HOST}) THEN duration END),"
+        f" sum({_SCHED}), total(CASE WHEN {_SCHED} THEN duration END),"
+        f" sum(source = {IO}), total(CASE WHEN source = {IO} THEN duration END),"
+        f" sum(source = {IO} AND op = {_READ}), sum(source = {IO} AND op = {_WRITE}), sum(source = {TCP}),"
+        f" sum(source IN ({_GPU})), avg(CASE WHEN source IN ({_GPU}) THEN duration END)"
         f" FROM events WHERE {where}",
         sql_params,
     ).fetchone()
@@ -286,10 +295,10 @@ def host_summary_from_columns(
     source: npt.NDArray[np.int64], op: npt.NDArray[np.int64], duration: npt.NDArray[np.int64]
 ) -> HostSummary:
     """The same figures as :func:`host_summary`, from parallel arrays."""
-    host = np.isin(source, (3, 5, 6, 7))
-    sched = (source == 3) & (op == 1)
-    block = source == 5
-    gpu = np.isin(source, (1, 4, 8))
+    host = np.isin(source, HOST_SOURCES)
+    sched = (source == _SWITCH.source) & (op == _SWITCH.op)
+    block = source == IO
+    gpu = np.isin(source, GPU_API_SOURCES)
     d = duration.astype(np.float64)
     return HostSummary(
         host_events=int(host.sum()),
@@ -298,9 +307,9 @@ def host_summary_from_columns(
         offcpu_ns=int(duration[sched].sum()),
         block_io=int(block.sum()),
         block_io_ns=int(duration[block].sum()),
-        block_reads=int((block & (op == 1)).sum()),
-        block_writes=int((block & (op == 2)).sum()),
-        tcp_retransmits=int((source == 6).sum()),
+        block_reads=int((block & (op == _READ)).sum()),
+        block_writes=int((block & (op == _WRITE)).sum()),
+        tcp_retransmits=int((source == TCP).sum()),
         gpu_api_calls=int(gpu.sum()),
         gpu_api_avg_ns=float(d[gpu].mean()) if gpu.any() else 0.0,
     )
