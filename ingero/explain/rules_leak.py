@@ -69,7 +69,9 @@ def steady_growth(series: al.LiveSeries, allocations: int) -> Growth | None:
     t0, t1 = int(series.ts_ns[0]), int(series.ts_ns[-1])
     if t1 <= t0:
         return None
-    edges = t0 + (t1 - t0) * np.arange(1, SEGMENTS + 1, dtype=np.float64) / SEGMENTS
+    # integer edges: nanosecond timestamps (~2^61) do not survive float64, whose rounding could put the
+    # last edge before the last row and leave the final allocation out of the live bytes
+    edges = t0 + (t1 - t0) * np.arange(1, SEGMENTS + 1, dtype=np.int64) // SEGMENTS
     idx = np.searchsorted(series.ts_ns, edges, side="right") - 1
     ends = np.concatenate(([int(series.live[0])], series.live[np.clip(idx, 0, series.size - 1)]))
     steps = np.diff(ends)

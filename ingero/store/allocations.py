@@ -40,7 +40,9 @@ class LiveSeries:
 
 def _matched(kind: I64, ptr: I64, ts: I64, size: I64) -> tuple[I64, npt.NDArray[np.bool_]]:
     """(bytes each free releases, which allocations are freed later), both in input order."""
-    order = np.lexsort((kind, ts, ptr))  # by pointer, then time (at equal times the free comes first)
+    # by pointer, then time; at equal times the input (recording) order: explain's timestamps are
+    # quantized to a microsecond or more, so an allocation freed at once can share its free's time
+    order = np.lexsort((ts, ptr))
     k, p, s = kind[order], ptr[order], size[order]
     prev_alloc = np.zeros(order.size, dtype=bool)
     prev_alloc[1:] = (k[1:] == FREE) & (k[:-1] == ALLOC) & (p[1:] == p[:-1])
@@ -59,7 +61,7 @@ def _kept(kind: I64, ptr: I64, ts: I64) -> npt.NDArray[np.bool_]:
     """Rows that count: failed allocations (pointer 0) and nested ones are dropped. An allocation of a
     pointer whose previous row is an allocation of the same pointer is the inner half of one call
     (libcudart's cudaMalloc calls libcuda's cuMemAlloc_v2: both are probed)."""
-    order = np.lexsort((kind, ts, ptr))
+    order = np.lexsort((ts, ptr))  # ties in input order, as in _matched
     k, p = kind[order], ptr[order]
     nested = np.zeros(order.size, dtype=bool)
     nested[1:] = (k[1:] == ALLOC) & (k[:-1] == ALLOC) & (p[1:] == p[:-1])
