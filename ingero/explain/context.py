@@ -11,7 +11,7 @@ import numpy as np
 from ingero.explain.evidence import Grid, HostSeries
 from ingero.explain.frame import I64, Frame
 from ingero.explain.model import Chain, TimelineEntry
-from ingero.explain.offcpu import INVOL, OffCpu
+from ingero.explain.offcpu import INVOL, SCHED_SWITCH, OffCpu
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import DRIVER, HOST
 from ingero.timeutil import NS_PER_S, fmt_duration
@@ -152,7 +152,7 @@ class Context:
         processes (not the traced ones) that started shortly before or during the window.
         """
         a = self.frame.args
-        m = (a.source == HOST) & (a.op == 1) & (a.ts_ns >= start_ns) & (a.ts_ns <= end_ns) & np.isin(a.pid, self.traced)
+        m = a.is_op(SCHED_SWITCH) & (a.ts_ns >= start_ns) & (a.ts_ns <= end_ns) & np.isin(a.pid, self.traced)
         out: list[Culprit] = []
         if m.any():
             tids, counts = np.unique(a.arg1[m], return_counts=True)

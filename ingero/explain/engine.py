@@ -37,9 +37,10 @@ from ingero.explain.model import Chain, sort_chains
 from ingero.explain.offcpu import OffCpu
 from ingero.explain.stats import HostSummary, OpStats, host_summary_from_columns, stats_from_columns
 from ingero.explain.storage import Storage, load_storage, with_true_counts
-from ingero.store.catalog import HOST, NCCL
+from ingero.store.catalog import NCCL, op_id
 from ingero.store.window import Window
 
+PROCESS_FORK = op_id("process_fork")  # pid = parent, arg1 = child
 EMPTY_HOST = HostSummary(0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)
 
 
@@ -235,7 +236,7 @@ def process_tree(fr: Frame, roots: np.ndarray) -> np.ndarray:
     """The traced processes and every process they forked (process_fork: pid = parent, arg1 = child),
     transitively: the only processes whose I/O and network activity can be a cause."""
     a = fr.args
-    m = (a.source == HOST) & (a.op == 7)
+    m = a.is_op(PROCESS_FORK)
     parent, child = a.pid[m], a.arg1[m]
     tree = set(int(p) for p in roots.tolist())
     grew = True

@@ -21,14 +21,15 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.explain.frame import I64, Frame, distinct, member
-from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, OffCpu, is_runnable
-from ingero.store.catalog import HOST, IO, NET, TCP
+from ingero.explain.offcpu import INVOL, SCHED_SWITCH, UNKNOWN, VOL, OffCpu, is_runnable
+from ingero.store.catalog import IO, NET, TCP, op_id
 from ingero.timeutil import NS_PER_MS, NS_PER_S
 
 F64 = npt.NDArray[np.float64]
 BoolArr = npt.NDArray[np.bool_]
 
 MAX_BUCKETS = 100_000
+BLOCK_READ, BLOCK_WRITE, PAGE_ALLOC = op_id("block_read"), op_id("block_write"), op_id("mm_page_alloc")
 SECTOR_BYTES = 512  # block I/O arg0 is a sector count (Ingero's convention)
 
 
@@ -213,9 +214,9 @@ class HostSeries:
             tids = distinct(frame.tid[frame.gpu_mask() & member(frame.pid, traced_pids)])
         tree = traced_pids if tree is None else tree
         edges = grid.start_ns + np.arange(grid.n + 1, dtype=np.int64) * grid.width_ns
-        sched = frame.is_op(HOST, 1) & member(frame.tid, tids)
+        sched = frame.is_op(*SCHED_SWITCH) & member(frame.tid, tids)
         a = frame.args
-        inv = (a.source == HOST) & (a.op == 1) & member(a.tid, tids) & (a.arg1 != a.tid) & is_runnable(a.arg0)
+        inv = a.is_op(SCHED_SWITCH) & member(a.tid, tids) & (a.arg1 != a.tid) & is_runnable(a.arg0)
         self.sched_n = (
             _sum(grid, grid.index(a.ts_ns[inv])) if offcpu.has_state else _sum(grid, grid.index(frame.ts_ns[sched]))
         )
@@ -232,13 +233,13 @@ class HostSeries:
         self.io_ns = _sum(grid, idx, frame.dur[io])
         self.io_max = np.zeros(grid.n)
         np.maximum.at(self.io_max, idx, frame.dur[io].astype(np.float64))
-        self.io_reads = _sum(grid, idx, (frame.op[io] == 1).astype(np.float64))
-        self.io_writes = _sum(grid, idx, (frame.op[io] == 2).astype(np.float64))
+        self.io_reads = _sum(grid, idx, (frame.op[io] == BLOCK_READ[1]).astype(np.float64))
+        self.io_writes = _sum(grid, idx, (frame.op[io] == BLOCK_WRITE[1]).astype(np.float64))
         args = frame.args
         amine = member(args.pid, tree)
         aio = (args.source == IO) & amine
         self.io_bytes = _sum(grid, grid.index(args.ts_ns[aio]), args.arg0[aio].astype(np.float64) * SECTOR_BYTES)
-        page = (args.source == HOST) & (args.op == 3)
+        page = args.is_op(PAGE_ALLOC)
         pidx = grid.index(args.ts_ns[page])
         self.page_n = _sum(grid, pidx)
         self.page_bytes = _sum(grid, pidx, args.arg0[page].astype(np.float64))

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ingero.store.catalog import CUDA, DRIVER, GPU_API_SOURCES, HOST, IO, NCCL, NET, TCP
+from ingero.store.catalog import CUDA, DRIVER, GPU_API_SOURCES, IO, NCCL, NET, TCP, op_ids
 from ingero.store.db import node_names
 from ingero.store.window import Window
 
@@ -45,22 +45,20 @@ CHUNK_ROWS = 2_000_000  # rows per group_concat string (keeps each string well u
 # (bytes, pointer), kernel launches (the kernel function: ingero's tracer records it in arg0), and the
 # scheduler rows the per-thread off-CPU intervals are built from (sched_switch: arg0 = prev_state,
 # arg1 = the preemptor's tid — Ingero's own rows carry the thread itself there; sched_wakeup: the waker).
-ARG_OPS: dict[int, tuple[int, ...] | None] = {  # source -> ops whose arguments are read (None: all)
-    IO: None,
-    NET: None,
-    TCP: None,
-    HOST: (1, 2, 3, 4, 5, 6, 7, 12),
-    CUDA: (1, 2, 4, 7),
-    DRIVER: (2, 3, 5),
-}
-LAUNCH_ARG_OPS = ((CUDA, 3), (DRIVER, 1))  # launches: arg0 = the kernel function, when recorded (not 0)
+ARG_SOURCES = (IO, NET, TCP)  # every op of these
+ARG_OPS = op_ids(
+    *("sched_switch", "sched_wakeup", "mm_page_alloc", "oom_kill", "process_exec", "process_exit", "process_fork"),
+    *("pod_oom_kill", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"),
+    "cuMemAlloc",
+)
+LAUNCH_ARG_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")  # arg0 = the kernel function, when recorded (not 0)
 
 
 _ARG_TABLE = np.zeros(16 * 256, dtype=bool)
-for _src, _ops in ARG_OPS.items():
-    _ARG_TABLE[_src * 256 : _src * 256 + 256] = _ops is None
-    for _op in _ops or ():
-        _ARG_TABLE[_src * 256 + _op] = True
+for _src in ARG_SOURCES:
+    _ARG_TABLE[_src * 256 : _src * 256 + 256] = True
+for _src, _op in ARG_OPS:
+    _ARG_TABLE[_src * 256 + _op] = True
 _GPU_TABLE = np.zeros(16, dtype=bool)
 _GPU_TABLE[list(GPU_SOURCES)] = True
 _LAUNCH_TABLE = np.zeros(16 * 256, dtype=bool)
@@ -120,6 +118,11 @@ class ArgRows:
     arg1: I64
     tid: I64
     dur: I64
+
+    def is_op(self, source_op: tuple[int, int]) -> npt.NDArray[np.bool_]:
+        """Rows of one op (``catalog.op_id(name)``)."""
+        m: npt.NDArray[np.bool_] = (self.source == source_op[0]) & (self.op == source_op[1])
+        return m
 
     @classmethod
     def empty(cls) -> ArgRows:

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.explain.frame import I64, ArgRows
-from ingero.store.catalog import HOST
+from ingero.store.catalog import op_id
 
 F64 = npt.NDArray[np.float64]
 
@@ -35,7 +35,7 @@ INVOL, VOL, UNKNOWN = "involuntary", "voluntary", "unknown"
 IOWAIT = "iowait"  # the voluntary sleeps in uninterruptible state (D: usually disk I/O), also in VOL
 KINDS = (INVOL, VOL, UNKNOWN, IOWAIT)
 TASK_UNINTERRUPTIBLE = 2
-SCHED_SWITCH, SCHED_WAKEUP = 1, 2
+SCHED_SWITCH, SCHED_WAKEUP = op_id("sched_switch"), op_id("sched_wakeup")
 
 
 def is_runnable(state: I64) -> npt.NDArray[np.bool_]:
@@ -91,8 +91,8 @@ class OffCpu:
 
     def __init__(self, args: ArgRows) -> None:
         self.threads: dict[str, dict[int, Intervals]] = {k: {} for k in KINDS}
-        sw = (args.source == HOST) & (args.op == SCHED_SWITCH)
-        wk = (args.source == HOST) & (args.op == SCHED_WAKEUP)
+        sw = args.is_op(SCHED_SWITCH)
+        wk = args.is_op(SCHED_WAKEUP)
         tid, end, dur = args.tid[sw], args.ts_ns[sw], args.dur[sw]
         state, prev = args.arg0[sw], args.arg1[sw]
         start = end - dur

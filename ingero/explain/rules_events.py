@@ -14,7 +14,7 @@ from ingero.explain.context import Context, layer_of, us
 from ingero.explain.frame import I64, member
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.stats import OpStats
-from ingero.store.catalog import CUDA, DRIVER, HOST, TCP, op_name
+from ingero.store.catalog import HOST, TCP, op_ids, op_name
 from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
 
 MIN_CALLS = 10
@@ -29,7 +29,7 @@ TRANSFER_SHARE = 0.30
 PAGEABLE_MIN_BYTES = 1 << 20  # copies this large show their bandwidth
 PAGEABLE_CV = 0.15  # per-call bandwidth this constant: one path, the staging buffer
 PAGEABLE_GBPS = 8.0  # below this, host↔device copies are not using pinned memory
-MEMCPY_OPS = ((CUDA, 4), (DRIVER, 2))  # synchronous copies (async ones only time the enqueue)
+MEMCPY_OPS = op_ids("cudaMemcpy", "cuMemcpy")  # synchronous copies (async ones only time the enqueue)
 DIRECTIONS = {0: "host→host", 1: "host→device", 2: "device→host", 3: "device→device", 4: "default"}
 
 

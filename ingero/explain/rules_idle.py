@@ -23,9 +23,10 @@ from ingero.explain.context import Context
 from ingero.explain.frame import I64
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, IOWAIT, VOL
-from ingero.store.catalog import HOST
+from ingero.store.catalog import op_id
 from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration, fmt_ts
 
+PROCESS_FORK = op_id("process_fork")  # pid = parent, arg1 = child
 GAP_NS = NS_PER_MS  # gaps shorter than this are the launch loop itself
 MIN_SHARE = 0.05  # of the thread's wall time spent waiting on workers before it is a finding
 CHILD_WAIT_NS = NS_PER_S  # one wait this long right after a fork: waiting on a child
@@ -44,7 +45,7 @@ def _gaps(ts: I64, dur: I64) -> tuple[I64, I64]:
 def _children(ctx: Context, pid: int) -> tuple[set[int], dict[int, int]]:
     """Processes forked by ``pid`` (transitively), with the time each was forked."""
     a = ctx.frame.args
-    m = (a.source == HOST) & (a.op == 7)
+    m = a.is_op(PROCESS_FORK)
     parent, child, ts = a.pid[m].tolist(), a.arg1[m].tolist(), a.ts_ns[m].tolist()
     kids: dict[int, int] = {}
     frontier = {pid}

@@ -29,10 +29,10 @@ import numpy as np
 from ingero.explain.context import Context
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.store import allocations as al
-from ingero.store.catalog import CUDA
+from ingero.store.catalog import op_id
 from ingero.timeutil import NS_PER_S, fmt_duration
 
-MALLOC, FREE = (CUDA, 1), (CUDA, 2)  # cudaMalloc (arg0 = bytes, arg1 = pointer), cudaFree (arg0 = pointer)
+MALLOC, FREE = op_id("cudaMalloc"), op_id("cudaFree")  # arg0 = bytes, arg1 = pointer; arg0 = pointer
 FAMILY = "gpu-leak"
 SEGMENTS = 8
 MIN_ALLOCS = 16
@@ -85,8 +85,8 @@ def steady_growth(series: al.LiveSeries, allocations: int) -> Growth | None:
 
 def leak_chains(ctx: Context) -> list[Chain]:
     a = ctx.frame.args
-    is_alloc = (a.source == MALLOC[0]) & (a.op == MALLOC[1])
-    is_free = (a.source == FREE[0]) & (a.op == FREE[1])
+    is_alloc = a.is_op(MALLOC)
+    is_free = a.is_op(FREE)
     pids = ctx.gpu.pids if ctx.pid is None else np.asarray([ctx.pid], dtype=np.int64)
     out: list[Chain] = []
     for pid in pids.tolist():

@@ -19,11 +19,11 @@ from ingero.explain import causes as cz
 from ingero.explain.context import Context
 from ingero.explain.frame import I64
 from ingero.explain.model import Chain, TimelineEntry
-from ingero.store.catalog import CUDA, DRIVER
+from ingero.store.catalog import op_ids
 from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration
 
-FREE_OPS = ((CUDA, 2),)  # cudaFree
-MALLOC_OPS = ((CUDA, 1), (DRIVER, 5))  # cudaMalloc, cuMemAlloc
+FREE_OPS = op_ids("cudaFree")
+MALLOC_OPS = op_ids("cudaMalloc", "cuMemAlloc")
 BURST_GAP_NS = 50 * NS_PER_MS  # frees closer than this belong to one release
 MIN_FREES = 4  # frees in a release
 FOLLOW_NS = 2 * NS_PER_S  # allocations this soon after a release refill the cache

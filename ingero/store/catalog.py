@@ -125,10 +125,6 @@ ALIASES: dict[str, str] = {
     "cumemfree_v2": "cuMemFree",
 }
 
-# Allocations whose returned pointer the tracer records in arg1 (read from the out-parameter at
-# return; 0 when the call failed), and the frees whose arg0 is that pointer (see allocations.py).
-ALLOC_OPS: tuple[tuple[int, int], ...] = ((CUDA, 1), (CUDA, 8), (DRIVER, 5), (DRIVER, 6))
-FREE_OPS: tuple[tuple[int, int], ...] = ((CUDA, 2), (DRIVER, 7))
 
 # Kernel launches (cudaLaunchKernel, cuLaunchKernel) carry their grid and block in arg1:
 #   bits 0-10 block.x, 11-21 block.y, 22-28 block.z, 32-63 grid blocks (x*y*z, saturated at 2^32-1).
@@ -183,6 +179,23 @@ def lookup_op(name: str) -> OpRef:
 
 def all_ops() -> list[OpRef]:
     return list(_BY_ID.values())
+
+
+def op_id(name: str) -> tuple[int, int]:
+    """``(source, op)`` of an op by its catalog name: how code outside this module names an op, so
+    that no id is written twice (``frame.is_op(*op_id("sched_switch"))``)."""
+    ref = lookup_op(name)
+    return ref.source, ref.op
+
+
+def op_ids(*names: str) -> tuple[tuple[int, int], ...]:
+    return tuple(op_id(n) for n in names)
+
+
+# Allocations whose returned pointer the tracer records in arg1 (read from the out-parameter at
+# return; 0 when the call failed), and the frees whose arg0 is that pointer (see allocations.py).
+ALLOC_OPS = op_ids("cudaMalloc", "cudaMallocManaged", "cuMemAlloc", "cuMemAllocManaged")
+FREE_OPS = op_ids("cudaFree", "cuMemFree")
 
 
 # --- NCCL communicators and calls ----------------------------------------------------------------
