@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingero.demo.synth import SESSION, SyntheticNode
-from ingero.store.catalog import CUDA, DRIVER
+from ingero.demo.synth import CU_LAUNCH, CU_MEM_ALLOC, LAUNCH, MEMCPY_ASYNC, SESSION, STREAM_SYNC, SyntheticNode
 from ingero.timeutil import NS_PER_MS, NS_PER_US, parse_time
 
 BASE_NS = parse_time("2026-04-14T10:00:00Z")
@@ -85,17 +84,17 @@ def build_node(spec: DemoNode) -> SyntheticNode:
     while t < SECONDS:
         contended = spec.straggler and t >= CONTENTION_FROM
         ckpt = spec.straggler and any(c <= t < c + 2.5 for c in CHECKPOINTS)
-        rec.ev(t, pid, CUDA, 7, rec.jitter(15 * NS_PER_US), arg0=8 << 20, arg1=1)
-        rec.ev(t + 40e-6, pid, CUDA, 3, rec.jitter(8 * NS_PER_US, 0.15))
+        rec.ev(t, pid, *MEMCPY_ASYNC, rec.jitter(15 * NS_PER_US), arg0=8 << 20, arg1=1)
+        rec.ev(t + 40e-6, pid, *LAUNCH, rec.jitter(8 * NS_PER_US, 0.15))
         for k in range(2):
             dur = rec.jitter(14 * NS_PER_US, 0.15)
             if contended and rng.random() < 0.06:  # preempted mid-launch for a time slice
                 off = float(rng.uniform(0.4, 1.4)) * NS_PER_MS
                 rec.sched(t + 80e-6 + k * 30e-6, pid, off, by=3350)
                 dur += off
-            rec.ev(t + 80e-6 + k * 30e-6, pid, DRIVER, 1, dur, stack=launch if k == 0 else 0)
+            rec.ev(t + 80e-6 + k * 30e-6, pid, *CU_LAUNCH, dur, stack=launch if k == 0 else 0)
         if it % 25 == 0:
-            rec.ev(t + 200e-6, pid, DRIVER, 5, rec.jitter(120 * NS_PER_US, 0.12), arg0=1 << 20, stack=alloc)
+            rec.ev(t + 200e-6, pid, *CU_MEM_ALLOC, rec.jitter(120 * NS_PER_US, 0.12), arg0=1 << 20, stack=alloc)
         host_work = rec.jitter(85 * NS_PER_MS, 0.03) / 1e9  # data prep + Python, between the launches and the sync
         if contended:
             # the preprocessing workers take the CPU: off-CPU gaps in the host work
@@ -114,7 +113,7 @@ def build_node(spec: DemoNode) -> SyntheticNode:
             sync += stall
             # the checkpoint's writes in flight while the sync is held up
             rec.block_io(t_sync + sync / 1e9 - 1e-3, pid, True, rec.jitter(0.6 * stall, 0.2), 2048)
-        rec.ev(t_sync, pid, CUDA, 5, sync, stack=sync_stack if it % 100 == 0 else 0)
+        rec.ev(t_sync, pid, *STREAM_SYNC, sync, stack=sync_stack if it % 100 == 0 else 0)
         t = t_sync + sync / 1e9 + 0.5e-3
         it += 1
     _host_noise(rec, spec)

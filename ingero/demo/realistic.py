@@ -21,8 +21,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ingero.demo.synth import SESSION, SyntheticNode
-from ingero.store.catalog import CUDA, HOST, NCCL, TCP
+from ingero.demo.synth import (
+    ALL_REDUCE,
+    LAUNCH,
+    MALLOC,
+    MEMCPY,
+    PROCESS_FORK,
+    SCHED_WAKEUP,
+    SESSION,
+    STREAM_SYNC,
+    TCP_RETRANSMIT,
+    SyntheticNode,
+)
 from ingero.timeutil import NS_PER_MS, NS_PER_US
 
 KERNELS = tuple(0x7F3A_2000_0000 + 0x1C0 * k for k in range(6))  # kernel function pointers
@@ -54,7 +64,7 @@ def _noise(rec: SyntheticNode, pid: int, seconds: float) -> None:
         rec.block_io(float(t), KWORKER, True, rec.jitter(3 * NS_PER_MS, 0.4), 256)
     burst = seconds * 0.3
     for t in sorted(rec.rng.uniform(burst, burst + 3.0, 150)):  # softirq retransmits: no owner
-        rec.ev(float(t), 0, TCP, 1, 0)
+        rec.ev(float(t), 0, *TCP_RETRANSMIT, 0)
     rec.snapshots_every(0.0, seconds, lambda s: 62.0)
 
 
@@ -66,7 +76,7 @@ def _launches(rec: SyntheticNode, t: float, pid: int, seen: set[int], n: int = 8
         first = fn not in seen
         seen.add(fn)
         dur = float(rec.rng.uniform(3, 15)) * NS_PER_MS if first else rec.jitter(7 * NS_PER_US, 0.15)
-        rec.ev(t, pid, CUDA, 3, dur, arg0=fn, store=first or rec.rng.random() < 0.3)
+        rec.ev(t, pid, *LAUNCH, dur, arg0=fn, store=first or rec.rng.random() < 0.3)
         t += dur / 1e9 + 20e-6
     return t
 
@@ -74,14 +84,14 @@ def _launches(rec: SyntheticNode, t: float, pid: int, seen: set[int], n: int = 8
 def _copy(rec: SyntheticNode, t: float, pid: int) -> float:
     size = int(rec.rng.choice([256 << 10, 4 << 20, 16 << 20]))
     dur = size / PINNED_BPS * 1e9 * rec.jitter(1.0, 0.05) + 8 * NS_PER_US
-    rec.ev(t, pid, CUDA, 4, dur, arg0=size, arg1=1)
+    rec.ev(t, pid, *MEMCPY, dur, arg0=size, arg1=1)
     return t + dur / 1e9 + 10e-6
 
 
 def _sync(rec: SyntheticNode, t: float, pid: int, gpu_ms: float, waker: int = 0) -> float:
     """cudaStreamSynchronize with blocking sync: the thread sleeps inside it until the GPU is done."""
     dur = rec.jitter(gpu_ms * NS_PER_MS, 0.05)
-    rec.ev(t, pid, CUDA, 5, dur)
+    rec.ev(t, pid, *STREAM_SYNC, dur)
     rec.sleep(t + 100e-6, pid, dur - 150 * NS_PER_US, waker=waker)
     return t + dur / 1e9
 
@@ -90,7 +100,7 @@ def _fork_workers(rec: SyntheticNode, pid: int, n: int, t: float) -> list[int]:
     kids = [pid + 1 + i for i in range(n)]
     for k in kids:
         rec.process(k, "pt_data_worker", t, exec_event=False)
-        rec.ev(t, pid, HOST, 7, 0, arg1=k)
+        rec.ev(t, pid, *PROCESS_FORK, 0, arg1=k)
     return kids
 
 
@@ -112,7 +122,7 @@ def healthy(base_ns: int, seed: int) -> SyntheticNode:
         t = _copy(rec, t, pid)
         t = _launches(rec, t, pid, seen)
         if i % 50 == 0:
-            rec.ev(t, pid, CUDA, 1, rec.jitter(90 * NS_PER_US), arg0=64 << 20)
+            rec.ev(t, pid, *MALLOC, rec.jitter(90 * NS_PER_US), arg0=64 << 20)
             t += 0.2e-3
         t = _sync(rec, t, pid, 9.0)
         if rec.rng.random() < 0.02:  # an ordinary preemption in host code
@@ -160,7 +170,7 @@ def collective_wait(base_ns: int, seed: int) -> SyntheticNode:
         t = _sync(rec, t, pid, 20.0)
         wait = float(rec.rng.choice([2.0, 4.0, 30.0, 45.0], p=[0.5, 0.2, 0.2, 0.1])) * NS_PER_MS
         dur = wait + rec.jitter(3 * NS_PER_MS, 0.1)
-        rec.ev(t, pid, NCCL, 1, dur, arg0=64 << 20, arg1=0x55D0_0000)
+        rec.ev(t, pid, *ALL_REDUCE, dur, arg0=64 << 20, arg1=0x55D0_0000)
         rec.sleep(t + 200e-6, pid, wait, waker=0)  # the proxy thread wakes it when peers arrive
         if wait > 10 * NS_PER_MS and rec.rng.random() < 0.3:  # a short preemption while it waits anyway
             rec.sched(t + 200e-6 + wait / 1e9 + 100e-6, pid, 0.8 * NS_PER_MS, by=KWORKER)
@@ -185,7 +195,7 @@ def recompiling(base_ns: int, seed: int) -> SyntheticNode:
             for k in range(4):  # the new shape's kernels
                 fn = 0x7F3B_0000_0000 + 0x1000 * shape + 0x40 * k
                 dur = float(rec.rng.uniform(150, 400)) * NS_PER_MS
-                rec.ev(t, pid, CUDA, 3, dur, arg0=fn)
+                rec.ev(t, pid, *LAUNCH, dur, arg0=fn)
                 rec.sleep(t + 1e-3, pid, dur * 0.3, waker=0)  # waiting on the compiler's files
                 t += dur / 1e9 + 1e-4
         t = _launches(rec, t, pid, seen)
@@ -230,10 +240,10 @@ def runqueue_contention(base_ns: int, seed: int) -> SyntheticNode:
         t = _launches(rec, t, pid, seen)
         gpu = rec.jitter(9 * NS_PER_MS, 0.05)
         delay = float(rec.rng.uniform(8, 30)) * NS_PER_MS if t >= start and rec.rng.random() < 0.5 else 0.0
-        rec.ev(t, pid, CUDA, 5, gpu + delay)
+        rec.ev(t, pid, *STREAM_SYNC, gpu + delay)
         t_sleep = t + 100e-6
         asleep = gpu - 150 * NS_PER_US
-        rec.ev(t_sleep + asleep / 1e9, pid, HOST, 2, asleep, arg0=0, arg1=0)  # woken when the GPU is done
+        rec.ev(t_sleep + asleep / 1e9, pid, *SCHED_WAKEUP, asleep, arg0=0, arg1=0)  # woken when the GPU is done
         rec.sched(t_sleep, pid, asleep + delay, state=1, by=hog if delay else 0)  # ... back on a CPU later
         t += (gpu + delay) / 1e9 + 50e-6
         rec.sleep(t, pid, rec.jitter(1.5 * NS_PER_MS, 0.1))

@@ -22,6 +22,7 @@ from ingero.demo.scenarios import SCENARIOS, Scenario
 from ingero.demo.synth import SyntheticNode
 from ingero.errors import UsageError
 from ingero.explain.engine import ExplainReport, explain
+from ingero.store.catalog import CUDA, DRIVER
 from ingero.store.db import open_readonly
 from ingero.store.writer import StoreWriter
 from ingero.timeutil import NS_PER_S, now_ns, parse_time
@@ -95,7 +96,7 @@ def _play(
             batch_snaps = [s for s in snaps if s[0] < cutoff]
             snaps = snaps[len(batch_snaps) :]
             written += w.write_batch(rows, snapshots=batch_snaps)
-            slow = max((r[5] for r in rows if r[3] in (1, 4)), default=0)
+            slow = max((r[5] for r in rows if r[3] in (CUDA, DRIVER)), default=0)
             progress(f"[{t_s:5.1f}s] {written:,} events written; slowest GPU call in this slice {slow / 1e6:.1f} ms")
         w.write_batch(snapshots=snaps, aggregates=rec.aggregates())
         w.end_session(sid, {"events_seen": written, "events_stored": written})

@@ -12,14 +12,19 @@ from dataclasses import dataclass
 
 from ingero.demo.synth import (
     ALLOC_STACK,
+    FREE,
+    LAUNCH,
     LAUNCH_NS,
+    MALLOC,
     MALLOC_NS,
+    MEMCPY,
+    MEMCPY_ASYNC,
     MEMCPY_ASYNC_NS,
     SESSION,
+    STREAM_SYNC,
     TRAIN_STACK,
     SyntheticNode,
 )
-from ingero.store.catalog import CUDA
 from ingero.timeutil import NS_PER_MS, NS_PER_US
 
 NODE = "demo-node"
@@ -53,16 +58,16 @@ def incident(base_ns: int, seed: int) -> SyntheticNode:
     t, i = 0.2, 0
     while t < 30.0:
         for k in range(4):
-            rec.ev(t + k * 25e-6, pid, CUDA, 3, rec.jitter(LAUNCH_NS, 0.15), stack=launch_stack if k == 0 else 0)
-        rec.ev(t + 120e-6, pid, CUDA, 7, rec.jitter(MEMCPY_ASYNC_NS), arg0=4 << 20, arg1=1)
+            rec.ev(t + k * 25e-6, pid, *LAUNCH, rec.jitter(LAUNCH_NS, 0.15), stack=launch_stack if k == 0 else 0)
+        rec.ev(t + 120e-6, pid, *MEMCPY_ASYNC, rec.jitter(MEMCPY_ASYNC_NS), arg0=4 << 20, arg1=1)
         if i % 50 == 0:
-            rec.ev(t + 150e-6, pid, CUDA, 1, rec.jitter(MALLOC_NS), arg0=64 << 20, stack=alloc_stack)
+            rec.ev(t + 150e-6, pid, *MALLOC, rec.jitter(MALLOC_NS), arg0=64 << 20, stack=alloc_stack)
         sync = rec.jitter(5 * NS_PER_MS, 0.06)
         if storm[0] <= t < storm[1] and rng.random() < 0.35:
             off = float(rng.uniform(12, 38)) * NS_PER_MS
             rec.sched(t + 250e-6, pid, off, by=5150)  # preempted while waiting: the sync returns that much later
             sync += off
-        rec.ev(t + 250e-6, pid, CUDA, 5, sync)
+        rec.ev(t + 250e-6, pid, *STREAM_SYNC, sync)
         t += 250e-6 + sync / 1e9 + rec.jitter(1.2 * NS_PER_MS) / 1e9
         i += 1
     rec.background(0.0, 30.0, pid, 2, 40 * NS_PER_US)
@@ -81,13 +86,12 @@ def cold_start(base_ns: int, seed: int) -> SyntheticNode:
             cold = req < 10
             if req % 10 == 0 or cold:
                 rec.ev(
-                    t, pid, CUDA, 1, rec.jitter(MALLOC_NS) * (rec.rng.uniform(50, 200) if req < 4 else 1), arg0=8 << 20
+                    t, pid, *MALLOC, rec.jitter(MALLOC_NS) * (rec.rng.uniform(50, 200) if req < 4 else 1), arg0=8 << 20
                 )
             rec.ev(
                 t + 1e-4,
                 pid,
-                CUDA,
-                4,
+                *MEMCPY,
                 40 * NS_PER_US * (rec.rng.uniform(50, 200) if cold else rec.jitter(1, 0.1)),
                 arg0=1 << 20,
                 arg1=1,
@@ -97,13 +101,12 @@ def cold_start(base_ns: int, seed: int) -> SyntheticNode:
                 rec.ev(
                     t + 2e-4 + k * 2e-5,
                     pid,
-                    CUDA,
-                    3,
+                    *LAUNCH,
                     rec.jitter(LAUNCH_NS, 0.15) * (rec.rng.uniform(50, 200) if slow else 1),
                 )
             sync = rec.jitter(3 * NS_PER_MS, 0.05)
-            rec.ev(t + 3e-4, pid, CUDA, 5, sync)
-            rec.ev(t + 3e-4 + sync / 1e9, pid, CUDA, 4, rec.jitter(20 * NS_PER_US), arg0=64 << 10, arg1=2)
+            rec.ev(t + 3e-4, pid, *STREAM_SYNC, sync)
+            rec.ev(t + 3e-4 + sync / 1e9, pid, *MEMCPY, rec.jitter(20 * NS_PER_US), arg0=64 << 10, arg1=2)
             t += 0.02 + (0.08 if cold else 0.0)
             req += 1
         rec.background(t0, t0 + 7.5, pid, 2, 40 * NS_PER_US)
@@ -119,15 +122,15 @@ def memcpy_bottleneck(base_ns: int, seed: int) -> SyntheticNode:
     t = 0.2
     while t < 20.0:
         h2d = (64 << 20) / 3.1e9 * 1e9 * rec.jitter(1.0, 0.04)  # ~3.1 GB/s: pageable host memory
-        rec.ev(t, pid, CUDA, 4, h2d, arg0=64 << 20, arg1=1)
+        rec.ev(t, pid, *MEMCPY, h2d, arg0=64 << 20, arg1=1)
         t += h2d / 1e9
         for k in range(4):
-            rec.ev(t + k * 25e-6, pid, CUDA, 3, rec.jitter(LAUNCH_NS, 0.15))
+            rec.ev(t + k * 25e-6, pid, *LAUNCH, rec.jitter(LAUNCH_NS, 0.15))
         sync = rec.jitter(4 * NS_PER_MS, 0.05)
-        rec.ev(t + 1e-4, pid, CUDA, 5, sync)
+        rec.ev(t + 1e-4, pid, *STREAM_SYNC, sync)
         t += 1e-4 + sync / 1e9
         d2h = rec.jitter(110 * NS_PER_US, 0.1)
-        rec.ev(t, pid, CUDA, 4, d2h, arg0=256 << 10, arg1=2)
+        rec.ev(t, pid, *MEMCPY, d2h, arg0=256 << 10, arg1=2)
         t += d2h / 1e9 + 0.6e-3
     rec.background(0.0, 20.0, pid, 2, 40 * NS_PER_US)
     rec.snapshots_every(0.0, 20.0, lambda s: 35.0)
@@ -144,17 +147,17 @@ def periodic_spike(base_ns: int, seed: int) -> SyntheticNode:
     while t < 26.0:
         if batch % 200 == 199:
             for k in range(8):  # torch.cuda.empty_cache(): the cached blocks go back to the driver at once
-                rec.ev(t, pid, CUDA, 2, rec.jitter(300 * NS_PER_US, 0.2), arg0=0x7F00_0000 + k * 0x1000)
+                rec.ev(t, pid, *FREE, rec.jitter(300 * NS_PER_US, 0.2), arg0=0x7F00_0000 + k * 0x1000)
                 t += 0.35e-3
             for _ in range(6):  # the cache was just emptied: every block comes from the driver again
                 d = float(rec.rng.uniform(20, 45)) * NS_PER_MS
-                rec.ev(t, pid, CUDA, 1, d, arg0=256 << 20, stack=alloc_stack)
+                rec.ev(t, pid, *MALLOC, d, arg0=256 << 20, stack=alloc_stack)
                 t += d / 1e9
-        rec.ev(t, pid, CUDA, 1, rec.jitter(80 * NS_PER_US, 0.12), arg0=32 << 20, stack=alloc_stack)
+        rec.ev(t, pid, *MALLOC, rec.jitter(80 * NS_PER_US, 0.12), arg0=32 << 20, stack=alloc_stack)
         for k in range(4):
-            rec.ev(t + 1e-4 + k * 25e-6, pid, CUDA, 3, rec.jitter(LAUNCH_NS, 0.15))
+            rec.ev(t + 1e-4 + k * 25e-6, pid, *LAUNCH, rec.jitter(LAUNCH_NS, 0.15))
         sync = rec.jitter(10 * NS_PER_MS, 0.05)
-        rec.ev(t + 2e-4, pid, CUDA, 5, sync)
+        rec.ev(t + 2e-4, pid, *STREAM_SYNC, sync)
         t += 2e-4 + sync / 1e9 + 1.5e-3
         batch += 1
     rec.background(0.0, 26.0, pid, 2, 40 * NS_PER_US)
@@ -172,10 +175,10 @@ def cpu_contention(base_ns: int, seed: int) -> SyntheticNode:
     while t < 30.0:
         share = 0.46 if t >= hog else 1.0  # fraction of wall time the launching thread gets a CPU
         for _ in range(24):
-            rec.ev(t, pid, CUDA, 3, rec.jitter(LAUNCH_NS, 0.15))
+            rec.ev(t, pid, *LAUNCH, rec.jitter(LAUNCH_NS, 0.15))
             t += rec.jitter(0.5 * NS_PER_MS, 0.1) / 1e9 / share
         sync = rec.jitter(1 * NS_PER_MS, 0.05)
-        rec.ev(t, pid, CUDA, 5, sync)
+        rec.ev(t, pid, *STREAM_SYNC, sync)
         t += sync / 1e9
     rec.background(0.0, 30.0, pid, 2, 40 * NS_PER_US)
     rec.background(hog, 30.0, pid, 150, 3.6 * NS_PER_MS, by=6100)  # 150 preemptions/s x 3.6 ms ≈ 54 % off-CPU
@@ -193,16 +196,16 @@ def gpu_steal(base_ns: int, seed: int) -> SyntheticNode:
     while t < 30.0:
         shared = window[0] <= t < window[1]
         for k in range(4):
-            rec.ev(t + k * 25e-6, trainer, CUDA, 3, rec.jitter(LAUNCH_NS, 0.15))
+            rec.ev(t + k * 25e-6, trainer, *LAUNCH, rec.jitter(LAUNCH_NS, 0.15))
         sync = rec.jitter(6 * NS_PER_MS, 0.05) * (2.8 if shared else 1.0)
-        rec.ev(t + 1e-4, trainer, CUDA, 5, sync)
+        rec.ev(t + 1e-4, trainer, *STREAM_SYNC, sync)
         t += 1e-4 + sync / 1e9 + 0.5e-3
     t = window[0]
     while t < window[1]:
         for k in range(3):
-            rec.ev(t + k * 25e-6, evaler, CUDA, 3, rec.jitter(LAUNCH_NS, 0.15))
+            rec.ev(t + k * 25e-6, evaler, *LAUNCH, rec.jitter(LAUNCH_NS, 0.15))
         sync = rec.jitter(5 * NS_PER_MS, 0.05) * 2.5
-        rec.ev(t + 1e-4, evaler, CUDA, 5, sync)
+        rec.ev(t + 1e-4, evaler, *STREAM_SYNC, sync)
         t += 1e-4 + sync / 1e9 + 0.4e-3
     rec.background(0.0, 30.0, trainer, 2, 40 * NS_PER_US)
     rec.snapshots_every(0.0, 30.0, lambda s: 33.0)

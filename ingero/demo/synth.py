@@ -17,10 +17,28 @@ from typing import Any
 import numpy as np
 
 from ingero.identity import Identity
-from ingero.store.catalog import CUDA, DRIVER, HOST, IO
+from ingero.store.catalog import op_id
 from ingero.store.writer import EventRow, StoreWriter
 from ingero.timeutil import NS_PER_MS, NS_PER_S, NS_PER_US
 from ingero.trace.stacks import fnv1a64, to_signed64
+
+# The ops the demo nodes emit, named by the catalog (the ids live only there).
+MALLOC = op_id("cudaMalloc")
+FREE = op_id("cudaFree")
+LAUNCH = op_id("cudaLaunchKernel")
+MEMCPY = op_id("cudaMemcpy")
+MEMCPY_ASYNC = op_id("cudaMemcpyAsync")
+STREAM_SYNC = op_id("cudaStreamSync")
+CU_LAUNCH = op_id("cuLaunchKernel")
+CU_MEM_ALLOC = op_id("cuMemAlloc")
+SCHED_SWITCH = op_id("sched_switch")
+SCHED_WAKEUP = op_id("sched_wakeup")
+PROCESS_EXEC = op_id("process_exec")
+PROCESS_FORK = op_id("process_fork")
+BLOCK_READ = op_id("block_read")
+BLOCK_WRITE = op_id("block_write")
+TCP_RETRANSMIT = op_id("tcp_retransmit")
+ALL_REDUCE = op_id("ncclAllReduce")
 
 MINUTE_NS = 60 * NS_PER_S
 Snapshot = tuple[int, float, float, int, int, float]
@@ -72,7 +90,7 @@ class SyntheticNode:
     def process(self, pid: int, name: str, t_s: float, *, exec_event: bool = True) -> None:
         self.names[pid] = (name, self.ts(t_s))
         if exec_event:
-            self.ev(t_s, pid, HOST, 5, 0)
+            self.ev(t_s, pid, *PROCESS_EXEC, 0)
 
     def snapshot(self, t_s: float, cpu: float, mem: float, avail_mb: int, swap_mb: int = 0, load: float = 1.0) -> None:
         self.snapshots.append((self.ts(t_s), round(cpu, 2), round(mem, 2), avail_mb, swap_mb, round(load, 2)))
@@ -101,15 +119,22 @@ class SyntheticNode:
         duration = time off it), arg0 = prev_state (0 = preempted while runnable, 1 = asleep by itself,
         2 = uninterruptible I/O), arg1 = the tid that ran before it (``by``: the preemptor).
         """
-        self.ev(t_s + offcpu_ns / NS_PER_S, pid, HOST, 1, offcpu_ns, tid=tid, arg0=state, arg1=by)
+        self.ev(t_s + offcpu_ns / NS_PER_S, pid, *SCHED_SWITCH, offcpu_ns, tid=tid, arg0=state, arg1=by)
 
     def sleep(self, t_s: float, pid: int, ns: float, *, waker: int = 0, tid: int | None = None) -> None:
         """A voluntary sleep (futex, poll, usleep) of ``ns``, woken by ``waker`` (a tgid; 0: a timer)."""
-        self.ev(t_s + ns / NS_PER_S, pid, HOST, 2, ns, tid=tid, arg0=waker, arg1=waker)
+        self.ev(t_s + ns / NS_PER_S, pid, *SCHED_WAKEUP, ns, tid=tid, arg0=waker, arg1=waker)
         self.sched(t_s, pid, ns, state=1, by=0, tid=tid)
 
     def block_io(self, t_s: float, pid: int, write: bool, dur_ns: float, sectors: int) -> None:
-        self.ev(t_s, pid, IO, 2 if write else 1, dur_ns, arg0=sectors, arg1=int(self.rng.integers(1 << 20, 1 << 30)))
+        self.ev(
+            t_s,
+            pid,
+            *(BLOCK_WRITE if write else BLOCK_READ),
+            dur_ns,
+            arg0=sectors,
+            arg1=int(self.rng.integers(1 << 20, 1 << 30)),
+        )
 
     def background(
         self, t0: float, t1: float, pid: int, per_s: float, offcpu_ns: float, *, state: int = 0, by: int = 0
@@ -214,4 +239,4 @@ SESSION = {
     "python_ver": "3.11",
     "flags": "synthetic",
 }
-__all__ = ["CUDA", "DRIVER", "HOST", "IO", "SESSION", "SyntheticNode"]
+__all__ = ["SESSION", "SyntheticNode"]

@@ -37,7 +37,7 @@ from typing import IO, Any
 from ingero import __version__
 from ingero.explain.model import SEVERITIES, Chain
 from ingero.store.annotations import Annotation
-from ingero.store.catalog import CUDA, DRIVER, HOST, NCCL, NET, SOURCE_NAMES, op_name
+from ingero.store.catalog import ALLOC_OPS, CUDA, DRIVER, NCCL, NET, SOURCE_NAMES, op_id, op_ids, op_name
 from ingero.store.catalog import IO as IO_SOURCE
 
 # (timestamp, pid, tid, source, op, duration, arg0, arg1, ret_code, stack_hash)
@@ -46,16 +46,17 @@ EXPORT_COLUMNS = "timestamp, pid, tid, source, op, duration, arg0, arg1, ret_cod
 
 SLICE_SOURCES = frozenset({CUDA, DRIVER, NCCL, NET})
 ENTRY_STAMPED = SLICE_SOURCES  # timestamp = entry; everything else is stamped at its end
-SCHED_SWITCH = (HOST, 1)
+SCHED_SWITCH = op_id("sched_switch")
 TID_STRIDE = 10_000_000  # > Linux pid_max (4 194 304): slot * stride + tid stays unique per node
 OFF_CPU_LANE = 5_000_000  # + tid (< pid_max 4 194 304): a thread's off-CPU lane
 CHAIN_LANE = 9_999_900
 IO_LANE = 9_999_000
 MAX_IO_LANES = 64
 CHAIN_COLOURS = {"HIGH": "terrible", "MEDIUM": "bad", "LOW": "yellow"}
-_ALLOC = {(CUDA, 1), (CUDA, 8), (DRIVER, 5), (DRIVER, 6)}
-_COPY = {(CUDA, 4), (CUDA, 7), (DRIVER, 2), (DRIVER, 3)}
-_LAUNCH = {(CUDA, 3), (DRIVER, 1)}
+_ALLOC = frozenset(ALLOC_OPS)
+_COPY = frozenset(op_ids("cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"))
+_LAUNCH = frozenset(op_ids("cudaLaunchKernel", "cuLaunchKernel"))
+_PAGE_ALLOC = op_id("mm_page_alloc")
 
 
 @dataclass
@@ -105,7 +106,7 @@ def _us(rel_ns: int) -> float | int:
 def _args(source: int, op: int, pid: int, tid: int, arg0: int, arg1: int, ret: int, stack: int) -> dict[str, Any]:
     args: dict[str, Any] = {"pid": pid, "tid": tid}
     key = (source, op)
-    if key in _ALLOC or key in _COPY or source in (NCCL, IO_SOURCE) or key == (HOST, 3):
+    if key in _ALLOC or key in _COPY or source in (NCCL, IO_SOURCE) or key == _PAGE_ALLOC:
         args["bytes"] = arg0
     elif key in _LAUNCH:
         args["func"] = hex(arg0)

@@ -28,7 +28,7 @@ _BOUNDS_NS = np.array([round(b * 1e9) for b in r.DURATION_BUCKETS_S], dtype=np.u
 NB = len(r.DURATION_BUCKETS_S) + 1  # + the +Inf bucket
 HISTOGRAM_SOURCES = frozenset({catalog.CUDA, catalog.DRIVER, catalog.NCCL, catalog.IO, catalog.NET})
 GPU_SOURCES = (catalog.CUDA, catalog.DRIVER, catalog.NCCL)
-SCHED_SWITCH = (catalog.HOST, 1)
+SCHED_SWITCH = catalog.op_id("sched_switch")
 _BYTES = np.zeros(1 << 16, dtype=bool)
 _BYTES[[s << 8 | o for s, o in BYTES_OPS]] = True
 _GPU = np.zeros(1 << 16, dtype=bool)

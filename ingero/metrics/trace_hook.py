@@ -21,7 +21,7 @@ from ingero.store import catalog
 if TYPE_CHECKING:
     from ingero.trace.pipeline import Pipeline
 
-PAGE_ALLOC = (catalog.HOST, 3)  # counted in the kernel, never in a drained batch
+PAGE_ALLOC = catalog.op_id("mm_page_alloc")  # counted in the kernel, never in a drained batch
 
 
 class TraceMetrics:
