@@ -7,7 +7,9 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from ingero.cli.main import main
@@ -195,3 +197,43 @@ def test_no_traceback_from_the_real_command(not_sqlite: Path) -> None:
     )
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("ingero: error:") and "Traceback" not in proc.stderr
+
+
+def _same_frames(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert list(a) == list(b)
+    for name, fa in a.items():
+        for col in ("source", "op", "dur", "failed", "ts_ns", "pid", "tid"):
+            assert np.array_equal(getattr(fa, col), getattr(b[name], col)), (name, col)
+        for col in ("source", "op", "pid", "ts_ns", "arg0", "arg1", "tid", "dur"):
+            assert np.array_equal(getattr(fa.args, col), getattr(b[name].args, col)), (name, "args", col)
+
+
+@pytest.mark.parametrize("chunk", [2_000_000, 700])  # one rowid range per thread; many, round-robin
+def test_threaded_read_gives_the_same_frames_and_report(
+    incident: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    from ingero.explain import frame
+
+    conn = open_readonly(incident)
+    serial, report = load_frames(conn), explain(conn)
+    monkeypatch.setattr(frame, "PARALLEL_MIN_ROWS", 0)  # the demo database is small: split it anyway
+    monkeypatch.setattr(frame, "CHUNK_ROWS", chunk)
+    assert len(frame._rowid_slices(conn, 3)) >= 3
+    _same_frames(serial, load_frames(conn, threads=3))
+    again = explain(conn, threads=3)
+    assert [(c.id, c.severity, c.summary) for c in again.chains] == [
+        (c.id, c.severity, c.summary) for c in report.chains
+    ]
+    assert [o.as_dict() for o in again.ops] == [o.as_dict() for o in report.ops]
+
+
+def test_threaded_read_of_an_ingero_08_database_keeps_one_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ingero.explain import frame
+
+    db = make_ingero_08(tmp_path / "old.db", [(10**18 + i * 10**7, 7, 7, 1, 5, 1000 + i, 0, 0) for i in range(50)])
+    conn = open_readonly(db)  # events is a TEMP view here (no rowid): read by one query
+    monkeypatch.setattr(frame, "PARALLEL_MIN_ROWS", 0)
+    assert frame._rowid_slices(conn, 2) == []
+    _same_frames(load_frames(conn), load_frames(conn, threads=2))

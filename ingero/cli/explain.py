@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ingero.cli import common
 from ingero.cli.output import add_output_args, emit_json, note
 
+MAX_READ_THREADS = 4
 EXAMPLES = """\
 examples:
   ingero explain --db trace.db                          per-op p50/p95/p99 + causal chains, whole recording
@@ -137,7 +139,7 @@ def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_na
     from ingero.explain.model import stored_chains
     from ingero.explain.render import render_report
 
-    report = explain(conn, window, pid=args.pid, per_process=args.per_process, node=args.node)
+    report = explain(conn, window, pid=args.pid, per_process=args.per_process, node=args.node, threads=read_threads())
     if op_name:
         report.ops = [o for o in report.ops if o.name == op_name]
         report.chains = [c for c in report.chains if c.cuda_op == op_name]
@@ -164,6 +166,12 @@ def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_na
     return 0
 
 
+def read_threads() -> int:
+    """Connections a local explain reads a large database with: the CPUs this process may use, at
+    most :data:`MAX_READ_THREADS` (the agent's API keeps one: its connection carries the query budget)."""
+    return max(1, min(MAX_READ_THREADS, len(os.sched_getaffinity(0))))
+
+
 def _annotations(conn: Any, window: Any, node: str | None) -> list[Any]:
     """The window's annotations (``ingero annotate``), of ``node`` only when given."""
     from ingero.store.annotations import list_annotations
@@ -177,7 +185,7 @@ def _per_cgroup(conn: Any, args: argparse.Namespace, path: Any, window: Any) -> 
     from ingero.explain.engine import explain
     from ingero.explain.per_cgroup import group_by_cgroup, render_groups
 
-    report = explain(conn, window, per_process=True, node=args.node)
+    report = explain(conn, window, per_process=True, node=args.node, threads=read_threads())
     groups = group_by_cgroup(report, pid_cgroups(conn, window))
     if args.format == "json":
         emit_json({"db": str(path), "window": window.as_dict(), "groups": [g.as_dict() for g in groups]})

@@ -81,12 +81,16 @@ def explain(
     pid: int | None = None,
     per_process: bool = False,
     node: str | None = None,
+    threads: int = 1,
 ) -> ExplainReport:
-    """Statistics and causal chains for ``window`` (every node, or ``node``; one process with ``pid``)."""
+    """Statistics and causal chains for ``window`` (every node, or ``node``; one process with ``pid``).
+
+    ``threads`` > 1 reads a large database's events over that many connections at once (see
+    :func:`~ingero.explain.frame.load_frames`: not for a connection with per-connection limits)."""
     t_start = time.perf_counter()
     window = window or Window()
     try:
-        frames = load_frames(conn, window, node=node, pid=pid)
+        frames = load_frames(conn, window, node=node, pid=pid, threads=threads)
         names = with_cgroups(_process_names(conn), pid_cgroups(conn, window, named_only=True))
         cores = _cpu_cores(conn)
         snap_rows = _snapshot_rows(conn, frames)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -28,8 +29,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ingero.errors import IngeroError
 from ingero.store.catalog import CUDA, DRIVER, GPU_API_SOURCES, IO, NCCL, NET, TCP, op_ids
-from ingero.store.db import node_names
+from ingero.store.db import node_names, open_readonly
 from ingero.store.window import Window
 
 I64 = npt.NDArray[np.int64]
@@ -39,6 +41,7 @@ MAX_DUR = (1 << 43) - 1
 PID_BITS = 22
 NODES_PER_QUERY = 127  # node index 127 = "not in the list" (found and loaded in another round)
 CHUNK_ROWS = 2_000_000  # rows per group_concat string (keeps each string well under SQLite's 1 GB limit)
+PARALLEL_MIN_ROWS = 200_000  # tables smaller than this are read by one query (threads cost more than they save)
 
 # Rows whose arguments some rule reads: block I/O (sectors), socket I/O (bytes), page allocations
 # (bytes), OOM kills, process starts and forks (who), copies (bytes, direction), allocations and frees
@@ -239,23 +242,64 @@ def _only_node(conn: sqlite3.Connection, name: str) -> bool:
     return int(others) == 0
 
 
-def _time_slices(conn: sqlite3.Connection, where: str, params: list[Any]) -> tuple[int, int, list[Window]]:
+Slice = tuple[str, list[Any]]  # an extra WHERE term and its parameters: one group_concat query's rows
+WHOLE: Slice = ("1", [])  # no extra range (a timestamp range would steer SQLite to the index, ~30% slower)
+
+
+def _time_slices(conn: sqlite3.Connection, where: str, params: list[Any], threads: int) -> tuple[int, int, list[Slice]]:
     # two queries: SQLite answers a lone min() or max() from the timestamp index, not both at once
     lo = conn.execute(f"SELECT min(timestamp) FROM events WHERE {where}", params).fetchone()[0]
     hi = conn.execute(f"SELECT max(timestamp) FROM events WHERE {where}", params).fetchone()[0]
     if lo is None or hi is None:
         return 0, 0, []
     lo, hi = int(lo), int(hi)
+    if threads > 1:
+        by_rowid = _rowid_slices(conn, threads)
+        if by_rowid:
+            return lo, hi, by_rowid
     # the table's size bounds the window's rows (max(rowid) is O(1)); count only when it might not fit
     bound = conn.execute("SELECT max(rowid) FROM events").fetchone()[0]
     if bound is not None and int(bound) <= CHUNK_ROWS:
-        return lo, hi, [Window(lo, hi)]
+        return lo, hi, [WHOLE]
     count = int(conn.execute(f"SELECT count(*) FROM events WHERE {where}", params).fetchone()[0])
     n = max(1, math.ceil(count / CHUNK_ROWS))
     if n == 1:
-        return lo, hi, [Window(lo, hi)]
+        return lo, hi, [WHOLE]
     step = (hi - lo) // n + 1
-    return lo, hi, [Window(lo + i * step, min(hi, lo + (i + 1) * step - 1)) for i in range(n)]
+    return lo, hi, [Window(lo + i * step, min(hi, lo + (i + 1) * step - 1)).clause("timestamp") for i in range(n)]
+
+
+def _rowid_slices(conn: sqlite3.Connection, threads: int) -> list[Slice]:
+    """Equal rowid ranges of the events table (a range scan of the table itself, in rowid order like
+    the whole-table scan), at least one per thread and none over CHUNK_ROWS; [] when ``events`` is not
+    a plain table (an Ingero 0.8 database read through a TEMP view has no rowid) or too small to split."""
+    if conn.execute("SELECT 1 FROM sqlite_temp_master WHERE name = 'events'").fetchone():
+        return []
+    first, last = conn.execute("SELECT min(rowid), max(rowid) FROM events").fetchone()
+    if first is None or int(last) - int(first) < PARALLEL_MIN_ROWS:
+        return []
+    first, last = int(first), int(last)
+    n = max(threads, math.ceil((last - first + 1) / CHUNK_ROWS))
+    step = (last - first) // n + 1
+    return [("rowid BETWEEN ? AND ?", [first + i * step, min(last, first + (i + 1) * step - 1)]) for i in range(n)]
+
+
+def _siblings(conn: sqlite3.Connection, threads: int) -> list[sqlite3.Connection]:
+    """``conn`` and up to ``threads - 1`` more read-only connections to its database file, for the
+    slices' queries to run at once (SQLite releases the GIL while it steps); just ``conn`` when the
+    database is not a file."""
+    if threads <= 1:
+        return [conn]
+    path = next((r[2] for r in conn.execute("PRAGMA database_list") if r[1] == "main"), "")
+    if not path:
+        return [conn]
+    out = [conn]
+    try:
+        for _ in range(threads - 1):
+            out.append(open_readonly(path, check_same_thread=False))
+    except IngeroError:
+        pass  # fewer threads: still correct
+    return out
 
 
 def load_frames(
@@ -265,16 +309,39 @@ def load_frames(
     node: str | None = None,
     pid: int | None = None,
     with_args: bool = True,
+    threads: int = 1,
 ) -> dict[str, Frame]:
     """One :class:`Frame` per node with events in ``window`` (``node`` restricts to one).
 
     With ``pid``, GPU API rows are that process's only; host, I/O and network rows stay node-wide.
+    ``threads`` > 1 splits a large table's scan into rowid ranges read at once over that many
+    read-only connections (the caller's ``conn`` and new ones to the same file: only where ``conn``
+    carries no per-connection limits, such as the agent's query budget). The frames are the same.
     """
     window = window or Window()
     where, params = _filters(window, node, pid)
-    t0, t1, slices = _time_slices(conn, where, params)
+    t0, t1, slices = _time_slices(conn, where, params, threads)
     if not slices:
         return {}
+    conns = _siblings(conn, min(threads, len(slices))) if len(slices) > 1 else [conn]
+    try:
+        return _load(conns, where, params, slices, t0, t1, node, with_args)
+    finally:
+        for c in conns[1:]:
+            c.close()
+
+
+def _load(
+    conns: list[sqlite3.Connection],
+    where: str,
+    params: list[Any],
+    slices: list[Slice],
+    t0: int,
+    t1: int,
+    node: str | None,
+    with_args: bool,
+) -> dict[str, Frame]:
+    conn = conns[0]
     ts_div = max(1000, math.ceil((t1 - t0 + 1) / (1 << (63 - PID_BITS - 1))))
     names = [node] if node is not None else node_names(conn)
     trusted = node is not None or (len(names) == 1 and _only_node(conn, names[0]))
@@ -283,7 +350,7 @@ def load_frames(
     seen: set[str] = set()
     while pending is not None:
         batch, pending = pending[:NODES_PER_QUERY], pending[NODES_PER_QUERY:] or None
-        parts, missing = _load_batch(conn, where, params, slices, batch, t0, ts_div, trusted)
+        parts, missing = _load_batch(conns, where, params, slices, batch, t0, ts_div, trusted)
         if with_args and parts:
             _attach_args(conn, parts, where, params, batch, trusted)
         trusted = False
@@ -300,10 +367,10 @@ def load_frames(
 
 
 def _load_batch(
-    conn: sqlite3.Connection,
+    conns: list[sqlite3.Connection],
     where: str,
     params: list[Any],
-    slices: list[Window],
+    slices: list[Slice],
     names: Sequence[str],
     t0: int,
     ts_div: int,
@@ -320,22 +387,23 @@ def _load_batch(
         f" group_concat(coalesce(arg0, 0)), group_concat(coalesce(arg1, 0))"
         f" FROM events WHERE {where}"
     )
-    a_parts: list[I64] = []
-    b_parts: list[I64] = []
-    t_parts: list[I64] = []
-    x_parts: list[I64] = []
-    y_parts: list[I64] = []
-    for sl in slices:
-        # one slice = the whole window: no extra range (it would steer SQLite to the index, ~30% slower)
-        sw, sp = sl.clause("timestamp") if len(slices) > 1 else ("1", [])
-        a_txt, b_txt, t_txt, x_txt, y_txt = conn.execute(
-            sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]
-        ).fetchone()
-        a_parts.append(_parse(a_txt))
-        b_parts.append(_parse(b_txt))
-        t_parts.append(_parse(t_txt))
-        x_parts.append(_parse(x_txt))
-        y_parts.append(_parse(y_txt))
+    columns: list[list[I64]] = [[] for _ in slices]  # per slice: its five parsed columns
+
+    def run(k: int) -> None:  # connection k reads slices k, k + len(conns), ...
+        for i in range(k, len(slices), len(conns)):
+            sw, sp = slices[i]
+            row = conns[k].execute(sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]).fetchone()
+            columns[i] = [_parse(txt) for txt in row]
+
+    if len(conns) == 1:
+        run(0)
+    else:  # the caller's connection stays on the caller's thread (sqlite3's check_same_thread)
+        with ThreadPoolExecutor(len(conns) - 1, thread_name_prefix="ingero-frame") as pool:
+            others = [pool.submit(run, k) for k in range(1, len(conns))]
+            run(0)
+            for f in others:
+                f.result()
+    a_parts, b_parts, t_parts, x_parts, y_parts = ([c[j] for c in columns] for j in range(5))
     a = np.concatenate(a_parts) if a_parts else np.zeros(0, dtype=np.int64)
     b = np.concatenate(b_parts) if b_parts else np.zeros(0, dtype=np.int64)
     dt = np.concatenate(t_parts) if t_parts else np.zeros(0, dtype=np.int64)
