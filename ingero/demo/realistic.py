@@ -48,9 +48,11 @@ class Expectation:
     no_high_or_medium: bool = False
 
 
-def _rec(node: str, base_ns: int, seed: int) -> SyntheticNode:
+def _rec(node: str, base_ns: int, seed: int, pid: int, cmd: str) -> SyntheticNode:
+    """A node whose trainer process ``pid`` (command line ``cmd``) runs from t=0."""
     rec = SyntheticNode(node, base_ns, seed)
     rec.session = dict(SESSION)
+    rec.process(pid, cmd, 0.0, exec_event=False)
     return rec
 
 
@@ -106,9 +108,8 @@ def _fork_workers(rec: SyntheticNode, pid: int, n: int, t: float) -> list[int]:
 
 def healthy(base_ns: int, seed: int) -> SyntheticNode:
     """A healthy trainer: fast workers, blocking syncs, usleep between steps, an eval pause, noise."""
-    rec = _rec("healthy-node", base_ns, seed)
     pid, seconds = 5000, 40.0
-    rec.process(pid, "python3 train.py", 0.0, exec_event=False)
+    rec = _rec("healthy-node", base_ns, seed, pid, "python3 train.py")
     kids = _fork_workers(rec, pid, 3, 0.1)
     seen: set[int] = set()
     t, i = 0.2, 0
@@ -137,9 +138,8 @@ def healthy(base_ns: int, seed: int) -> SyntheticNode:
 
 def dataloader_starved(base_ns: int, seed: int) -> SyntheticNode:
     """The workers are slow to produce batches: each step the trainer sleeps ~35 ms until one wakes it."""
-    rec = _rec("starved-node", base_ns, seed)
     pid, seconds = 5100, 30.0
-    rec.process(pid, "python3 train.py --num-workers 4", 0.0, exec_event=False)
+    rec = _rec("starved-node", base_ns, seed, pid, "python3 train.py --num-workers 4")
     kids = _fork_workers(rec, pid, 4, 0.1)
     seen: set[int] = set()
     t, i = 0.3, 0
@@ -160,9 +160,8 @@ def dataloader_starved(base_ns: int, seed: int) -> SyntheticNode:
 def collective_wait(base_ns: int, seed: int) -> SyntheticNode:
     """A fast rank of a data-parallel job: every step it waits inside ncclAllReduce for a slower peer,
     asleep (futex/poll) in the collective and in the sync that follows — waiting, not contention."""
-    rec = _rec("rank-node", base_ns, seed)
     pid, seconds = 5200, 30.0
-    rec.process(pid, "python3 train.py --rank 1", 0.0, exec_event=False)
+    rec = _rec("rank-node", base_ns, seed, pid, "python3 train.py --rank 1")
     seen: set[int] = set()
     t = 0.3
     while t < seconds:
@@ -184,9 +183,8 @@ def collective_wait(base_ns: int, seed: int) -> SyntheticNode:
 def recompiling(base_ns: int, seed: int) -> SyntheticNode:
     """torch.compile meets new batch shapes: every ~4 s, four new kernels are generated and JIT-loaded
     on their first launch (~150-400 ms each) — in the middle of the run."""
-    rec = _rec("recompile-node", base_ns, seed)
     pid, seconds = 5300, 40.0
-    rec.process(pid, "python3 train.py --compile", 0.0, exec_event=False)
+    rec = _rec("recompile-node", base_ns, seed, pid, "python3 train.py --compile")
     seen: set[int] = set()
     t, shape = 0.3, 0
     while t < seconds:
@@ -209,9 +207,8 @@ def recompiling(base_ns: int, seed: int) -> SyntheticNode:
 def disk_bound(base_ns: int, seed: int) -> SyntheticNode:
     """No DataLoader workers: the training loop reads each batch from disk itself (~20 ms in
     uninterruptible sleep per step) while the GPU waits."""
-    rec = _rec("disk-node", base_ns, seed)
     pid, seconds = 5500, 30.0
-    rec.process(pid, "python3 train.py --num-workers 0", 0.0, exec_event=False)
+    rec = _rec("disk-node", base_ns, seed, pid, "python3 train.py --num-workers 0")
     seen: set[int] = set()
     t = 0.3
     while t < seconds:
@@ -230,9 +227,8 @@ def runqueue_contention(base_ns: int, seed: int) -> SyntheticNode:
     """From t=10 s a preprocessing job shares the trainer's cores. The trainer sleeps inside its blocking
     syncs as always; when the GPU is done and it is woken, it waits in the run queue while the job runs
     (wakeup → switch delay: involuntary), so its syncs return late."""
-    rec = _rec("runqueue-node", base_ns, seed)
     pid, hog, seconds, start = 5600, 6200, 30.0, 10.0
-    rec.process(pid, "python3 train.py", 0.0, exec_event=False)
+    rec = _rec("runqueue-node", base_ns, seed, pid, "python3 train.py")
     rec.process(hog, "python3 preprocess.py --workers 16", start - 0.2)
     seen: set[int] = set()
     t = 0.3
