@@ -135,7 +135,26 @@ def metrics_data(snap: r.Snapshot, resource: Resource) -> MetricsData:
     return MetricsData([ResourceMetrics(resource, [scope], "")])
 
 
-class OtlpPusher:
+class ExportCounts:
+    """What an OTLP pusher has sent and dropped, exposed through ``state`` as
+    ``ingero_export_sent_total`` / ``ingero_export_dropped_total`` with ``exporter=label``."""
+
+    def __init__(self, state: MetricState, label: str) -> None:
+        self.state = state
+        self.sent = 0
+        self.dropped = 0
+        self._label = label
+        state.add_provider(self._samples)
+
+    def _samples(self) -> list[r.Sample]:
+        base = self.state.base_labels()
+        return [
+            r.Sample(r.EXPORT_SENT, (*base, self._label), float(self.sent)),
+            r.Sample(r.EXPORT_DROPPED, (*base, self._label), float(self.dropped)),
+        ]
+
+
+class OtlpPusher(ExportCounts):
     """Pushes snapshots of ``state`` every ``interval_s`` through a bounded queue (see module doc)."""
 
     def __init__(
@@ -149,7 +168,6 @@ class OtlpPusher:
         before: Callable[[], None] | None = None,
         resource: Resource | None = None,
     ) -> None:
-        self.state = state
         self.exporter = exporter
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -159,17 +177,8 @@ class OtlpPusher:
         self._queue_max = queue_max
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self.sent = 0
-        self.dropped = 0
         self._threads: list[threading.Thread] = []
-        state.add_provider(self._samples)
-
-    def _samples(self) -> list[r.Sample]:
-        base = self.state.base_labels()
-        return [
-            r.Sample(r.EXPORT_SENT, (*base, EXPORTER), float(self.sent)),
-            r.Sample(r.EXPORT_DROPPED, (*base, EXPORTER), float(self.dropped)),
-        ]
+        super().__init__(state, EXPORTER)
 
     def start(self) -> None:
         for name, target in (("ingero-otlp-ticker", self._tick_loop), ("ingero-otlp-sender", self._send_loop)):

@@ -24,8 +24,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from ingero import __version__
 from ingero.errors import IngeroError
-from ingero.metrics import registry as r
-from ingero.metrics.otlp import DEFAULT_TIMEOUT_S, METRICS_PATH, metrics_url, resource_for
+from ingero.metrics.otlp import DEFAULT_TIMEOUT_S, METRICS_PATH, ExportCounts, metrics_url, resource_for
 from ingero.metrics.state import MetricState
 from ingero.store.db import open_readonly
 
@@ -80,7 +79,7 @@ def chain_records(rows: list[tuple[Any, ...]], resource: Resource) -> list[Reada
     return out
 
 
-class ChainLogPusher:
+class ChainLogPusher(ExportCounts):
     def __init__(
         self,
         state: MetricState,
@@ -90,7 +89,6 @@ class ChainLogPusher:
         interval_s: float = 10.0,
         resource: Resource | None = None,
     ) -> None:
-        self.state = state
         self.db_path = db_path
         self.exporter = exporter
         self.interval_s = interval_s
@@ -98,16 +96,7 @@ class ChainLogPusher:
         self._since: tuple[int, str] = (-1, "")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.sent = 0
-        self.dropped = 0
-        state.add_provider(self._samples)
-
-    def _samples(self) -> list[r.Sample]:
-        base = self.state.base_labels()
-        return [
-            r.Sample(r.EXPORT_SENT, (*base, EXPORTER), float(self.sent)),
-            r.Sample(r.EXPORT_DROPPED, (*base, EXPORTER), float(self.dropped)),
-        ]
+        super().__init__(state, EXPORTER)
 
     def new_chains(self) -> list[tuple[Any, ...]]:
         """Chains detected after the last ones pushed (by detected_at, then id)."""
