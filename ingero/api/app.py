@@ -32,7 +32,7 @@ from ingero import __version__
 from ingero.api import collectives, endpoints
 from ingero.api.endpoints import AgentContext, encode, ok
 from ingero.api.workers import META, SHORT, client_identity
-from ingero.asgi import Receive, Scope, Send, lifespan
+from ingero.asgi import Receive, Scope, Send, lifespan, read_body
 from ingero.errors import (
     AuthError,
     BodyTooLargeError,
@@ -266,21 +266,9 @@ async def _read_body(receive: Receive, headers: Mapping[bytes, bytes]) -> bytes:
     declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise BodyTooLargeError(f"request body of {int(declared)} bytes is over the {MAX_BODY_BYTES}-byte limit")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise _Disconnected
-        if msg["type"] != "http.request":
-            continue
-        part: bytes = msg.get("body", b"")
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise BodyTooLargeError(f"request body is over the {MAX_BODY_BYTES}-byte limit")
-        chunks.append(part)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
+    return await read_body(
+        receive, MAX_BODY_BYTES, f"request body is over the {MAX_BODY_BYTES}-byte limit", _Disconnected
+    )
 
 
 def _json_body(body: bytes) -> Any:

@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from ingero import API_VERSION, __version__
-from ingero.asgi import ASGIApp, Message, Receive, Scope, Send, lifespan
+from ingero.asgi import ASGIApp, Message, Receive, Scope, Send, lifespan, read_body
 from ingero.errors import (
     AuthError,
     IngeroError,
@@ -269,26 +269,12 @@ class ToolsAPI:
         registry.get(tool)  # unknown tool: 404 before reading the body
         if method != "POST":
             raise MethodNotAllowedError(f"{method} is not allowed on {path}; use POST with a JSON object")
-        args = _json_object(await _read_body(receive))
+        args = _json_object(await read_body(receive, MAX_ARGS_BYTES, f"arguments over {MAX_ARGS_BYTES} bytes", _gone))
         return registry.encode_answer(await registry.call(tool, args, self.env, run_sync=self._run_sync))
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise RequestError("the client went away")
-        part: bytes = msg.get("body", b"")
-        size += len(part)
-        if size > MAX_ARGS_BYTES:
-            from ingero.errors import BodyTooLargeError
-
-            raise BodyTooLargeError(f"arguments over {MAX_ARGS_BYTES} bytes")
-        chunks.append(part)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
+def _gone() -> RequestError:
+    return RequestError("the client went away")
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
