@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ingero.errors import UsageError
-from ingero.store.db import open_writable, translate
+from ingero.store.db import write_transaction
 from ingero.timeutil import now_ns
 
 MAX_MESSAGE_CHARS = 500
@@ -69,22 +69,13 @@ def add_annotation(
     ts = now_ns() if timestamp is None else timestamp
     who = default_author() if author is None else author
     path = Path(db).expanduser()
-    conn = open_writable(path)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
+    with write_transaction(path) as conn:
         labels = json.dumps({"message": text, "author": who}, separators=(",", ":"))
         cur = conn.execute(
             f"INSERT INTO {TABLE}(timestamp, labels, node, peer_uid, peer_gid, peer_pid) VALUES (?, ?, ?, ?, ?, ?)",
             (ts, labels, node, os.getuid(), os.getgid(), os.getpid()),
         )
-        conn.execute("COMMIT")
         row_id = int(cur.lastrowid or 0)
-    except sqlite3.Error as e:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise translate(e, path) from None
-    finally:
-        conn.close()
     return Annotation(row_id, ts, node, text, who)
 
 

@@ -10,7 +10,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingero.store.db import open_writable, translate
+from ingero.store.db import write_transaction
 from ingero.timeutil import now_ns
 
 COLUMNS = ("cgroup_id", "container_id", "cgroup_path", "pod_name", "namespace", "job_id", "seen_at")
@@ -39,20 +39,11 @@ class CgroupInfo:
 
 def write_cgroups(db: Path, rows: list[CgroupInfo], *, seen_at: int | None = None) -> None:
     at = now_ns() if seen_at is None else seen_at
-    conn = open_writable(db)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
+    with write_transaction(db) as conn:
         conn.executemany(
             f"INSERT OR REPLACE INTO cgroup_metadata({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
             [(_as_sqlite(r.cgroup_id), r.container_id, r.path, r.pod_name, r.namespace, r.job_id, at) for r in rows],
         )
-        conn.execute("COMMIT")
-    except sqlite3.Error as e:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise translate(e, db) from None
-    finally:
-        conn.close()
 
 
 def _as_sqlite(value: int) -> int:

@@ -5,15 +5,18 @@
   ``immutable``; a live one (its writer holds a ``-wal``) is opened ``mode=ro``.
   Ingero 0.8 layouts (no ``node`` column) get TEMP views that add ``node``/``rank``/... so that
   fleet SQL such as ``SELECT node, ... FROM events`` runs on them unchanged.
-* :func:`open_writable` creates or migrates the schema, turns on WAL and the writer's pragmas.
+* :func:`open_writable` creates or migrates the schema, turns on WAL and the writer's pragmas;
+  :func:`write_transaction` is one ``BEGIN IMMEDIATE`` transaction on such a connection.
 
 sqlite3 errors are translated to :mod:`ingero.errors` here, once, by ``sqlite_errorname``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +184,23 @@ class DbSummary:
     last_ns: int | None
     live: bool
     nodes: list[str]
+
+
+@contextlib.contextmanager
+def write_transaction(path: str | Path) -> Iterator[sqlite3.Connection]:
+    """A connection from :func:`open_writable` inside one ``BEGIN IMMEDIATE`` transaction: committed when
+    the block ends, rolled back on a sqlite3 error (raised translated), closed either way."""
+    conn = open_writable(path)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield conn
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise translate(e, path) from None
+    finally:
+        conn.close()
 
 
 def summarize(conn: sqlite3.Connection, path: str | Path = "") -> DbSummary:
