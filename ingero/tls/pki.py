@@ -157,11 +157,15 @@ def refuse_overwrite(paths: Sequence[Path], force: bool) -> None:
         raise UsageError(f"{existing[0]} already exists", hint="pass --force to overwrite it, or pick another --out")
 
 
-def load_cert(path: Path) -> x509.Certificate:
+def _read(path: Path, what: str) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
-        raise TLSConfigError(f"cannot read certificate {path}: {e.strerror or e}") from None
+        raise TLSConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def load_cert(path: Path) -> x509.Certificate:
+    data = _read(path, "certificate")
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError:
@@ -172,10 +176,7 @@ def load_cert(path: Path) -> x509.Certificate:
 
 
 def load_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise TLSConfigError(f"cannot read key {path}: {e.strerror or e}") from None
+    data = _read(path, "key")
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as e:
