@@ -59,15 +59,19 @@ def check_kernel() -> CheckResult:
     )
 
 
+def _path_check(name: str, path: str, found: str, missing: str, fix: str, *, required: bool = True) -> CheckResult:
+    """Passes when ``path`` exists: ``found``; else ``missing``, and ``fix`` says what to do."""
+    ok = os.path.exists(path)
+    return CheckResult(name, ok, found if ok else missing, "" if ok else fix, required=required)
+
+
 def check_btf() -> CheckResult:
-    ok = os.path.exists("/sys/kernel/btf/vmlinux")
-    return CheckResult(
+    return _path_check(
         "BTF",
-        ok,
-        "/sys/kernel/btf/vmlinux present" if ok else "no /sys/kernel/btf/vmlinux",
-        ""
-        if ok
-        else "boot a kernel built with CONFIG_DEBUG_INFO_BTF=y (ingero works without it; other eBPF tools may not)",
+        "/sys/kernel/btf/vmlinux",
+        "/sys/kernel/btf/vmlinux present",
+        "no /sys/kernel/btf/vmlinux",
+        "boot a kernel built with CONFIG_DEBUG_INFO_BTF=y (ingero works without it; other eBPF tools may not)",
         required=False,
     )
 
@@ -114,12 +118,12 @@ def check_tracefs() -> CheckResult:
 
 
 def check_uprobes() -> CheckResult:
-    ok = os.path.exists("/sys/bus/event_source/devices/uprobe")
-    return CheckResult(
+    return _path_check(
         "uprobes",
-        ok,
-        "uprobe PMU available" if ok else "no uprobe PMU (/sys/bus/event_source/devices/uprobe)",
-        "" if ok else "use a kernel built with CONFIG_UPROBES=y and CONFIG_UPROBE_EVENTS=y",
+        "/sys/bus/event_source/devices/uprobe",
+        "uprobe PMU available",
+        "no uprobe PMU (/sys/bus/event_source/devices/uprobe)",
+        "use a kernel built with CONFIG_UPROBES=y and CONFIG_UPROBE_EVENTS=y",
     )
 
 
