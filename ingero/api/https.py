@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from ingero.api.server import BoundServer, _is_wildcard, _url, bind_socket, serve_on_socket
+from ingero.api.server import BoundServer, _url, bind_socket, serve_on_socket, server_cert
 from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.tls import context
@@ -50,14 +50,7 @@ def ssl_context(listen: Listen) -> tuple[Any, str | None]:
                 hint="listen on 127.0.0.1 or drop --no-tls",
             )
         return None, None
-    if (listen.tls_cert is None) != (listen.tls_key is None):
-        raise UsageError("--tls-cert and --tls-key go together", hint="give both, or neither for a self-signed one")
-    if listen.tls_cert is not None and listen.tls_key is not None:
-        cert, key = listen.tls_cert.expanduser(), listen.tls_key.expanduser()
-    else:
-        extra = [] if _is_wildcard(listen.host) else [listen.host]
-        auto = context.ensure_auto_cert(listen.tls_dir, common_name=listen.common_name, extra_names=extra)
-        cert, key = auto.cert, auto.key
+    cert, key, _ = server_cert(listen.tls_cert, listen.tls_key, listen.host, listen.tls_dir, listen.common_name)
     ctx = context.server_ssl_context(cert, key, listen.client_ca.expanduser() if listen.client_ca else None)
     return ctx, context.cert_fingerprint(cert)
 

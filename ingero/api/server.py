@@ -132,21 +132,29 @@ def check_exposure(settings: ServerSettings) -> None:
     )
 
 
+def server_cert(
+    tls_cert: Path | None, tls_key: Path | None, host: str, tls_dir: Path | None, common_name: str
+) -> tuple[Path, Path, context.AutoCert | None]:
+    """The certificate and key to serve ``host`` with: the pair given (both or neither), else the
+    self-signed one in ``tls_dir`` (reused or made; it also names ``host`` unless that is a wildcard)."""
+    if (tls_cert is None) != (tls_key is None):
+        raise UsageError(
+            "--tls-cert and --tls-key go together", hint="give both, or neither for a self-signed certificate"
+        )
+    if tls_cert is not None and tls_key is not None:
+        return tls_cert.expanduser(), tls_key.expanduser(), None
+    extra = [] if _is_wildcard(host) else [host.strip("[]")]
+    auto = context.ensure_auto_cert(tls_dir, common_name=common_name, extra_names=extra)
+    return auto.cert, auto.key, auto
+
+
 def prepare_tls(settings: ServerSettings) -> TLSSetup:
     s = settings
     check_exposure(s)
     if s.no_tls:
         return TLSSetup(None, "plaintext", None, None)
-    if (s.tls_cert is None) != (s.tls_key is None):
-        raise UsageError(
-            "--tls-cert and --tls-key go together", hint="give both, or neither for a self-signed certificate"
-        )
-    if s.tls_cert is not None and s.tls_key is not None:
-        cert, key, fingerprint, created = s.tls_cert.expanduser(), s.tls_key.expanduser(), None, False
-    else:
-        extra = [] if _is_wildcard(s.host) else [s.host.strip("[]")]
-        auto = context.ensure_auto_cert(s.tls_dir, common_name=s.identity.node, extra_names=extra)
-        cert, key, fingerprint, created = auto.cert, auto.key, auto.fingerprint_sha256, auto.created
+    cert, key, auto = server_cert(s.tls_cert, s.tls_key, s.host, s.tls_dir, s.identity.node)
+    fingerprint, created = (auto.fingerprint_sha256, auto.created) if auto else (None, False)
     ctx = context.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
     ctx.sslobject_class = PeerRecordingSSLObject  # client certificate subject → fair admission per client
     return TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint or context.cert_fingerprint(cert), cert, created)
