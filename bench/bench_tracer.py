@@ -6,7 +6,9 @@
    Rounds alternate (empty, agent, empty, agent, ...) so machine noise hits both sides alike. The
    agent runs with every probe on (the more CUDA calls, CUDA Graphs, allocation pointers, launch
    dimensions, socket tracepoints). 1b: sendto/recvfrom round trips of an untraced process with the
-   agent's socket tracepoints on, divided by the same without the agent (the host-wide cost).
+   agent's socket tracepoints on, divided by the same without the agent (the host-wide cost). 1c:
+   write/read round trips on a pipe of an untraced process, agent with ``--socket-rw`` divided by the
+   default agent (what that option costs every other process's reads and writes).
 2. 300 k events/s for a few seconds: every event must arrive (kernel ring drops = 0, aggregates
    count = calls made). Target: no lost events.
 3. 100 k events/s: CPU of the drainer (ring buffer reads) in % of one core; the writer thread and
@@ -79,9 +81,12 @@ def loop_ns(b: dict[str, Path], calls: int) -> tuple[float, float]:
     return float(out[0]), float(out[1])
 
 
-def with_agent(b: dict[str, Path], db: Path, action: Callable[[TraceReady], Any]) -> tuple[Any, dict[str, Any]]:
+def with_agent(
+    b: dict[str, Path], db: Path, action: Callable[[TraceReady], Any], socket_rw: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """Run the real agent (run_trace: probes, pipeline, writer) around ``action``."""
     opts = TraceOptions(
+        socket_rw=socket_rw,
         db_path=db,
         identity=Identity("bench"),
         overrides={"cuda": [str(b["cuda"])], "cudart": [str(b["cudart"])]},
@@ -149,22 +154,29 @@ def bench_overhead(b: dict[str, Path], tmp: Path, rounds: int, reps: int, calls:
         )
 
 
-def bench_sockets(b: dict[str, Path], tmp: Path, rounds: int, reps: int, trips: int) -> None:
+def bench_sockets(b: dict[str, Path], tmp: Path, rounds: int, reps: int, trips: int, rw: bool = False) -> None:
     """Socket round trips (sendto + recvfrom) of a process ingero does not trace: the host-wide cost of
-    the socket tracepoints (net_probes.c), agent recording vs no agent, rounds alternating."""
+    the socket tracepoints (net_probes.c), agent recording vs no agent, rounds alternating. ``rw``:
+    write + read on a pipe instead, agent with ``--socket-rw`` vs the default agent (the cost of that
+    option to every other process's reads and writes)."""
     exe = tmp / "syscall_loop"
     subprocess.run(["gcc", "-O2", "-o", str(exe), str(FIXTURES / "syscall_loop.c")], check=True)
 
     def trip_ns() -> float:
-        cmd = ["taskset", "-c", str(LOOP_CPU), str(exe), str(trips)]
+        cmd = ["taskset", "-c", str(LOOP_CPU), str(exe), str(trips), *(["rw"] if rw else [])]
         return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+    def measured(_ready: TraceReady) -> list[float]:
+        return [trip_ns() for _ in range(reps)]
 
     off: list[float] = []
     on: list[float] = []
     for r in range(rounds):
-        off += [trip_ns() for _ in range(reps)]
-        got, _ = with_agent(b, tmp / f"sockets{r}.db", lambda _ready: [trip_ns() for _ in range(reps)])
-        on += got
+        if rw:
+            off += with_agent(b, tmp / f"rw-off{r}.db", measured)[0]
+        else:
+            off += [trip_ns() for _ in range(reps)]
+        on += with_agent(b, tmp / f"sockets{r}.db", measured, socket_rw=rw)[0]
     print(
         f"  no agent min {min(off):7.1f} ns/round trip (median {statistics.median(off):7.1f}); "
         f"agent min {min(on):7.1f} (median {statistics.median(on):7.1f})"
@@ -210,6 +222,9 @@ def main() -> int:
 
         print("1b. socket round trips of an untraced process (agent with its socket tracepoints / no agent)")
         bench_sockets(b, tmp, rounds, reps, calls)
+
+        print("1c. read/write round trips on a pipe of an untraced process (agent --socket-rw / default agent)")
+        bench_sockets(b, tmp, rounds, reps, calls, rw=True)
 
         print("2. 300 k events/s: lost events")
         calls_made, info, counted = paced(b, tmp / "r300k.db", 300_000, secs)

@@ -142,6 +142,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     rec.add_argument("--ring-mb", type=int, default=16, metavar="MB", help="kernel ring buffer size (16)")
     rec.add_argument("--no-host", dest="host", action="store_false", help="skip scheduler/process/memory tracepoints")
     rec.add_argument("--no-io", dest="io", action="store_false", help="skip block I/O and TCP tracepoints")
+    rec.add_argument(
+        "--socket-rw",
+        action="store_true",
+        help="also record read(2)/write(2) on sockets (TLS clients, socket streams) as net_recv/net_send; "
+        "off by default: every read and write on the host then passes a probe",
+    )
     srv = p.add_argument_group("serving the agent API while tracing (same flags as 'ingero serve')")
     srv.add_argument("--listen", metavar="HOST:PORT", help="serve the agent API here while tracing")
     serve.add_server_args(p, srv)
@@ -178,6 +184,8 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         listen = functools.partial(serve_api, settings)
     elif args.no_tls or args.tls_cert or args.client_ca or args.token or args.token_file or args.insecure_no_auth:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
+    if args.socket_rw and not args.io:
+        raise UsageError("--socket-rw records socket I/O, which --no-io turns off", hint="drop one of the two")
     raw_db = str(common.db_path_from(args))
     uids = resolve_users(args.user)
     return TraceOptions(
@@ -196,6 +204,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         ring_mb=args.ring_mb,
         host=args.host,
         io=args.io,
+        socket_rw=args.socket_rw,
         follow=args.follow,
         system_search=args.system_search,
         output=args.output,

@@ -26,7 +26,7 @@ import numpy as np
 
 from ingero.errors import TracingUnavailableError
 from ingero.store import catalog
-from ingero.trace import elfsyms
+from ingero.trace import btf, elfsyms
 from ingero.trace.ringbuf import EMPTY, RingReader
 
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
@@ -127,6 +127,7 @@ class ProbeOptions:
     ring_mb: int = 16
     host: bool = True  # scheduler / process / memory tracepoints
     io: bool = True  # block I/O and TCP tracepoints
+    socket_rw: bool = False  # read/write on sockets too (with io; every process's read/write pays a lookup)
 
 
 @dataclass
@@ -216,6 +217,8 @@ def _cflags(options: ProbeOptions) -> list[str]:
         f"-DINGERO_STACK_MODE={STACK_MODES[options.stack_mode]}",
         f"-DINGERO_RING_PAGES={ring_pages(options)}",
         f"-DINGERO_HAVE_OOM={int(tracepoint_exists('oom', 'mark_victim'))}",
+        f"-DINGERO_SOCKET_RW={int(options.io and options.socket_rw)}",
+        *(btf.offset_defines() if options.io and options.socket_rw else []),
         *catalog_defines(),
         "-Wno-unused-function",
     ]

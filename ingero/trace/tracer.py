@@ -65,6 +65,7 @@ class TraceOptions:
     ring_mb: int = 16
     host: bool = True
     io: bool = True
+    socket_rw: bool = False  # --socket-rw: read/write on sockets recorded too (net_send / net_recv)
     follow: bool = True
     system_search: bool = True  # ldconfig, CUDA installs, pip bundles (off: overrides + processes only)
     drain_interval_s: float = 0.05
@@ -225,6 +226,7 @@ async def run_trace(
         ring_mb=opts.ring_mb,
         host=opts.host,
         io=opts.io,
+        socket_rw=opts.socket_rw,
     )
     # The database first: a second tracer on it fails at once (the writer lock), before any compiling.
     writer = StoreWriter(opts.db_path, opts.identity)

@@ -5,8 +5,11 @@
  *   breadth leak DIR N       N cudaMalloc of 1 MiB, every 4th freed: live memory grows steadily
  *   breadth healthy DIR N    N cudaMalloc of 1 MiB, each freed at once
  *   breadth net DIR N        one cudaMalloc (the process becomes a traced target), then N sendto/recvfrom
- *                            of 1000 bytes and N sendmsg/recvmsg of 300 bytes on a socketpair */
+ *                            of 1000 bytes and N sendmsg/recvmsg of 300 bytes on a socketpair
+ *   breadth netrw DIR N      one cudaMalloc, then N write/read of 700 bytes on a socketpair, and the same
+ *                            on a pipe and a regular file (not sockets); prints the fds */
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -138,6 +141,29 @@ static int net(int n) {
     return 0;
 }
 
+static int netrw(int n) {
+    int (*malloc_)(void **, size_t) = sym(cudart, "cudaMalloc");
+    void *p;
+    int sv[2], pv[2];
+    char buf[700], tmpl[] = "/tmp/ingero-netrw-XXXXXX";
+    memset(buf, 9, sizeof buf);
+    int file = mkstemp(tmpl);
+    if (malloc_(&p, 4096) || socketpair(AF_UNIX, SOCK_STREAM, 0, sv) || pipe(pv) || file < 0)
+        return 1;
+    unlink(tmpl);
+    printf("fds %d %d pipe %d %d file %d\n", sv[0], sv[1], pv[0], pv[1], file);
+    for (int i = 0; i < n; i++) {
+        if (write(sv[0], buf, 700) != 700 || read(sv[1], buf, 700) != 700)
+            return 1;
+        if (write(pv[1], buf, 700) != 700 || read(pv[0], buf, 700) != 700)
+            return 1;
+        if (pwrite(file, buf, 700, 0) != 700 || lseek(file, 0, SEEK_SET) != 0 || write(file, buf, 700) != 700 ||
+            lseek(file, 0, SEEK_SET) != 0 || read(file, buf, 700) != 700)
+            return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3)
         return 64;
@@ -148,6 +174,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[1], "leak")) rc = allocs(n, 4);
     else if (!strcmp(argv[1], "healthy")) rc = allocs(n, 1);
     else if (!strcmp(argv[1], "net")) rc = net(n);
+    else if (!strcmp(argv[1], "netrw")) rc = netrw(n);
     printf("done %d\n", rc);
     return rc != 0;
 }

@@ -3,9 +3,11 @@
 //   net_send (sendto, sendmsg), net_recv (recvfrom, recvmsg): ts = syscall entry, duration = the
 //   syscall's latency, arg0 = bytes moved (0 on error), arg1 = the socket's file descriptor (one
 //   connection of the process), ret = the error (negative errno) or 0.
-// Only processes in `targets` (the traced GPU processes and their children) are recorded. Plain
-// read/write on sockets are not: telling a socket from a file needs a kprobe or a per-fd lookup on
-// the hottest syscalls of every process.
+// Only processes in `targets` (the traced GPU processes and their children) are recorded.
+// With INGERO_SOCKET_RW (`ingero trace --socket-rw`), read(2)/write(2) on a socket count too (TLS
+// libraries and plain socket streams use them): after the `targets` check, the fd is looked up in the
+// task's file table and kept only when its inode is a socket. Off by default: those tracepoints fire
+// on every read and write of every process on the host (each pays one map lookup).
 
 struct net_start {
     u64 ts;
@@ -72,3 +74,66 @@ TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) {
     net_exit(args->ret);
     return 0;
 }
+
+#if INGERO_SOCKET_RW
+// 1 when `fd` of the current task is a socket: task->files->fdt->fd[fd]->f_inode->i_mode, each read
+// with bpf_probe_read_kernel at the running kernel's offsets (KOFF_*, from its BTF: ingero/trace/btf.py;
+// the installed headers may describe another kernel).
+static __always_inline void *kread_ptr(void *base, u64 off) {
+    void *p = NULL;
+    bpf_probe_read_kernel(&p, sizeof(p), base + off);
+    return p;
+}
+
+static __always_inline int fd_is_socket(u64 fd) {
+    void *task = (void *)bpf_get_current_task();
+    void *files = kread_ptr(task, KOFF_task_struct_files);
+    if (!files)
+        return 0;
+    void *fdt = kread_ptr(files, KOFF_files_struct_fdt);
+    if (!fdt)
+        return 0;
+    u32 max_fds = 0;
+    bpf_probe_read_kernel(&max_fds, sizeof(max_fds), fdt + KOFF_fdtable_max_fds);
+    if (fd >= max_fds)
+        return 0;
+    void *fds = kread_ptr(fdt, KOFF_fdtable_fd);
+    if (!fds)
+        return 0;
+    void *file = kread_ptr(fds, fd * sizeof(void *));
+    if (!file)
+        return 0;
+    void *inode = kread_ptr(file, KOFF_file_f_inode);
+    if (!inode)
+        return 0;
+    u16 mode = 0;
+    bpf_probe_read_kernel(&mode, sizeof(mode), inode + KOFF_inode_i_mode);
+    return (mode & 0170000) == 0140000;  // S_ISSOCK
+}
+
+static __always_inline void net_enter_rw(u64 fd, u32 op) {
+    if (stopping())
+        return;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!targets.lookup(&tgid) || !fd_is_socket(fd))
+        return;
+    net_enter(fd, op);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_write) {
+    net_enter_rw(args->fd, OP_net_send);
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_write) {
+    net_exit(args->ret);
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_read) {
+    net_enter_rw(args->fd, OP_net_recv);
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_read) {
+    net_exit(args->ret);
+    return 0;
+}
+#endif
