@@ -25,6 +25,7 @@ examples:
                                                            record and serve the agent API (mTLS)
   sudo ingero trace --db trace.db --cuda-lib /opt/app/lib/libcudart.so.12 --nccl-lib /opt/nccl/lib/libnccl.so.2
   sudo ingero trace --db trace.db --store all --stack full --max-db 2g
+  sudo ingero trace --db trace.db --socket-rw              socket read/write too (a data loader over HTTPS)
   sudo ingero trace --db trace.db --prometheus :9464 --otlp http://otelcol:4318
                                                            export metrics (Prometheus scrape, OTLP push)
 
