@@ -63,13 +63,13 @@ def listen_from(args: argparse.Namespace, default_port: int) -> object:
     from pathlib import Path
 
     from ingero.api.https import Listen
-    from ingero.cli.serve import parse_listen
+    from ingero.cli.serve import bearer_token, parse_listen
     from ingero.config import is_loopback
     from ingero.errors import UsageError
 
     text = args.listen or f"127.0.0.1:{default_port}"
     host, port = parse_listen(f"127.0.0.1{text}" if text.startswith(":") else text)
-    token = server_token(args.token_file)
+    token = bearer_token(args.token_file)  # --token-file, else $INGERO_TOKEN (--token is the fleet's)
     if not is_loopback(host) and not token and not args.client_ca:
         raise UsageError(
             f"refusing to serve {host}:{port} without authentication", hint="add --token-file or --client-ca"
@@ -88,28 +88,6 @@ def listen_from(args: argparse.Namespace, default_port: int) -> object:
         no_tls=bool(args.no_tls),
         tls_dir=path(args.tls_dir),
     )
-
-
-def server_token(token_file: str | None) -> str | None:
-    """The bearer token callers must send: the one in ``--token-file``, else ``$INGERO_TOKEN``, else none."""
-    import os
-    from pathlib import Path
-
-    from ingero.errors import UsageError
-
-    if token_file:
-        path = Path(token_file).expanduser()
-        try:
-            token, source = path.read_text(encoding="utf-8").strip(), f"--token-file {path}"
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--token-file {path}: {getattr(e, 'strerror', None) or 'not readable text'}") from None
-    elif os.environ.get("INGERO_TOKEN") is not None:
-        token, source = os.environ["INGERO_TOKEN"].strip(), "$INGERO_TOKEN"
-    else:
-        return None
-    if not token or any(c.isspace() for c in token):
-        raise UsageError(f"{source}: a token is one non-empty word")
-    return token
 
 
 def settings_from(args: argparse.Namespace) -> object:

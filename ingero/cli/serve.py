@@ -162,25 +162,38 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def token_from(args: argparse.Namespace, configured: str | None, configured_file: str | None = None) -> str | None:
-    """The bearer token: --token-file > --token > $INGERO_TOKEN > agent.token_file > agent.token; None
-    when there is none. A token that is given but empty (an empty file, ``--token ""``) is an error,
-    never "no auth". --token works but warns: every local user sees it in 'ps'."""
-    from ingero.cli.output import warn
+    """The bearer token of ``ingero serve`` / ``trace --listen``: see :func:`bearer_token`; --token and
+    --token-file together are an error."""
     from ingero.errors import UsageError
 
     if args.token_file and args.token is not None:
         raise UsageError("--token and --token-file conflict", hint="keep --token-file (ps does not show it)")
-    if args.token_file or (args.token is None and "INGERO_TOKEN" not in os.environ and configured_file):
-        flag = "--token-file" if args.token_file else "agent.token_file"
-        path = Path(args.token_file or configured_file or "").expanduser()
+    return bearer_token(args.token_file, args.token, configured, configured_file)
+
+
+def bearer_token(
+    token_file: str | None,
+    token_flag: str | None = None,
+    configured: str | None = None,
+    configured_file: str | None = None,
+) -> str | None:
+    """The bearer token a server requires: --token-file > --token > $INGERO_TOKEN > agent.token_file >
+    agent.token; None when there is none. A token that is given but empty (an empty file, ``--token ""``)
+    is an error, never "no auth". --token works but warns: every local user sees it in 'ps'."""
+    from ingero.cli.output import warn
+    from ingero.errors import UsageError
+
+    if token_file or (token_flag is None and "INGERO_TOKEN" not in os.environ and configured_file):
+        flag = "--token-file" if token_file else "agent.token_file"
+        path = Path(token_file or configured_file or "").expanduser()
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else "not readable UTF-8 text"
             raise UsageError(f"{flag} {path}: {reason}") from None
         source, token = f"{flag} {path}", text.strip()
-    elif args.token is not None:
-        source, token = "--token", args.token.strip()
+    elif token_flag is not None:
+        source, token = "--token", token_flag.strip()
     elif "INGERO_TOKEN" in os.environ:
         source, token = "$INGERO_TOKEN", os.environ["INGERO_TOKEN"].strip()
     elif configured is not None:
