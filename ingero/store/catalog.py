@@ -32,7 +32,7 @@ SOURCES: list[tuple[int, str, str]] = [
     (DRIVER, "DRIVER", "CUDA Driver API (libcuda.so) — uprobes"),
     (IO, "IO", "Block I/O events — tracepoints (block_rq_issue/block_rq_complete)"),
     (TCP, "TCP", "TCP events — tracepoints (tcp_retransmit_skb)"),
-    (NET, "NET", "Socket I/O of traced processes — send*/recv* tracepoints (read/write too: --socket-rw)"),
+    (NET, "NET", "Socket send/receive of traced processes — syscall tracepoints (sendto/sendmsg/recvfrom/recvmsg)"),
     (CUDA_GRAPH, "CUDA_GRAPH", "CUDA Graph events — uprobes on libcudart/libcuda; arg0/arg1 = graph handles"),
     (NCCL, "NCCL", "NCCL collectives (libnccl.so) — uprobes; arg0 = bytes, arg1 = communicator (see nccl_calls)"),
 ]
