@@ -1,5 +1,5 @@
 """Real uprobes: a CPython program calling the test libcudart through ctypes from step() gets
-``[Python] cudart_pyframes.py:<line> in step()`` frames in its stored stacks (3.11 and 3.12)."""
+``[Python] cudart_pyframes.py:<line> in step()`` frames in its stored stacks (3.10, 3.11 and 3.12)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _python(version: str) -> str:
     pytest.skip(f"no python{version} here")
 
 
-@pytest.mark.parametrize("version", ["3.11", "3.12"])
+@pytest.mark.parametrize("version", ["3.10", "3.11", "3.12"])
 def test_python_function_and_line_in_stored_stacks(built: Built, tmp_path: Path, version: str) -> None:
     exe = _python(version)
     opts = TraceOptions(

@@ -104,7 +104,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         "--no-python-frames",
         dest="python_frames",
         action="store_false",
-        help="no [Python] file:line frames in stored stacks (read from CPython 3.11/3.12 processes' memory)",
+        help="no [Python] file:line frames in stored stacks (read from CPython 3.10–3.12 processes' memory)",
     )
     rec.add_argument(
         "--store",

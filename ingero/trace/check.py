@@ -190,7 +190,7 @@ def check_gpu() -> CheckResult:
 
 
 def check_python_frames(scope: int | None = None, *, root: bool | None = None) -> CheckResult:
-    """Can the tracer read CPython 3.11/3.12 frames from traced processes (kernel.yama.ptrace_scope)?"""
+    """Can the tracer read CPython 3.10–3.12 frames from traced processes (kernel.yama.ptrace_scope)?"""
     from ingero.trace.pyframes import SUPPORTED, ptrace_problem, ptrace_scope
 
     scope = ptrace_scope() if scope is None else scope

@@ -1,13 +1,19 @@
-"""Python frames of a CPython 3.11 / 3.12 thread, read from the process's memory (``/proc/<pid>/mem``).
+"""Python frames of a CPython 3.10–3.12 thread, read from the process's memory (``/proc/<pid>/mem``).
 
 For a stored stack the tracer adds ``[Python] train.py:42 in step()`` frames beside the native ones:
 the interpreter's ``_PyRuntime`` (its own ELF section ``.PyRuntime`` in libpython or the python
 executable) -> the main interpreter -> its thread states -> the one whose ``native_thread_id`` is
 the calling thread -> its current ``_PyInterpreterFrame`` chain. Code objects (file, qualified name,
 first line, line table) are cached by address; the line comes from the frame's last instruction and
-the code's location table (PEP 626/657 format, the same in 3.11 and 3.12). Struct offsets are version
-tables (:data:`OFFSETS`, generated with ``offsetof`` against each version's internal headers; 3.13+
-would read ``_Py_DebugOffsets`` instead). Stacks are symbolized when first stored, a few
+the code's location table (:mod:`ingero.trace.pylines`). Struct offsets are version tables
+(:data:`OFFSETS`, generated with ``offsetof`` against each version's internal headers; 3.13+ would
+read ``_Py_DebugOffsets`` instead).
+
+3.10 differs: a thread state holds ``thread_id`` (the ``pthread_t``) rather than the kernel's thread
+id, which is read from the thread's ``struct pthread`` at an offset found once per process (the
+main thread's holds the pid; glibc x86_64 keeps it at 720); frames are ``PyFrameObject`` linked by
+``f_back`` with ``f_lasti`` in code units, code objects have ``co_name`` (no qualified name) and the
+3.10 line table. Stacks are symbolized when first stored, a few
 milliseconds after the call: the frames are the thread's at that moment — the caller's while it is
 still in the call or its loop, which is the case this exists for (hot GPU call sites).
 
@@ -24,6 +30,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ingero.trace.pylines import line_of, line_of_310
 
 MAX_FRAMES = 64
 MAX_THREADS = 4096
@@ -80,7 +88,29 @@ OFFSETS: dict[str, dict[str, int]] = {
         "unicode_compact_data": 56,
     },
 }
-SUPPORTED = tuple(OFFSETS)
+OFFSETS["3.10"] = {
+    "runtime_interpreters_head": 32,
+    "interp_threads_head": 8,
+    "tstate_next": 8,
+    "tstate_thread_id": 176,  # the pthread_t; the kernel tid lies in its struct pthread
+    "tstate_frame": 24,
+    "frame_back": 24,
+    "frame_code": 32,
+    "frame_lasti": 96,
+    "code_filename": 104,
+    "code_qualname": 112,  # co_name: 3.10 code objects have no qualified name
+    "code_firstlineno": 40,
+    "code_linetable": 120,
+    "bytes_size": 16,
+    "bytes_data": 32,
+    "unicode_length": 16,
+    "unicode_state": 32,
+    "unicode_ascii_data": 48,
+    "unicode_compact_data": 72,
+}
+SUPPORTED = tuple(sorted(OFFSETS))
+PTHREAD_TID_OFFSET = 720  # glibc x86_64's struct pthread.tid; searched for when it does not hold
+PTHREAD_SPAN = 2048  # bytes of a struct pthread searched for the tid
 FRAME_OWNED_BY_CSTACK = 3  # 3.12: the C stack's entry shim, not Python code
 
 
@@ -174,6 +204,7 @@ class PyProcess:
         self.runtime = 0
         self._fd: int | None = None
         self._codes: dict[int, _Code | None] = {}
+        self._tid_offset: int | None = None  # 3.10: where struct pthread keeps the kernel tid
         self._locate()
 
     def _locate(self) -> None:
@@ -264,17 +295,47 @@ class PyProcess:
         self._codes[addr] = code
         return code
 
-    def _tstate(self, tid: int, o: dict[str, int]) -> int:
+    def _tstates(self, o: dict[str, int]) -> list[int]:
         interp = self._ptr(self.runtime + o["runtime_interpreters_head"])
         ts = self._ptr(interp + o["interp_threads_head"])
-        for _ in range(MAX_THREADS):
-            if not ts:
-                break
-            native = int(struct.unpack("<Q", self._read(ts + o["tstate_native_thread_id"], 8))[0])
-            if native == tid:
-                return ts
+        out: list[int] = []
+        while ts and len(out) < MAX_THREADS:
+            out.append(ts)
             ts = self._ptr(ts + o["tstate_next"])
+        return out
+
+    def _tstate(self, tid: int, o: dict[str, int]) -> int:
+        states = self._tstates(o)
+        for ts in states:
+            if self._native_tid(ts, o, states) == tid:
+                return ts
         return 0
+
+    def _native_tid(self, ts: int, o: dict[str, int], states: list[int]) -> int:
+        if "tstate_native_thread_id" in o:
+            return int(struct.unpack("<Q", self._read(ts + o["tstate_native_thread_id"], 8))[0])
+        pthread = self._ptr(ts + o["tstate_thread_id"])
+        off = self._pthread_tid_offset(o, states)
+        return -1 if off is None else int(struct.unpack("<i", self._read(pthread + off, 4))[0])
+
+    def _pthread_tid_offset(self, o: dict[str, int], states: list[int]) -> int | None:
+        """Where this process's libc keeps a thread's kernel tid in its ``struct pthread``: the offset
+        at which the main thread's holds the pid (:data:`PTHREAD_TID_OFFSET` when it does there)."""
+        if self._tid_offset is not None:
+            return self._tid_offset
+        for ts in states:
+            try:
+                block = self._read(self._ptr(ts + o["tstate_thread_id"]), PTHREAD_SPAN)
+            except OSError:
+                continue
+            ints = struct.unpack(f"<{PTHREAD_SPAN // 4}i", block)
+            if ints[PTHREAD_TID_OFFSET // 4] == self.pid:
+                self._tid_offset = PTHREAD_TID_OFFSET
+            elif self.pid in ints:
+                self._tid_offset = ints.index(self.pid) * 4
+            if self._tid_offset is not None:
+                break
+        return self._tid_offset
 
     def frames(self, tid: int) -> list[PyFrame]:
         """The thread's Python frames, innermost first ([] when it has none or cannot be read)."""
@@ -286,6 +347,8 @@ class PyProcess:
             ts = self._tstate(tid, o)
             if not ts:
                 return []
+            if "tstate_frame" in o:
+                return self._frames_310(self._ptr(ts + o["tstate_frame"]), o, out)
             frame = self._ptr(self._ptr(ts + o["tstate_cframe"]) + o["cframe_current_frame"])
             span = max(o["frame_owner"] + 1, o["frame_code"] + 8, o["frame_previous"] + 8, o["frame_prev_instr"] + 8)
             for _ in range(MAX_FRAMES):
@@ -307,55 +370,25 @@ class PyProcess:
             pass  # the thread moved on meanwhile: what was read so far
         return out
 
-
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    b = data[i]
-    i += 1
-    value, shift = b & 63, 6
-    while b & 64:
-        b = data[i]
-        i += 1
-        value |= (b & 63) << shift
-        shift += 6
-    return value, i
-
-
-def _svarint(data: bytes, i: int) -> tuple[int, int]:
-    u, i = _varint(data, i)
-    return (-(u >> 1) if u & 1 else u >> 1), i
-
-
-def line_of(table: bytes, firstlineno: int, index: int) -> int:
-    """Source line of code unit ``index`` from a 3.11+ location table (Objects/locations.md)."""
-    line, unit, i = firstlineno, 0, 0
-    try:
-        while i < len(table):
-            head = table[i]
-            i += 1
-            code, length = (head >> 3) & 15, (head & 7) + 1
-            delta: int | None = 0
-            if code == 15:  # no location
-                delta = None
-            elif code == 14:  # long form: line delta, end line delta, column, end column
-                delta, i = _svarint(table, i)
-                _, i = _varint(table, i)
-                _, i = _varint(table, i)
-                _, i = _varint(table, i)
-            elif code == 13:  # no column
-                delta, i = _svarint(table, i)
-            elif code >= 10:  # one-line forms: the line delta is the code - 10, then 2 column bytes
-                delta = code - 10
-                i += 2
-            else:  # short form: same line, one column byte
-                i += 1
-            if delta is not None:
-                line += delta
-            if unit <= index < unit + length:
-                return line
-            unit += length
-    except IndexError:
-        pass
-    return line
+    def _frames_310(self, frame: int, o: dict[str, int], out: list[PyFrame]) -> list[PyFrame]:
+        """3.10's ``PyFrameObject`` chain (``f_back``), innermost first."""
+        span = max(o["frame_back"] + 8, o["frame_code"] + 8, o["frame_lasti"] + 4)
+        try:
+            for _ in range(MAX_FRAMES):
+                if not frame:
+                    break
+                raw = self._read(frame, span)
+                code_addr = int.from_bytes(raw[o["frame_code"] : o["frame_code"] + 8], "little")
+                code = self._code(code_addr, o) if code_addr else None
+                if code is not None:
+                    lasti = int.from_bytes(raw[o["frame_lasti"] : o["frame_lasti"] + 4], "little", signed=True)
+                    out.append(
+                        PyFrame(code.filename, code.qualname, line_of_310(code.linetable, code.firstlineno, lasti * 2))
+                    )
+                frame = int.from_bytes(raw[o["frame_back"] : o["frame_back"] + 8], "little")
+        except OSError:
+            pass  # the thread moved on meanwhile: what was read so far
+        return out
 
 
 class PyFrames:

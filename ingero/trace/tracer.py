@@ -60,7 +60,7 @@ class TraceOptions:
     store_mode: str = "selective"
     budget_per_s: int = 1000
     stack_samples: int = 0  # distinct stacks kept per (pid, op); 0 = no limit
-    python_frames: bool = True  # [Python] file:line frames in stored stacks of CPython 3.11/3.12 threads
+    python_frames: bool = True  # [Python] file:line frames in stored stacks of CPython 3.10–3.12 threads
     max_db_bytes: int = 0
     ring_mb: int = 16
     host: bool = True
