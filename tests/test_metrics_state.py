@@ -15,9 +15,9 @@ from ingero.identity import Identity
 from ingero.metrics import registry as r
 from ingero.metrics.dbfeed import DatabaseFeed, database_provider, db_size
 from ingero.metrics.prometheus import families, parse_prometheus_addr
-from ingero.metrics.state import MetricState
+from ingero.metrics.state import MetricState, duration_buckets
 from ingero.store import catalog
-from ingero.trace.recorder import OP_NCCL_COMM_INIT
+from ingero.trace.recorder import BYTES_OPS, OP_NCCL_COMM_INIT
 from ingero.trace.ringbuf import EVENT_DTYPE
 from tests.conftest import INVESTIGATIONS
 
@@ -275,3 +275,177 @@ def test_the_cluster_wide_communicator_id_names_the_communicator() -> None:
     st.observe(events([init, {"source": catalog.NCCL, "op": 1, "pid": 10, "arg1": 0x5000, "duration": MS}]))
     got = series(st)
     assert got[("ingero_collectives_total", lab(comm="9e3779b97f4a7c15", comm_rank="2", comm_size="4"))] == 1
+
+
+def reference_snapshot(
+    batches: list[np.ndarray],
+) -> tuple[dict[tuple[str, tuple[str, ...]], float], dict[tuple[str, ...], tuple[object, ...]], dict[int, int]]:
+    """Every exported total of ``batches``, computed per event in plain Python (the definitions, not
+    the vectorised code): samples, histograms and the carried last GPU end per pid."""
+    bounds = [round(b * 1e9) for b in r.DURATION_BUCKETS_S]
+    rel_mask = (1 << 40) - 1
+    base_labels = ("gpu-node-07", "3")
+    count: dict[tuple[int, int], int] = {}
+    nbytes: dict[tuple[int, int], float] = {}
+    hist: dict[tuple[int, int], list[int]] = {}
+    hsum: dict[tuple[int, int], float] = {}
+    hmin: dict[tuple[int, int], int] = {}
+    hmax: dict[tuple[int, int], int] = {}
+    offcpu = [0, 0, 0]
+    idle = 0
+    last_end: dict[int, int] = {}
+    comm_label: dict[tuple[int, int], tuple[str, int, int]] = {}
+    comm_seq: dict[int, int] = {}
+    comm_tot: dict[tuple[int, int], list[int]] = {}
+    for batch in batches:
+        rows = batch.tolist()  # (ts, duration, arg0, arg1, cgroup_id, pid, tid, ret, stack_id, source, op, ...)
+        for _ts, _dur, arg0, arg1, cgroup, pid, *_, _src, op, _cpu, _flags in rows:
+            if op == OP_NCCL_COMM_INIT and arg0 and (pid, arg0) not in comm_label:
+                k = comm_seq.get(pid, 0)
+                comm_seq[pid] = k + 1
+                label = f"{cgroup:016x}" if cgroup else f"c{k}/{arg1 >> 32}"
+                comm_label[(pid, arg0)] = (
+                    "other" if len(comm_label) >= r.MAX_COMMS else label,
+                    arg1 & 0xFFFFFFFF,
+                    arg1 >> 32,
+                )
+        rows = [e for e in rows if e[10] < OP_NCCL_COMM_INIT]
+        gpu: dict[int, list[tuple[int, int]]] = {}
+        wait: dict[tuple[int, int], float] = {}
+        batch_bytes: dict[tuple[int, int], float] = {}  # float sums per batch, in event order, then totalled
+        batch_sum: dict[tuple[int, int], float] = {}
+        for ts, dur, arg0, arg1, _cg, pid, *_, src, op, _cpu, _flags in rows:
+            c = (src, op)
+            count[c] = count.get(c, 0) + 1
+            if c in BYTES_OPS:
+                batch_bytes[c] = batch_bytes.get(c, 0.0) + float(arg0)
+            if src in (catalog.CUDA, catalog.DRIVER, catalog.NCCL, catalog.IO, catalog.NET):
+                hist.setdefault(c, [0] * (len(bounds) + 1))[bisect.bisect_left(bounds, dur)] += 1
+                batch_sum[c] = batch_sum.get(c, 0.0) + float(dur)
+                hmin[c] = min(hmin.get(c, dur), dur)
+                hmax[c] = max(hmax.get(c, dur), dur)
+            if c == catalog.op_id("sched_switch"):
+                offcpu[0 if arg0 in (0, 256) else 2 if arg0 & 2 else 1] += dur
+            if src in (catalog.CUDA, catalog.DRIVER, catalog.NCCL):
+                gpu.setdefault(pid, []).append((ts, dur))
+            if src == catalog.NCCL:
+                comm_label.setdefault((pid, arg1), ("unknown", -1, 0))  # calls before (or without) its init
+                comm_tot.setdefault((pid, arg1), [0, 0])[0] += 1
+                wait[(pid, arg1)] = wait.get((pid, arg1), 0.0) + float(dur)
+        for c, b in batch_bytes.items():
+            nbytes[c] = nbytes.get(c, 0.0) + b
+        for c, b in batch_sum.items():
+            hsum[c] = hsum.get(c, 0.0) + b
+        for pk, w in wait.items():
+            comm_tot[pk][1] += int(w)
+        if gpu:  # times relative to the batch's first GPU call, capped at 2^40 ns like observe's
+            base = min(ts for calls in gpu.values() for ts, _ in calls)
+            for pid, calls in gpu.items():
+                reach = -1
+                for ts, dur in sorted(calls):
+                    start = min(ts - base, rel_mask)
+                    end = min(start + min(dur, rel_mask), rel_mask)
+                    prev = reach if reach >= 0 else (last_end[pid] - base if pid in last_end else start)
+                    if start - prev >= r.GPU_IDLE_MIN_GAP_NS:
+                        idle += start - prev
+                    reach = max(reach, end)
+                last_end[pid] = max(reach + base, last_end.get(pid, 0))
+    src_names = {s: n for s, n, _ in catalog.SOURCES}
+    samples: dict[tuple[str, tuple[str, ...]], float] = {}
+    for (s, o), n in count.items():
+        samples[("ingero_events", (*base_labels, src_names[s], catalog.op_name(s, o)))] = float(n)
+    for (s, o), b in nbytes.items():
+        samples[("ingero_bytes", (*base_labels, src_names[s], catalog.op_name(s, o)))] = b
+    for state_name, ns in zip(r.OFFCPU_STATES, offcpu, strict=True):
+        samples[("ingero_offcpu_seconds", (*base_labels, state_name))] = ns / 1e9
+    samples[("ingero_gpu_idle_seconds", base_labels)] = idle / 1e9
+    latest = max(last_end.values(), default=0)
+    active = sum(1 for t in last_end.values() if t >= latest - r.GPU_ACTIVE_WINDOW_NS)
+    samples[("ingero_gpu_processes", base_labels)] = float(active)
+    per_label: dict[tuple[str, int, int], list[int]] = {}
+    for pk, labels in comm_label.items():  # registered communicators are exported before their first call
+        calls, wait_ns = comm_tot.get(pk, (0, 0))
+        t = per_label.setdefault(labels, [0, 0])
+        t[0] += calls
+        t[1] += wait_ns
+    for (label, rank, size), (calls, wait_ns) in per_label.items():
+        samples[("ingero_collectives", (*base_labels, label, str(rank), str(size)))] = float(calls)
+        samples[("ingero_collective_wait_seconds", (*base_labels, label, str(rank), str(size)))] = wait_ns / 1e9
+    hists = {
+        (*base_labels, src_names[s], catalog.op_name(s, o)): (
+            tuple(b),
+            hsum[(s, o)] / 1e9,
+            hmin[(s, o)] / 1e9,
+            hmax[(s, o)] / 1e9,
+        )
+        for (s, o), b in hist.items()
+    }
+    return samples, hists, last_end
+
+
+def random_batch(rng: np.random.Generator, n: int, pids: int, sorted_ts: bool) -> np.ndarray:
+    ops = [(catalog.CUDA, 3), (catalog.CUDA, 7), (catalog.DRIVER, 1), (catalog.NCCL, 1), (catalog.NCCL, 6)]
+    ops += [(catalog.HOST, 1), (catalog.HOST, 1), (catalog.HOST, 5), (catalog.IO, 2), (catalog.NET, 1)]
+    ops += [(catalog.NCCL, OP_NCCL_COMM_INIT), (catalog.NCCL, OP_NCCL_COMM_INIT + 1)]
+    ev = np.zeros(n, dtype=EVENT_DTYPE)
+    which = rng.integers(0, len(ops), n)
+    ev["source"] = [ops[w][0] for w in which]
+    ev["op"] = [ops[w][1] for w in which]
+    ev["pid"] = rng.integers(0, pids, n) * 4099 + 7  # pids above 65535 too
+    ev["tid"] = ev["pid"] + 1
+    span = int(rng.choice([2 * MS, 50 * MS, 10_000 * MS]))
+    ev["ts"] = (1 << 60) + rng.integers(0, span, n)  # batches overlap in time: carried ends matter
+    if sorted_ts:
+        ev["ts"] = np.sort(ev["ts"])
+    ev["duration"] = np.exp(rng.uniform(0, np.log(2e9), n)).astype(np.uint64)
+    bounds = [round(b * 1e9) for b in r.DURATION_BUCKETS_S]
+    edges = sorted(
+        {0, 1, *(b + d for b in bounds for d in (-1, 0, 1)), *(2**k + d for k in range(1, 64) for d in (-1, 0))}
+    )
+    edge = rng.random(n) < 0.2  # bucket edges, powers of two, up to 2^64 - 1
+    ev["duration"][edge] = rng.choice(np.array(edges, dtype=np.uint64), int(edge.sum()))
+    ev["arg0"] = rng.integers(0, 1 << 40, n)
+    host = ev["source"] == catalog.HOST
+    ev["duration"][host] &= (1 << 50) - 1  # off-CPU totals are int64
+    ev["arg0"][host] = rng.choice([0, 1, 2, 3, 256, 258, 0x402, 0x80], int(host.sum()))  # prev_state
+    comms = np.array([0x7F00_0000_1000, 0x7F00_0000_2000, 0x7F00_0000_3000], dtype=np.uint64)
+    ev["arg1"] = rng.choice(comms, n)
+    init = ev["op"] == OP_NCCL_COMM_INIT
+    ev["arg0"][init] = rng.choice(comms[:2], int(init.sum()))
+    ev["arg1"][init] = 8 << 32 | 3
+    ev["cgroup_id"][init] = rng.choice([0, 0x9E3779B97F4A7C15], int(init.sum()))
+    return ev
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_observe_matches_a_per_event_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    work = [
+        random_batch(rng, int(rng.choice([0, 1, 2, 40, 3000])), int(rng.choice([1, 3, 70])), bool(rng.random() < 0.5))
+        for _ in range(14)
+    ]
+    work.insert(3, random_batch(rng, 500, 1, True))  # a single process
+    work.insert(5, work[4][::-1])  # not contiguous, not in time order
+    st = state()
+    for batch in work:
+        st.observe(batch)
+    want, want_hists, want_ends = reference_snapshot(work)
+    snap = st.snapshot()
+    got = {(s.metric.name, s.labels): s.value for s in snap.samples if s.metric is not r.INFO}
+    assert got == want
+    assert {h.labels: (h.counts, h.sum, h.min, h.max) for h in snap.histograms} == want_hists
+    assert dict(zip(st._gpu_pids.tolist(), st._gpu_ends.tolist(), strict=True)) == want_ends
+
+
+def test_duration_buckets_match_searchsorted() -> None:
+    bounds = np.array([round(b * 1e9) for b in r.DURATION_BUCKETS_S], dtype=np.uint64)
+    edges = {
+        0,
+        1,
+        2**64 - 1,
+        *(int(b) + d for b in bounds for d in (-1, 0, 1)),
+        *(2**k + d for k in range(64) for d in (-1, 0, 1)),
+    }
+    d = np.array(sorted(e for e in edges if 0 <= e < 2**64), dtype=np.uint64)
+    d = np.concatenate((d, np.random.default_rng(0).integers(0, 2**63, 100_000, dtype=np.uint64)))
+    assert (duration_buckets(d) == np.searchsorted(bounds, d, side="left")).all()

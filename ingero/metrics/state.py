@@ -10,6 +10,7 @@ registered with :meth:`MetricState.add_provider`, read at snapshot time.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from ingero.identity import Identity
 from ingero.metrics import registry as r
 from ingero.store import catalog
 from ingero.trace.recorder import BYTES_OPS, OP_NCCL_COMM_INIT
+from ingero.trace.ringbuf import EVENT_DTYPE
 
 MAX_SLOTS = 128  # distinct (source, op) pairs; the catalog has ~40
 _BOUNDS_NS = np.array([round(b * 1e9) for b in r.DURATION_BUCKETS_S], dtype=np.uint64)
@@ -31,14 +33,58 @@ GPU_SOURCES = (catalog.CUDA, catalog.DRIVER, catalog.NCCL)
 SCHED_SWITCH = catalog.op_id("sched_switch")
 _BYTES = np.zeros(1 << 16, dtype=bool)
 _BYTES[[s << 8 | o for s, o in BYTES_OPS]] = True
-_GPU = np.zeros(1 << 16, dtype=bool)
-_GPU[[s << 8 | o for s in GPU_SOURCES for o in range(256)]] = True
-_REL_BITS = 40  # a batch spans far less than 2^40 ns (18 min); the pid's group number sits above
-_REL_MASK = (1 << _REL_BITS) - 1
 _HIST = np.zeros(1 << 16, dtype=bool)
 _HIST[[s << 8 | o for s in HISTOGRAM_SOURCES for o in range(256)]] = True
+_REL_BITS = 40  # a batch spans far less than 2^40 ns (18 min); the pid's group number sits above
+_REL_MASK = (1 << _REL_BITS) - 1
 _SOURCE_NAMES = {sid: name for sid, name, _ in catalog.SOURCES}
 _OP_NAMES = {(s, o): name for s, o, name, _ in catalog.OPS}
+
+# observe reads the record's source and op bytes as one little-endian uint16, ``op << 8 | source``
+# (a *key*; labels and the public API use the code ``source << 8 | op``).
+_FIELDS = EVENT_DTYPE.fields
+assert _FIELDS is not None and _FIELDS["op"][1] == _FIELDS["source"][1] + 1 and _FIELDS["source"][1] % 2 == 0
+_KEY_COL = _FIELDS["source"][1] // 2  # the key's column in the records viewed as uint16
+_KEYS_PER_EVENT = EVENT_DTYPE.itemsize // 2
+_CONTROL_KEY = OP_NCCL_COMM_INIT << 8  # keys from here up are control records
+_GPU_KEY = np.zeros(1 << 16, dtype=bool)
+_GPU_KEY[[o << 8 | s for s in GPU_SOURCES for o in range(256)]] = True
+_NCCL_KEY = np.zeros(1 << 16, dtype=bool)
+_NCCL_KEY[[o << 8 | catalog.NCCL for o in range(256)]] = True
+_SCHED_KEY = SCHED_SWITCH[1] << 8 | SCHED_SWITCH[0]
+
+
+def _key_to_code(key: int) -> int:
+    return (key & 0xFF) << 8 | key >> 8
+
+
+def _bucket_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Histogram bucket by the float64 exponent of a duration. Consecutive bounds are ≥ 2x apart, so
+    an octave [2^k, 2^k+1) holds at most one: bucket = bounds below the octave + (d > its bound).
+    Converting to float64 may round d up to 2^(k+1), never past a bound (all < 2^53). Checked
+    against ``searchsorted(_BOUNDS_NS, d, side="left")`` (le buckets) in the tests."""
+    below = np.zeros(2048, dtype=np.intp)
+    bound = np.full(2048, np.iinfo(np.uint64).max, dtype=np.uint64)
+    bounds = _BOUNDS_NS.tolist()
+    assert all(b * 2 <= c for b, c in itertools.pairwise(bounds)) and bounds[-1] < 1 << 53
+    for e in range(1023, 1088):  # biased exponents of 1 … 2^64; 0 is d == 0
+        lo = 2 ** (e - 1023)
+        below[e] = sum(1 for b in bounds if b < lo)
+        inside = [b for b in bounds if lo <= b < 2 * lo]
+        if inside:
+            bound[e] = inside[0]
+    return below, bound
+
+
+_BUCKET_BELOW, _BUCKET_BOUND = _bucket_tables()
+
+
+def duration_buckets(dur: np.ndarray) -> np.ndarray:
+    """Each duration's histogram bucket (uint64 ns; a value equal to a bound is in it)."""
+    exp = dur.astype(np.float64).view(np.int64) >> 52
+    out: np.ndarray = _BUCKET_BELOW.take(exp) + (dur > _BUCKET_BOUND.take(exp))
+    return out
+
 
 Provider = Callable[[], list[r.Sample]]
 
@@ -54,21 +100,25 @@ class _Comm:
 
 @dataclass
 class _Lut:
-    slot_of: np.ndarray = field(default_factory=lambda: np.full(1 << 16, -1, dtype=np.int16))
-    codes: list[int] = field(default_factory=list)
+    """Slot per op, looked up by the record's key (``op << 8 | source``)."""
 
-    def slots(self, code: np.ndarray) -> np.ndarray:
-        s = self.slot_of[code]
-        if (s < 0).any():
-            for c in np.unique(code[s < 0]).tolist():
+    slot_of: np.ndarray = field(default_factory=lambda: np.full(1 << 16, -1, dtype=np.intp))
+    codes: list[int] = field(default_factory=list)  # slot -> code (source << 8 | op)
+
+    def slots(self, key: np.ndarray) -> np.ndarray:
+        s: np.ndarray = self.slot_of.take(key)
+        if s.min() < 0:
+            for k in sorted(np.unique(key[s < 0]).tolist(), key=_key_to_code):  # in code order
                 if len(self.codes) < MAX_SLOTS - 1:
-                    self.slot_of[c] = len(self.codes)
-                    self.codes.append(int(c))
+                    self.slot_of[k] = len(self.codes)
+                    self.codes.append(_key_to_code(k))
                 else:  # never with the catalog's ops; keeps a bad record from growing the arrays
-                    self.slot_of[c] = MAX_SLOTS - 1
-            s = self.slot_of[code]
-        out: np.ndarray = s.astype(np.int64)
-        return out
+                    self.slot_of[k] = MAX_SLOTS - 1
+            s = self.slot_of.take(key)
+        return s
+
+    def slot(self, code: int) -> int:
+        return int(self.slots(np.array([_key_to_code(code)]))[0])  # the swap is its own inverse
 
 
 def op_labels(code: int) -> tuple[str, str]:
@@ -93,7 +143,8 @@ class MetricState:
         self._hist_max_ns = np.zeros(MAX_SLOTS, dtype=np.uint64)
         self._offcpu_ns = np.zeros(len(r.OFFCPU_STATES), dtype=np.int64)
         self._gpu_idle_ns = 0
-        self._last_gpu_end: dict[int, int] = {}  # pid -> end of its latest GPU call
+        self._gpu_pids = np.zeros(0, dtype=np.int64)  # sorted: every pid that made a GPU call
+        self._gpu_ends = np.zeros(0, dtype=np.int64)  # the end of its latest GPU call
         self._comms: dict[tuple[int, int], _Comm] = {}  # (pid, comm pointer) -> its labels and totals
         self._comm_seq: dict[int, int] = {}  # pid -> communicators it created so far
         self._providers: list[Provider] = []
@@ -120,11 +171,14 @@ class MetricState:
             self._comms[(pid, comm)] = _Comm(label, rank, size)
 
     def observe(self, ev: np.ndarray) -> None:
-        """Fold one drained batch in (numpy, per batch)."""
+        """Fold one drained batch in (numpy, per batch). Every per-slot total is computed for every
+        event; the snapshot exports bytes only for byte ops and histograms only for timed sources."""
         if ev.size == 0:
             return
-        control = ev["op"] >= OP_NCCL_COMM_INIT
-        if control.any():
+        ev = np.ascontiguousarray(ev)
+        key = ev.view("<u2").reshape(-1, _KEYS_PER_EVENT)[:, _KEY_COL]
+        if key.max() >= _CONTROL_KEY:
+            control = key >= _CONTROL_KEY
             for e in ev[control].tolist():
                 # (ts, duration, arg0, arg1, cgroup_id, pid, tid, ret, stack_id, source, op, ...)
                 if e[10] == OP_NCCL_COMM_INIT and e[2]:  # arg0 comm, arg1 nranks << 32 | rank, cgroup_id comm id
@@ -132,48 +186,48 @@ class MetricState:
             ev = ev[~control]
             if ev.size == 0:
                 return
-        code = ev["source"].astype(np.int64) << 8 | ev["op"]
-        slot = self._lut.slots(code)
-        dur = np.ascontiguousarray(ev["duration"])  # each field once, contiguous (records are 56 bytes)
+            key = ev.view("<u2").reshape(-1, _KEYS_PER_EVENT)[:, _KEY_COL]
+        key = key.astype(np.intp)
+        slot = self._lut.slots(key)
+        dur = ev["duration"].copy()  # each field once, contiguous (records are 64 bytes)
+        arg0 = ev["arg0"]
+        dur_f = dur.astype(np.float64)
         counts = np.bincount(slot, minlength=MAX_SLOTS)
-        b = _BYTES[code]
-        nbytes = (
-            np.bincount(slot[b], weights=ev["arg0"][b].astype(np.float64), minlength=MAX_SLOTS) if b.any() else None
-        )
-        h = _HIST[code]
-        hist = hsum = hs = hd = None
-        if h.any():
-            hs = slot[h]
-            hd = dur[h]
-            bucket = np.searchsorted(_BOUNDS_NS, hd, side="left")  # le: a value equal to a bound is in it
-            hist = np.bincount(hs * NB + bucket, minlength=MAX_SLOTS * NB).reshape(MAX_SLOTS, NB)
-            hsum = np.bincount(hs, weights=hd.astype(np.float64), minlength=MAX_SLOTS)
-        offcpu = self._offcpu(ev, code, dur)
-        idle, ends = self._gpu_idle(ev, code, dur)
-        nccl = ev[ev["source"] == catalog.NCCL]
+        nbytes = np.bincount(slot, weights=arg0.astype(np.float64), minlength=MAX_SLOTS)
+        hist = np.bincount(slot * NB + duration_buckets(dur), minlength=MAX_SLOTS * NB).reshape(MAX_SLOTS, NB)
+        hsum = np.bincount(slot, weights=dur_f, minlength=MAX_SLOTS)
+        hmin = np.full(MAX_SLOTS, np.iinfo(np.uint64).max, dtype=np.uint64)
+        np.minimum.at(hmin, slot, dur)
+        hmax = np.zeros(MAX_SLOTS, dtype=np.uint64)
+        np.maximum.at(hmax, slot, dur)
+        offcpu = self._offcpu(key == _SCHED_KEY, arg0, dur)
+        gpu = _GPU_KEY.take(key)
+        idle, pids, ends = self._gpu_idle(ev["pid"][gpu], ev["ts"][gpu], dur[gpu]) if gpu.any() else (0, None, None)
+        nccl = _NCCL_KEY.take(key)
+        comms = self._collectives(ev["pid"][nccl], ev["arg1"][nccl], dur_f[nccl]) if nccl.any() else []
         with self._lock:
             self._count += counts
-            if nbytes is not None:
-                self._bytes += nbytes
-            if hist is not None and hsum is not None and hs is not None and hd is not None:
-                self._hist += hist
-                self._hist_sum_ns += hsum
-                np.minimum.at(self._hist_min_ns, hs, hd)
-                np.maximum.at(self._hist_max_ns, hs, hd)
+            self._bytes += nbytes
+            self._hist += hist
+            self._hist_sum_ns += hsum
+            np.minimum(self._hist_min_ns, hmin, out=self._hist_min_ns)
+            np.maximum(self._hist_max_ns, hmax, out=self._hist_max_ns)
             self._offcpu_ns += offcpu
             self._gpu_idle_ns += idle
-            self._last_gpu_end.update(ends)
+            if pids is not None and ends is not None:
+                self._gpu_pids, self._gpu_ends = pids, ends
+            for c, calls, wait_ns in comms:
+                c.calls += calls
+                c.wait_ns += wait_ns
             self.batches += 1
-        if nccl.size:
-            self._collectives(nccl)
 
     @staticmethod
-    def _offcpu(ev: np.ndarray, code: np.ndarray, dur_all: np.ndarray) -> np.ndarray:
+    def _offcpu(sw: np.ndarray, arg0: np.ndarray, dur_all: np.ndarray) -> np.ndarray:
+        """Off-CPU time of sched_switch events by the switched-out task's state."""
         out = np.zeros(len(r.OFFCPU_STATES), dtype=np.int64)
-        sw = code == (SCHED_SWITCH[0] << 8 | SCHED_SWITCH[1])
         if not sw.any():
             return out
-        state = ev["arg0"][sw]
+        state = arg0[sw]
         dur = dur_all[sw].astype(np.int64)
         runnable = (state == 0) | (state == 256)
         io = (state & 2) != 0
@@ -182,60 +236,69 @@ class MetricState:
         out[1] = int(dur.sum()) - out[0] - out[2]
         return out
 
-    def _gpu_idle(self, ev: np.ndarray, code: np.ndarray, dur: np.ndarray) -> tuple[int, dict[int, int]]:
+    def _gpu_idle(self, pid32: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
         """Gaps ≥ GPU_IDLE_MIN_GAP_NS between a process's GPU calls (overlapping calls of its threads
-        merged), carried over from the previous batch per pid. Vectorised: one sort by (pid, start),
-        one running maximum of the call ends with the pid's group number in the high bits so that it
-        restarts at every pid."""
-        gpu = _GPU[code]
-        if not gpu.any():
-            return 0, {}
-        pid = ev["pid"][gpu].astype(np.int64)
-        start = ev["ts"][gpu].astype(np.int64)
+        merged), carried over from the previous batch per pid. Vectorised: one sort by (pid, start)
+        (none when the batch is in that order already), one running maximum of the call ends with the
+        pid's group number in the high bits so that it restarts at every pid. Returns the idle total
+        and the new (pids, last ends) arrays, which observe swaps in under the lock."""
+        pid = pid32.astype(np.int64)
+        start = ts.astype(np.int64)
         base = int(start.min())
         rel_start = np.minimum(start - base, _REL_MASK)
-        rel_end = rel_start + np.minimum(dur[gpu], _REL_MASK).astype(np.int64)
-        key = pid << _REL_BITS | rel_start
-        if not bool((key[1:] >= key[:-1]).all()):
-            order = np.argsort(key)
+        rel_end = rel_start + np.minimum(dur, _REL_MASK).astype(np.int64)
+        sort_key = pid << _REL_BITS | rel_start
+        if not bool((sort_key[1:] >= sort_key[:-1]).all()):
+            order = np.argsort(sort_key)
             pid, rel_start, rel_end = pid[order], rel_start[order], rel_end[order]
-        first = np.concatenate(([True], pid[1:] != pid[:-1]))
+        first = np.empty(pid.size, dtype=bool)
+        first[0] = True
+        np.not_equal(pid[1:], pid[:-1], out=first[1:])
         group = np.cumsum(first) - 1
         reach = np.maximum.accumulate(group << _REL_BITS | np.minimum(rel_end, _REL_MASK)) & _REL_MASK
         prev = np.empty_like(reach)
         prev[1:] = reach[:-1]
         firsts = np.flatnonzero(first)
         lasts = np.append(firsts[1:] - 1, pid.size - 1)
-        pids = pid[firsts].tolist()
-        carried = [self._last_gpu_end.get(p) for p in pids]
-        prev[firsts] = [rel_start[f] if c is None else c - base for f, c in zip(firsts.tolist(), carried, strict=True)]
+        pids = pid[firsts]  # ascending, like the carried pids
+        known, carried = self._gpu_pids, self._gpu_ends
+        at = np.minimum(np.searchsorted(known, pids), max(known.size - 1, 0))
+        seen = known[at] == pids if known.size else np.zeros(pids.size, dtype=bool)
+        last_end = np.where(seen, carried[at] if known.size else 0, 0)
+        prev[firsts] = np.where(seen, last_end - base, rel_start[firsts])
         gaps = rel_start - prev
         total = int(gaps[gaps >= r.GPU_IDLE_MIN_GAP_NS].sum())
-        ends = {
-            p: max(int(e) + base, c or 0) for p, e, c in zip(pids, reach[lasts].tolist(), carried, strict=True)
-        }  # applied under the lock by observe (snapshots read the dict)
-        return total, ends
+        ends = np.maximum(reach[lasts] + base, last_end)
+        if seen.all():
+            new_pids, new_ends = known, carried.copy()
+            new_ends[at] = ends
+        else:
+            new_pids = np.concatenate((known, pids[~seen]))
+            new_ends = np.concatenate((carried, ends[~seen]))
+            order = np.argsort(new_pids)
+            new_pids, new_ends = new_pids[order], new_ends[order]
+            new_ends[np.searchsorted(new_pids, pids[seen])] = ends[seen]
+        return total, new_pids, new_ends
 
-    def _collectives(self, nccl: np.ndarray) -> None:
-        key = nccl["pid"].astype(np.uint64) << np.uint64(48) ^ nccl["arg1"]
-        uniq, inv = np.unique(key, return_inverse=True)
-        calls = np.bincount(inv)
-        wait = np.bincount(inv, weights=nccl["duration"].astype(np.float64))
-        first = np.zeros(uniq.size, dtype=np.int64)
-        first[inv[::-1]] = np.arange(inv.size)[::-1]
-        with self._lock:
-            for i, f in enumerate(first.tolist()):
-                pk = (int(nccl["pid"][f]), int(nccl["arg1"][f]))
-                c = self._comms.get(pk)
-                if c is None:  # created before tracing started: known only by its calls
+    def _collectives(self, pid: np.ndarray, comm: np.ndarray, wait_f: np.ndarray) -> list[tuple[_Comm, int, int]]:
+        """Calls and wait per (pid, communicator) of the batch's NCCL events."""
+        key = pid.astype(np.uint64) << np.uint64(48) ^ comm
+        _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+        calls = np.bincount(inv).tolist()
+        wait = np.bincount(inv, weights=wait_f).tolist()
+        out = []
+        for i, pk in enumerate(zip(pid[first].tolist(), comm[first].tolist(), strict=True)):
+            c = self._comms.get(pk)
+            if c is None:  # created before tracing started: known only by its calls
+                with self._lock:
                     c = self._comms.setdefault(pk, _Comm("unknown", -1, 0))
-                c.calls += int(calls[i])
-                c.wait_ns += int(wait[i])
+            out.append((c, calls[i], int(wait[i])))
+        return out
 
     def observe_batch_counts(self, code: int, count: int, nbytes: int) -> None:
         """Totals for one op known only in aggregate (page allocations, a database's event_aggregates)."""
         with self._lock:
-            s = int(self._lut.slots(np.array([code]))[0])
+            s = self._lut.slot(code)
             self._count[s] += count
             self._bytes[s] += nbytes
 
@@ -243,7 +306,7 @@ class MetricState:
         """Replace the event and byte totals (op code -> (count, bytes)): exact aggregates win over rows."""
         with self._lock:
             for code, (count, nbytes) in totals.items():
-                s = int(self._lut.slots(np.array([code]))[0])
+                s = self._lut.slot(code)
                 self._count[s] = count
                 self._bytes[s] = nbytes
 
@@ -261,13 +324,14 @@ class MetricState:
             hmax = self._hist_max_ns.copy()
             offcpu = self._offcpu_ns.tolist()
             idle = self._gpu_idle_ns
-            latest = max(self._last_gpu_end.values(), default=0)
-            active = sum(1 for t in self._last_gpu_end.values() if t >= latest - r.GPU_ACTIVE_WINDOW_NS)
+            gpu_ends = self._gpu_ends.tolist()
             comms: dict[tuple[str, int, int], list[int]] = {}
             for c in self._comms.values():
                 t = comms.setdefault((c.label, c.rank, c.size), [0, 0])
                 t[0] += c.calls
                 t[1] += c.wait_ns
+        latest = max(gpu_ends, default=0)
+        active = sum(1 for t in gpu_ends if t >= latest - r.GPU_ACTIVE_WINDOW_NS)
         samples = [r.Sample(r.INFO, (*base, __version__, self.mode), 1.0)]
         hists: list[r.HistogramSample] = []
         for s, code in enumerate(codes):
