@@ -65,7 +65,14 @@ class Rec:
 def _phases(exe: Path, built: Built, ready: TraceReady) -> tuple[dict[str, int], dict[str, str], dict[str, Any]]:
     pids: dict[str, int] = {}
     outs: dict[str, str] = {}
-    for mode, n in (("calls", 0), ("leak", LEAK_CALLS), ("healthy", LEAK_CALLS), ("net", NET_ROUNDS)):
+    phases = (
+        ("calls", 0),
+        ("leak", LEAK_CALLS),
+        ("healthy", LEAK_CALLS),
+        ("asyncleak", LEAK_CALLS),
+        ("net", NET_ROUNDS),
+    )
+    for mode, n in phases:
         p = subprocess.Popen([str(exe), mode, str(built.dir), str(n)], stdout=subprocess.PIPE, text=True)
         stdout, _ = p.communicate(timeout=120)
         assert p.returncode == 0, stdout
@@ -191,13 +198,24 @@ def test_explain_names_the_leak_and_not_the_healthy_loop(rec: Rec) -> None:
     with sqlite3.connect(f"file:{rec.db}?mode=ro", uri=True) as conn:
         leak = explain(conn, pid=rec.pids["leak"])
         healthy = explain(conn, pid=rec.pids["healthy"])
-    chains = [c for c in leak.chains if c.family == "gpu-leak"]
-    assert len(chains) == 1
-    assert (
-        "cudaMalloc" in chains[0].summary and chains[0].evidence["live_bytes"] == (LEAK_CALLS - LEAK_CALLS // 4) << 20
-    )
-    assert chains[0].evidence["top_stacks"]  # where the leaked memory was allocated
+        async_leak = explain(conn, pid=rec.pids["asyncleak"])
+    for report, words in ((leak, "cudaMalloc without cudaFree"), (async_leak, "cudaMallocAsync without cudaFreeAsync")):
+        chains = [c for c in report.chains if c.family == "gpu-leak"]
+        assert len(chains) == 1
+        assert words in chains[0].summary
+        assert chains[0].evidence["live_bytes"] == (LEAK_CALLS - LEAK_CALLS // 4) << 20
+        assert chains[0].evidence["top_stacks"]  # where the leaked memory was allocated
     assert not [c for c in healthy.chains if c.family == "gpu-leak"]
+
+
+def test_stream_ordered_allocations_pointers_and_live_bytes(rec: Rec) -> None:
+    pid = rec.pids["asyncleak"]
+    mallocs, frees = rec.ops(pid, "cudaMallocAsync"), rec.ops(pid, "cudaFreeAsync")
+    assert len(mallocs) == LEAK_CALLS and len({r[1] for r in mallocs}) == LEAK_CALLS
+    assert {r[0] for r in mallocs} == {1 << 20}
+    assert [r[0] for r in frees] == [r[1] for r in mallocs[::4]]
+    with sqlite3.connect(f"file:{rec.db}?mode=ro", uri=True) as conn:
+        assert int(live_bytes(conn, pid).live[-1]) == (LEAK_CALLS - LEAK_CALLS // 4) << 20
 
 
 def test_socket_send_and_recv_bytes_and_latency(rec: Rec) -> None:

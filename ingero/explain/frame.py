@@ -52,7 +52,7 @@ ARG_SOURCES = (IO, NET, TCP)  # every op of these
 ARG_OPS = op_ids(
     *("sched_switch", "sched_wakeup", "mm_page_alloc", "oom_kill", "process_exec", "process_exit", "process_fork"),
     *("pod_oom_kill", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"),
-    "cuMemAlloc",
+    *("cuMemAlloc", "cudaMallocAsync", "cudaFreeAsync"),
 )
 LAUNCH_ARG_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")  # arg0 = the kernel function, when recorded (not 0)
 

@@ -12,7 +12,8 @@ A leak loses no time until memory runs out (the OOM rules report that), so sever
 memory at stake: MEDIUM from :data:`MEDIUM_BYTES` of growth, LOW below. The chain names the top
 allocating stacks of the memory still held (:func:`add_stacks`, from the database).
 
-Runtime allocations (``cudaMalloc``/``cudaFree``) are read from the loaded frame; the driver's
+Runtime allocations (``cudaMalloc``/``cudaFree`` and the stream-ordered ``cudaMallocAsync``/
+``cudaFreeAsync``) are read from the loaded frame; the driver's
 (``cuMemAlloc``/``cuMemFree``) are counted by :mod:`ingero.store.allocations` for ``live_bytes``
 readers but not judged here (the frame does not carry ``cuMemFree``'s pointer).
 """
@@ -29,10 +30,12 @@ import numpy as np
 from ingero.explain.context import Context
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.store import allocations as al
-from ingero.store.catalog import op_id
+from ingero.store.catalog import op_ids
 from ingero.timeutil import NS_PER_S, fmt_duration
 
-MALLOC, FREE = op_id("cudaMalloc"), op_id("cudaFree")  # arg0 = bytes, arg1 = pointer; arg0 = pointer
+# Runtime allocations (arg0 = bytes, arg1 = pointer) and the free that releases each (arg0 = pointer)
+PAIRS = (("cudaMalloc", "cudaFree"), ("cudaMallocAsync", "cudaFreeAsync"))
+MALLOCS, FREES = op_ids(*(a for a, _ in PAIRS)), op_ids(*(f for _, f in PAIRS))
 FAMILY = "gpu-leak"
 SEGMENTS = 8
 MIN_ALLOCS = 16
@@ -85,8 +88,9 @@ def steady_growth(series: al.LiveSeries, allocations: int) -> Growth | None:
 
 def leak_chains(ctx: Context) -> list[Chain]:
     a = ctx.frame.args
-    is_alloc = a.is_op(MALLOC)
-    is_free = a.is_op(FREE)
+    by_alloc = [a.is_op(op) for op in MALLOCS]
+    is_alloc = np.logical_or.reduce(by_alloc)
+    is_free = np.logical_or.reduce([a.is_op(op) for op in FREES])
     pids = ctx.gpu.pids if ctx.pid is None else np.asarray([ctx.pid], dtype=np.int64)
     out: list[Chain] = []
     for pid in pids.tolist():
@@ -100,11 +104,13 @@ def leak_chains(ctx: Context) -> list[Chain]:
         series = al.live_series(kind, ptr, a.ts_ns[m], size)
         g = steady_growth(series, int((alloc & (ptr != 0)).sum()))
         if g is not None:
-            out.append(_chain(ctx, int(pid), g, series, int((~alloc).sum())))
+            mine = a.pid == pid
+            pair = PAIRS[int(np.argmax([int((k & mine).sum()) for k in by_alloc]))]  # the allocator it uses most
+            out.append(_chain(ctx, int(pid), g, series, int((~alloc).sum()), pair))
     return out
 
 
-def _chain(ctx: Context, pid: int, g: Growth, series: al.LiveSeries, frees: int) -> Chain:
+def _chain(ctx: Context, pid: int, g: Growth, series: al.LiveSeries, frees: int, pair: tuple[str, str]) -> Chain:
     span = fmt_duration(g.end_ns - g.start_ns)
     words = (
         f"GPU memory held by {ctx.proc(pid)} grew {g.growth / MiB:.0f} MiB in {span} "
@@ -114,7 +120,7 @@ def _chain(ctx: Context, pid: int, g: Growth, series: al.LiveSeries, frees: int)
         cid=ctx.chain_id(FAMILY, f"pid{pid}" if ctx.pid is None else ""),
         detected_at=g.end_ns,
         severity="MEDIUM" if g.growth >= MEDIUM_BYTES else "LOW",
-        summary=f"GPU memory leak: cudaMalloc without cudaFree — {words}",
+        summary=f"GPU memory leak: {pair[0]} without {pair[1]} — {words}",
         root_cause=(
             f"allocations are kept: {ctx.proc(pid)} frees {series.freed / MiB:.0f} MiB of the "
             f"{series.allocated / MiB:.0f} MiB it allocates, and what stays grows in {g.steps_up} of "
@@ -144,7 +150,7 @@ def _chain(ctx: Context, pid: int, g: Growth, series: al.LiveSeries, frees: int)
             "window_end_ns": g.end_ns,
             "top_stacks": [],
         },
-        timeline=[TimelineEntry("CUDA", "cudaMalloc", words)],
+        timeline=[TimelineEntry("CUDA", pair[0], words)],
     )
 
 

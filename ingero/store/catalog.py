@@ -88,6 +88,8 @@ OPS: list[tuple[int, int, str, str]] = [
     (CUDA, 17, "cudaHostAlloc", "Pinned host memory allocation (arg0 = bytes, arg1 = flags)"),
     (CUDA, 18, "cudaMallocHost", "Pinned host memory allocation (arg0 = bytes)"),
     (DRIVER, 7, "cuMemFree", "GPU memory free via driver API (arg0 = device pointer)"),
+    (CUDA, 19, "cudaMallocAsync", "Stream-ordered GPU allocation (arg0 = bytes, arg1 = the returned pointer)"),
+    (CUDA, 20, "cudaFreeAsync", "Stream-ordered GPU memory free (arg0 = device pointer)"),
     # CUDA Graphs (Ingero's source 8); runtime and driver calls share an op.
     (CUDA_GRAPH, 1, "graphBeginCapture", "Stream capture begins (arg0 = stream, arg1 = capture mode)"),
     (CUDA_GRAPH, 2, "graphEndCapture", "Stream capture ends (arg0 = stream, arg1 = the captured graph)"),
@@ -123,6 +125,8 @@ ALIASES: dict[str, str] = {
     "cugraphinstantiatewithflags": "graphInstantiate",
     "cugraphlaunch": "graphLaunch",
     "cumemfree_v2": "cuMemFree",
+    "cudamallocasync_ptsz": "cudaMallocAsync",
+    "cudafreeasync_ptsz": "cudaFreeAsync",
 }
 
 
@@ -194,8 +198,8 @@ def op_ids(*names: str) -> tuple[tuple[int, int], ...]:
 
 # Allocations whose returned pointer the tracer records in arg1 (read from the out-parameter at
 # return; 0 when the call failed), and the frees whose arg0 is that pointer (see allocations.py).
-ALLOC_OPS = op_ids("cudaMalloc", "cudaMallocManaged", "cuMemAlloc", "cuMemAllocManaged")
-FREE_OPS = op_ids("cudaFree", "cuMemFree")
+ALLOC_OPS = op_ids("cudaMalloc", "cudaMallocManaged", "cudaMallocAsync", "cuMemAlloc", "cuMemAllocManaged")
+FREE_OPS = op_ids("cudaFree", "cudaFreeAsync", "cuMemFree")
 
 
 # --- NCCL communicators and calls ----------------------------------------------------------------

@@ -89,6 +89,7 @@ BYTES_OPS = frozenset(
         "cudaMemsetAsync",
         "cudaHostAlloc",
         "cudaMallocHost",
+        "cudaMallocAsync",
         "net_send",
         "net_recv",
     )

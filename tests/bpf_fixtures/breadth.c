@@ -4,6 +4,7 @@
  *                            known arguments; prints "<name> <calls> <arg>" lines
  *   breadth leak DIR N       N cudaMalloc of 1 MiB, every 4th freed: live memory grows steadily
  *   breadth healthy DIR N    N cudaMalloc of 1 MiB, each freed at once
+ *   breadth asyncleak DIR N  the leak with the stream-ordered cudaMallocAsync / cudaFreeAsync
  *   breadth net DIR N        one cudaMalloc (the process becomes a traced target), then N sendto/recvfrom
  *                            of 1000 bytes and N sendmsg/recvmsg of 300 bytes on a socketpair
  *   breadth netrw DIR N      one cudaMalloc, then N write/read of 700 bytes on a socketpair, and the same
@@ -103,17 +104,19 @@ static int calls(void) {
     return rc;
 }
 
-static int allocs(int n, int free_every) {
+static int allocs(int n, int free_every, int async) {
     int (*malloc_)(void **, size_t) = sym(cudart, "cudaMalloc");
     int (*free_)(void *) = sym(cudart, "cudaFree");
+    int (*malloc_async)(void **, size_t, void *) = sym(cudart, "cudaMallocAsync");
+    int (*free_async)(void *, void *) = sym(cudart, "cudaFreeAsync");
     int rc = 0;
     for (int i = 0; i < n; i++) {
         void *p = 0;
-        rc |= malloc_(&p, 1 << 20);
+        rc |= async ? malloc_async(&p, 1 << 20, (void *)0x77) : malloc_(&p, 1 << 20);
         if (i == 0)
             printf("first %lx\n", (unsigned long)(uintptr_t)p);
         if (free_every && i % free_every == 0)
-            rc |= free_(p);
+            rc |= async ? free_async(p, (void *)0x77) : free_(p);
         usleep(1000);
     }
     return rc;
@@ -171,8 +174,9 @@ int main(int argc, char **argv) {
     int n = argc >= 4 ? atoi(argv[3]) : 0;
     int rc = 64;
     if (!strcmp(argv[1], "calls")) rc = calls();
-    else if (!strcmp(argv[1], "leak")) rc = allocs(n, 4);
-    else if (!strcmp(argv[1], "healthy")) rc = allocs(n, 1);
+    else if (!strcmp(argv[1], "leak")) rc = allocs(n, 4, 0);
+    else if (!strcmp(argv[1], "healthy")) rc = allocs(n, 1, 0);
+    else if (!strcmp(argv[1], "asyncleak")) rc = allocs(n, 4, 1);
     else if (!strcmp(argv[1], "net")) rc = net(n);
     else if (!strcmp(argv[1], "netrw")) rc = netrw(n);
     printf("done %d\n", rc);

@@ -18,6 +18,8 @@ calls = {
     "cudaHostAlloc": lambda: lib.cudaHostAlloc(ctypes.byref(p), size(65536), 2),
     "cudaStreamBeginCapture": lambda: lib.cudaStreamBeginCapture(None, 0),
     "cudaGraphLaunch": lambda: lib.cudaGraphLaunch(None, None),
+    "cudaMallocAsync": lambda: lib.cudaMallocAsync(ctypes.byref(p), size(4096), None),
+    "cudaFreeAsync": lambda: lib.cudaFreeAsync(ctypes.c_void_p(0x1000), None),
 }
 for name, call in calls.items():
     rc = 0

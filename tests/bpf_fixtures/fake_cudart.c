@@ -44,6 +44,8 @@ static int copy(int kind) { return kind >= 0 && kind <= 4 ? 0 : 21; }
 
 int cudaMalloc(void **devPtr, size_t size) { return alloc(devPtr, size); }
 int cudaFree(void *devPtr) { return devPtr ? 0 : 1; }
+int cudaMallocAsync(void **devPtr, size_t size, cudaStream_t stream) { return alloc(devPtr, size); }
+int cudaFreeAsync(void *devPtr, cudaStream_t stream) { return devPtr ? 0 : 1; }
 int cudaMallocManaged(void **devPtr, size_t size, unsigned int flags) {
     if (flags == 0x10) /* the nesting test: one probed function calling another, like cudart -> libcuda */
         return cudaMalloc(devPtr, size);

@@ -9,6 +9,8 @@
 //   cudaEventSynchronize/Query   arg0 = event
 //   cuMemFree[_v2] (libcuda)     arg0 = device pointer
 //   cudaHostAlloc                arg0 = bytes, arg1 = flags;  cudaMallocHost arg0 = bytes
+//   cudaMallocAsync              arg0 = bytes, arg1 = the returned pointer (out-parameter, on_return_out)
+//   cudaFreeAsync                arg0 = device pointer
 //   cudaStreamBeginCapture       arg0 = stream, arg1 = capture mode (cuStreamBeginCapture[_v2] too)
 //   cudaStreamEndCapture         arg0 = stream, arg1 = the captured graph (out-parameter, on_return_out)
 //   cudaGraphInstantiate         arg0 = graph, arg1 = the executable graph (out-parameter, on_return_out)
@@ -48,6 +50,8 @@ ENTRY(cudaEventQuery, SRC_CUDA, OP_cudaEventQuery, PT_REGS_PARM1(ctx), 0)
 ENTRY(cudaHostAlloc, SRC_CUDA, OP_cudaHostAlloc, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx))
 ENTRY(cudaMallocHost, SRC_CUDA, OP_cudaMallocHost, PT_REGS_PARM2(ctx), 0)
 ENTRY(cuMemFree, SRC_DRIVER, OP_cuMemFree, PT_REGS_PARM1(ctx), 0)  // libcuda
+ENTRY(cudaMallocAsync, SRC_CUDA, OP_cudaMallocAsync, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx))
+ENTRY(cudaFreeAsync, SRC_CUDA, OP_cudaFreeAsync, PT_REGS_PARM1(ctx), 0)
 
 // --- driver kernel launches with grid and block (block.z, the 7th argument, is the first on the stack)
 int enter_cuLaunchKernel(struct pt_regs *ctx) {
