@@ -8,6 +8,8 @@ metrics add < 2 % CPU. One run, side by side:
   64 pids), measuring the CPU time observe takes (``time.thread_time``) against wall time;
 * meanwhile a client scrapes ``/metrics`` over HTTP (prometheus-client's server, as ``--prometheus``
   serves it) 10 times a second, timing each answer, and the scrape thread's CPU is added;
+* the same batches are then fed back to back (no pauses): observe's floor on this machine. The paced
+  figure is higher — after each 50 ms pause caches and the clock are cold — and is the one that counts;
 * the CPU of a scrape every 15 s (Prometheus' default interval) is then derived from the measured
   per-scrape CPU.
 

@@ -37,6 +37,7 @@ _HIST = np.zeros(1 << 16, dtype=bool)
 _HIST[[s << 8 | o for s in HISTOGRAM_SOURCES for o in range(256)]] = True
 _REL_BITS = 40  # a batch spans far less than 2^40 ns (18 min); the pid's group number sits above
 _REL_MASK = (1 << _REL_BITS) - 1
+_NO_MIN = np.full(MAX_SLOTS, np.iinfo(np.uint64).max, dtype=np.uint64)
 _SOURCE_NAMES = {sid: name for sid, name, _ in catalog.SOURCES}
 _OP_NAMES = {(s, o): name for s, o, name, _ in catalog.OPS}
 
@@ -139,7 +140,7 @@ class MetricState:
         self._bytes = np.zeros(MAX_SLOTS, dtype=np.float64)
         self._hist = np.zeros((MAX_SLOTS, NB), dtype=np.int64)
         self._hist_sum_ns = np.zeros(MAX_SLOTS, dtype=np.float64)
-        self._hist_min_ns = np.full(MAX_SLOTS, np.iinfo(np.uint64).max, dtype=np.uint64)
+        self._hist_min_ns = _NO_MIN.copy()
         self._hist_max_ns = np.zeros(MAX_SLOTS, dtype=np.uint64)
         self._offcpu_ns = np.zeros(len(r.OFFCPU_STATES), dtype=np.int64)
         self._gpu_idle_ns = 0
@@ -176,7 +177,7 @@ class MetricState:
         if ev.size == 0:
             return
         ev = np.ascontiguousarray(ev)
-        key = ev.view("<u2").reshape(-1, _KEYS_PER_EVENT)[:, _KEY_COL]
+        key = ev.view("<u2").reshape(-1, _KEYS_PER_EVENT)[:, _KEY_COL].astype(np.intp)
         if key.max() >= _CONTROL_KEY:
             control = key >= _CONTROL_KEY
             for e in ev[control].tolist():
@@ -186,8 +187,7 @@ class MetricState:
             ev = ev[~control]
             if ev.size == 0:
                 return
-            key = ev.view("<u2").reshape(-1, _KEYS_PER_EVENT)[:, _KEY_COL]
-        key = key.astype(np.intp)
+            key = ev.view("<u2").reshape(-1, _KEYS_PER_EVENT)[:, _KEY_COL].astype(np.intp)
         slot = self._lut.slots(key)
         dur = ev["duration"].copy()  # each field once, contiguous (records are 64 bytes)
         arg0 = ev["arg0"]
@@ -196,7 +196,7 @@ class MetricState:
         nbytes = np.bincount(slot, weights=arg0.astype(np.float64), minlength=MAX_SLOTS)
         hist = np.bincount(slot * NB + duration_buckets(dur), minlength=MAX_SLOTS * NB).reshape(MAX_SLOTS, NB)
         hsum = np.bincount(slot, weights=dur_f, minlength=MAX_SLOTS)
-        hmin = np.full(MAX_SLOTS, np.iinfo(np.uint64).max, dtype=np.uint64)
+        hmin = _NO_MIN.copy()
         np.minimum.at(hmin, slot, dur)
         hmax = np.zeros(MAX_SLOTS, dtype=np.uint64)
         np.maximum.at(hmax, slot, dur)
@@ -238,29 +238,34 @@ class MetricState:
 
     def _gpu_idle(self, pid32: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
         """Gaps ≥ GPU_IDLE_MIN_GAP_NS between a process's GPU calls (overlapping calls of its threads
-        merged), carried over from the previous batch per pid. Vectorised: one sort by (pid, start)
-        (none when the batch is in that order already), one running maximum of the call ends with the
-        pid's group number in the high bits so that it restarts at every pid. Returns the idle total
-        and the new (pids, last ends) arrays, which observe swaps in under the lock."""
+        merged), carried over from the previous batch per pid. Vectorised: the calls ordered by (pid,
+        start) — none for one pid in time order, a stable radix sort of the pid offsets when the batch
+        is in time order, else one argsort — then one running maximum of the call ends with the pid's
+        offset in the high bits so that it restarts at every pid. Returns the idle total and the new
+        (pids, last ends) arrays, which observe swaps in under the lock."""
         pid = pid32.astype(np.int64)
         start = ts.astype(np.int64)
         base = int(start.min())
+        lo_pid, hi_pid = int(pid.min()), int(pid.max())
+        pid -= lo_pid  # < 2^22 (PID_MAX_LIMIT): fits above the 40 bits of time
         rel_start = np.minimum(start - base, _REL_MASK)
         rel_end = rel_start + np.minimum(dur, _REL_MASK).astype(np.int64)
-        sort_key = pid << _REL_BITS | rel_start
-        if not bool((sort_key[1:] >= sort_key[:-1]).all()):
-            order = np.argsort(sort_key)
+        in_time_order = bool((start[1:] >= start[:-1]).all())
+        if lo_pid != hi_pid or not in_time_order:
+            if in_time_order and hi_pid - lo_pid < 1 << 16:
+                order = np.argsort(pid.astype(np.uint16), kind="stable")  # radix sort
+            else:
+                order = np.argsort(pid << _REL_BITS | rel_start)
             pid, rel_start, rel_end = pid[order], rel_start[order], rel_end[order]
         first = np.empty(pid.size, dtype=bool)
         first[0] = True
         np.not_equal(pid[1:], pid[:-1], out=first[1:])
-        group = np.cumsum(first) - 1
-        reach = np.maximum.accumulate(group << _REL_BITS | np.minimum(rel_end, _REL_MASK)) & _REL_MASK
+        reach = np.maximum.accumulate(pid << _REL_BITS | np.minimum(rel_end, _REL_MASK)) & _REL_MASK
         prev = np.empty_like(reach)
         prev[1:] = reach[:-1]
         firsts = np.flatnonzero(first)
-        lasts = np.append(firsts[1:] - 1, pid.size - 1)
-        pids = pid[firsts]  # ascending, like the carried pids
+        lasts = np.append(firsts[1:], pid.size) - 1
+        pids = pid[firsts] + lo_pid  # ascending, like the carried pids
         known, carried = self._gpu_pids, self._gpu_ends
         at = np.minimum(np.searchsorted(known, pids), max(known.size - 1, 0))
         seen = known[at] == pids if known.size else np.zeros(pids.size, dtype=bool)
