@@ -243,14 +243,16 @@ class MetricState:
         is in time order, else one argsort — then one running maximum of the call ends with the pid's
         offset in the high bits so that it restarts at every pid. Returns the idle total and the new
         (pids, last ends) arrays, which observe swaps in under the lock."""
-        pid = pid32.astype(np.int64)
-        start = ts.astype(np.int64)
-        base = int(start.min())
+        pid = pid32.astype(np.int64)  # fresh arrays, then updated in place (fewer cold cache lines)
+        rel_start = ts.astype(np.int64)
+        base = int(rel_start.min())
         lo_pid, hi_pid = int(pid.min()), int(pid.max())
         pid -= lo_pid  # < 2^22 (PID_MAX_LIMIT): fits above the 40 bits of time
-        rel_start = np.minimum(start - base, _REL_MASK)
-        rel_end = rel_start + np.minimum(dur, _REL_MASK).astype(np.int64)
-        in_time_order = bool((start[1:] >= start[:-1]).all())
+        in_time_order = bool((rel_start[1:] >= rel_start[:-1]).all())
+        rel_start -= base
+        np.minimum(rel_start, _REL_MASK, out=rel_start)
+        rel_end = np.minimum(dur, _REL_MASK).astype(np.int64)
+        rel_end += rel_start
         if lo_pid != hi_pid or not in_time_order:
             if in_time_order and hi_pid - lo_pid < 1 << 16:
                 order = np.argsort(pid.astype(np.uint16), kind="stable")  # radix sort
@@ -260,18 +262,22 @@ class MetricState:
         first = np.empty(pid.size, dtype=bool)
         first[0] = True
         np.not_equal(pid[1:], pid[:-1], out=first[1:])
-        reach = np.maximum.accumulate(pid << _REL_BITS | np.minimum(rel_end, _REL_MASK)) & _REL_MASK
-        prev = np.empty_like(reach)
-        prev[1:] = reach[:-1]
         firsts = np.flatnonzero(first)
         lasts = np.append(firsts[1:], pid.size) - 1
         pids = pid[firsts] + lo_pid  # ascending, like the carried pids
+        reach = np.minimum(rel_end, _REL_MASK, out=rel_end)
+        pid <<= _REL_BITS
+        reach |= pid
+        np.maximum.accumulate(reach, out=reach)
+        reach &= _REL_MASK
+        prev = pid  # reused
+        prev[1:] = reach[:-1]
         known, carried = self._gpu_pids, self._gpu_ends
         at = np.minimum(np.searchsorted(known, pids), max(known.size - 1, 0))
         seen = known[at] == pids if known.size else np.zeros(pids.size, dtype=bool)
         last_end = np.where(seen, carried[at] if known.size else 0, 0)
         prev[firsts] = np.where(seen, last_end - base, rel_start[firsts])
-        gaps = rel_start - prev
+        gaps = np.subtract(rel_start, prev, out=rel_start)
         total = int(gaps[gaps >= r.GPU_IDLE_MIN_GAP_NS].sum())
         ends = np.maximum(reach[lasts] + base, last_end)
         if seen.all():
