@@ -177,9 +177,10 @@ def bench_sockets(b: dict[str, Path], tmp: Path, rounds: int, reps: int, trips: 
         else:
             off += [trip_ns() for _ in range(reps)]
         on += with_agent(b, tmp / f"sockets{r}.db", measured, socket_rw=rw)[0]
+    base, with_ = ("default agent", "agent --socket-rw") if rw else ("no agent", "agent")
     print(
-        f"  no agent min {min(off):7.1f} ns/round trip (median {statistics.median(off):7.1f}); "
-        f"agent min {min(on):7.1f} (median {statistics.median(on):7.1f})"
+        f"  {base} min {min(off):7.1f} ns/round trip (median {statistics.median(off):7.1f}); "
+        f"{with_} min {min(on):7.1f} (median {statistics.median(on):7.1f})"
     )
     print(
         f"  ratio: {min(on) / min(off):.2f}x (min/min), {statistics.median(on) / statistics.median(off):.2f}x "
