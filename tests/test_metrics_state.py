@@ -348,6 +348,8 @@ def reference_snapshot(
                     prev = reach if reach >= 0 else (last_end[pid] - base if pid in last_end else start)
                     if start - prev >= r.GPU_IDLE_MIN_GAP_NS:
                         idle += start - prev
+                    if reach < 0 and pid in last_end:  # a call of an earlier batch may still be running
+                        reach = min(max(last_end[pid] - base, 0), rel_mask)
                     reach = max(reach, end)
                 last_end[pid] = max(reach + base, last_end.get(pid, 0))
     src_names = {s: n for s, n, _ in catalog.SOURCES}

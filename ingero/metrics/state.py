@@ -265,17 +265,20 @@ class MetricState:
         firsts = np.flatnonzero(first)
         lasts = np.append(firsts[1:], pid.size) - 1
         pids = pid[firsts] + lo_pid  # ascending, like the carried pids
+        known, carried = self._gpu_pids, self._gpu_ends
+        at = np.minimum(np.searchsorted(known, pids), max(known.size - 1, 0))
+        seen = known[at] == pids if known.size else np.zeros(pids.size, dtype=bool)
+        last_end = np.where(seen, carried[at] if known.size else 0, 0)
         reach = np.minimum(rel_end, _REL_MASK, out=rel_end)
+        # a call of an earlier batch still running keeps the GPU busy for this batch's calls too
+        held = np.clip(np.where(seen, last_end - base, 0), 0, _REL_MASK)
+        reach[firsts] = np.maximum(reach[firsts], held)
         pid <<= _REL_BITS
         reach |= pid
         np.maximum.accumulate(reach, out=reach)
         reach &= _REL_MASK
         prev = pid  # reused
         prev[1:] = reach[:-1]
-        known, carried = self._gpu_pids, self._gpu_ends
-        at = np.minimum(np.searchsorted(known, pids), max(known.size - 1, 0))
-        seen = known[at] == pids if known.size else np.zeros(pids.size, dtype=bool)
-        last_end = np.where(seen, carried[at] if known.size else 0, 0)
         prev[firsts] = np.where(seen, last_end - base, rel_start[firsts])
         gaps = np.subtract(rel_start, prev, out=rel_start)
         total = int(gaps[gaps >= r.GPU_IDLE_MIN_GAP_NS].sum())
