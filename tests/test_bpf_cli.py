@@ -124,7 +124,7 @@ def test_trace_serves_the_agent_api_while_recording(
     tracer, lines = _start_trace(built, db, "--listen", "127.0.0.1:0", "--no-tls", "--ready-file", str(ready))
     cleanup.append(tracer)
     doc = json.loads(ready.read_text())
-    assert doc["pid"] == tracer.pid and doc["probes"] == 24 + 16 + 10  # fake libcudart, libcuda, libnccl
+    assert doc["pid"] == tracer.pid and doc["probes"] == 26 + 16 + 10  # fake libcudart, libcuda, libnccl
     url = doc["url"]
     assert url.startswith("http://127.0.0.1:") and any(url in line for line in lines)
     subprocess.run([str(built.workload), "loop", str(built.dir), "5000"], check=True, capture_output=True)

@@ -363,8 +363,8 @@ def test_session_row_and_counters(recording: Recording) -> None:
     assert stats["events_dropped_ring"] == 0
     assert stats["events_seen"] == r.one("SELECT sum(count) FROM event_aggregates")[0]
     assert stats["events_stored"] == r.one("SELECT count(*) FROM events")[0]
-    # fake libcudart (24 functions), libcuda (16), libnccl (10) + the real libcudart (38, with _ptsz variants)
-    assert stats["probes_attached"] == sum(len(lib["functions"]) for lib in r.summary.libraries) == 24 + 16 + 10 + 38
+    # fake libcudart (26 functions), libcuda (16), libnccl (10) + the real libcudart (42, with _ptsz variants)
+    assert stats["probes_attached"] == sum(len(lib["functions"]) for lib in r.summary.libraries) == 26 + 16 + 10 + 42
     assert stats == {**r.summary.stats}
     assert r.one("SELECT count(*) FROM system_snapshots")[0] >= 3
     page = r.one("SELECT count(*), sum(arg0) FROM events WHERE source = ? AND op = 3", HOST)
