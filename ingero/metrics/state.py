@@ -271,8 +271,7 @@ class MetricState:
         last_end = np.where(seen, carried[at] if known.size else 0, 0)
         reach = np.minimum(rel_end, _REL_MASK, out=rel_end)
         # a call of an earlier batch still running keeps the GPU busy for this batch's calls too
-        held = np.clip(np.where(seen, last_end - base, 0), 0, _REL_MASK)
-        reach[firsts] = np.maximum(reach[firsts], held)
+        reach[firsts] = np.maximum(reach[firsts], np.clip(last_end - base, 0, _REL_MASK))  # unseen: 0 - base < 0
         pid <<= _REL_BITS
         reach |= pid
         np.maximum.accumulate(reach, out=reach)
