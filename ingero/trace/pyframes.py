@@ -39,6 +39,15 @@ MAX_STR = 1024
 YAMA = Path("/proc/sys/kernel/yama/ptrace_scope")
 _VERSION = re.compile(r"python(3\.\d+)")
 
+# bytes and str objects' layout, the same in 3.10 and 3.11 (str still has its wstr fields)
+_OBJECTS_310_311 = {
+    "bytes_size": 16,
+    "bytes_data": 32,
+    "unicode_length": 16,
+    "unicode_state": 32,
+    "unicode_ascii_data": 48,
+    "unicode_compact_data": 72,
+}
 # offsetof() of what is read, per CPython version (x86_64 / aarch64 LP64 layout).
 OFFSETS: dict[str, dict[str, int]] = {
     "3.11": {
@@ -57,12 +66,7 @@ OFFSETS: dict[str, dict[str, int]] = {
         "code_firstlineno": 72,
         "code_linetable": 136,
         "code_adaptive": 184,
-        "bytes_size": 16,
-        "bytes_data": 32,
-        "unicode_length": 16,
-        "unicode_state": 32,
-        "unicode_ascii_data": 48,
-        "unicode_compact_data": 72,
+        **_OBJECTS_310_311,
     },
     "3.12": {
         "runtime_interpreters_head": 40,
@@ -101,12 +105,7 @@ OFFSETS["3.10"] = {
     "code_qualname": 112,  # co_name: 3.10 code objects have no qualified name
     "code_firstlineno": 40,
     "code_linetable": 120,
-    "bytes_size": 16,
-    "bytes_data": 32,
-    "unicode_length": 16,
-    "unicode_state": 32,
-    "unicode_ascii_data": 48,
-    "unicode_compact_data": 72,
+    **_OBJECTS_310_311,
 }
 SUPPORTED = tuple(sorted(OFFSETS))
 PTHREAD_TID_OFFSET = 720  # glibc x86_64's struct pthread.tid; searched for when it does not hold
