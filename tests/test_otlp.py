@@ -179,18 +179,15 @@ def test_metrics_url_rejects_other_schemes() -> None:
         metrics_url("grpc://otelcol:4317")
 
 
-def test_causal_chains_are_pushed_once_as_log_records(tmp_path: Path) -> None:
-    import sqlite3
-
+@pytest.fixture
+def logs_receiver() -> Iterator[tuple[str, list[tuple[str, Any]]]]:
+    """An OTLP/HTTP logs endpoint on loopback decoding with opentelemetry-proto: (url, [(path, request)])."""
     from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
         ExportLogsServiceRequest,
         ExportLogsServiceResponse,
     )
 
-    from ingero.metrics.otlp_events import ChainLogPusher, logs_url, otlp_log_exporter
-    from tests.conftest import INVESTIGATIONS
-
-    got: list[tuple[str, ExportLogsServiceRequest]] = []
+    got: list[tuple[str, Any]] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -209,17 +206,26 @@ def test_causal_chains_are_pushed_once_as_log_records(tmp_path: Path) -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    db = INVESTIGATIONS / "sample-gpu-node-01.db"
     try:
-        st = MetricState(Identity("gpu-node-01", rank=0), "serve")
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        assert logs_url(url) == url + "/v1/logs"
-        pusher = ChainLogPusher(st, db, otlp_log_exporter(url))
-        n = pusher.push_once()
-        assert pusher.push_once() == 0  # nothing new: nothing sent twice
+        yield f"http://127.0.0.1:{server.server_address[1]}", got
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_causal_chains_are_pushed_once_as_log_records(logs_receiver: tuple[str, list[tuple[str, Any]]]) -> None:
+    import sqlite3
+
+    from ingero.metrics.otlp_events import ChainLogPusher, logs_url, otlp_log_exporter
+    from tests.conftest import INVESTIGATIONS
+
+    url, got = logs_receiver
+    db = INVESTIGATIONS / "sample-gpu-node-01.db"
+    st = MetricState(Identity("gpu-node-01", rank=0), "serve")
+    assert logs_url(url) == url + "/v1/logs"
+    pusher = ChainLogPusher(st, db, otlp_log_exporter(url))
+    n = pusher.push_once()
+    assert pusher.push_once() == 0  # nothing new: nothing sent twice
     conn = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
     want = conn.execute("SELECT id, upper(severity), summary FROM causal_chains ORDER BY detected_at, id").fetchall()
     conn.close()
@@ -233,3 +239,59 @@ def test_causal_chains_are_pushed_once_as_log_records(tmp_path: Path) -> None:
     sev = {"HIGH": "ERROR", "MEDIUM": "WARN", "LOW": "INFO"}
     assert recs == [(cid, sev[s], summary) for cid, s, summary in want]
     assert all(x.event_name == "ingero.causal_chain" for x in sl.log_records)
+
+
+def test_slow_gpu_calls_are_pushed_once_as_log_records(
+    tmp_path: Path, logs_receiver: tuple[str, list[tuple[str, Any]]]
+) -> None:
+    from ingero.metrics.otlp_events import ChainLogPusher, otlp_log_exporter
+    from ingero.store.writer import StoreWriter
+
+    url, got = logs_receiver
+    sync, launch = catalog.op_id("cudaStreamSync"), catalog.op_id("cuLaunchKernel")
+    st = MetricState(Identity("gpu-node-09", rank=0), "trace")
+    ev = np.zeros(2000, dtype=EVENT_DTYPE)  # what the recorder saw: medians 1 ms and ≤ 10 µs
+    ev["source"][:1000], ev["op"][:1000], ev["duration"][:1000] = *sync, 1_000_000
+    ev["source"][1000:], ev["op"][1000:], ev["duration"][1000:] = *launch, 8_000
+    ev["pid"], ev["ts"] = 4242, 1
+    st.observe(ev)
+    assert st.op_medians_ns(catalog.GPU_API_SOURCES) == {
+        sync[0] << 8 | sync[1]: 1_000_000,
+        launch[0] << 8 | launch[1]: 10_000,
+    }
+
+    def row(t: int, src_op: tuple[int, int], dur: int, pid: int = 4242) -> tuple[int, ...]:
+        return (10**18 + t, pid, pid + 1, *src_op, dur, 0, 0, 0, 0, 0x1234, 0)
+
+    db = tmp_path / "slow.db"
+    with StoreWriter(db, Identity("gpu-node-09")) as w:
+        w.write_batch([row(1, sync, 90_000_000)])  # history: stored before the pusher started, never pushed
+        pusher = ChainLogPusher(st, db, otlp_log_exporter(url))
+        pusher.new_slow_calls()  # what start() does first
+        w.write_batch(
+            [
+                row(2, sync, 5_000_000),  # 5x its median: not slow
+                row(3, sync, 25_000_000),  # slow
+                row(4, launch, 500_000),  # 50x its median but under the 1 ms floor
+                row(5, launch, 2_000_000),  # slow
+                row(6, catalog.op_id("cudaMemcpy"), 100_000_000),  # no median yet: not judged
+                row(7, catalog.op_id("sched_switch"), 50_000_000),  # not a GPU call
+            ]
+        )
+        assert pusher.push_once() == 2
+        assert pusher.push_once() == 0  # nothing new: nothing sent twice
+    ((path, req),) = got
+    assert path == "/v1/logs"
+    (rl,) = req.resource_logs
+    (sl,) = rl.scope_logs
+    recs = [attrs(x.attributes) for x in sl.log_records]
+    assert [(a["ingero.op"], a["ingero.duration_us"], a["ingero.median_us"]) for a in recs] == [
+        ("cudaStreamSync", 25_000, 1_000),
+        ("cuLaunchKernel", 2_000, 10),
+    ]
+    assert all(a["ingero.node"] == "gpu-node-09" and a["ingero.pid"] == 4242 and a["ingero.tid"] == 4243 for a in recs)
+    assert recs[0]["ingero.stack_hash"] == "0000000000001234"
+    first = sl.log_records[0]
+    assert first.event_name == "ingero.slow_call" and first.severity_text == "WARN"
+    assert first.body.string_value.startswith("cudaStreamSync took 25ms") and "pid 4242" in first.body.string_value
+    assert first.time_unix_nano == 10**18 + 3

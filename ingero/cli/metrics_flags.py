@@ -35,7 +35,8 @@ def add_metrics_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--otlp-events",
         action="store_true",
-        help="with --otlp, also push the causal chains the database gains as OTLP log records (/v1/logs)",
+        help="with --otlp, also push the causal chains the database gains, and (trace) GPU calls >= 10x their "
+        "op's median, as OTLP log records (/v1/logs)",
     )
 
 
@@ -101,7 +102,7 @@ def start(args: argparse.Namespace, identity: Identity, db_path: Path, mode: str
 
                 out.events = ChainLogPusher(state, db_path, otlp_log_exporter(args.otlp), interval_s=interval_s)
                 out.events.start()
-                out.lines.append(f"pushing causal chains as OTLP logs to {logs_url(args.otlp)}")
+                out.lines.append(f"pushing causal chains and slow GPU calls as OTLP logs to {logs_url(args.otlp)}")
         if args.prometheus:
             from ingero.metrics.prometheus import parse_prometheus_addr, serve_metrics
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -324,6 +324,21 @@ class MetricState:
                 self._bytes[s] = nbytes
 
     # --- reading ---------------------------------------------------------------------------------
+
+    def op_medians_ns(self, sources: Collection[int]) -> dict[int, int]:
+        """For each op of ``sources`` with timed calls (``source << 8 | op``): the upper bound of the latency
+        bucket that holds its median, in ns (an op whose median is in the +Inf bucket has none)."""
+        with self._lock:
+            codes = list(self._lut.codes)
+            hist = self._hist[: len(codes)].copy()
+        out: dict[int, int] = {}
+        for code, h in zip(codes, hist, strict=True):
+            n = int(h.sum())
+            if (code >> 8) in sources and n:
+                b = int(np.searchsorted(np.cumsum(h), (n + 1) // 2))
+                if b < _BOUNDS_NS.size:
+                    out[code] = int(_BOUNDS_NS[b])
+        return out
 
     def snapshot(self) -> r.Snapshot:
         base = self.base_labels()
