@@ -3,6 +3,7 @@ protobuf with ``opentelemetry-proto``; a collector that hangs or is down; the dr
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -30,27 +31,28 @@ from ingero.trace.ringbuf import EVENT_DTYPE
 @dataclass
 class Receiver:
     url: str
-    requests: list[ExportMetricsServiceRequest] = field(default_factory=list)
+    requests: list[Any] = field(default_factory=list)  # the decoded Export*ServiceRequest messages
     arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     release: threading.Event = field(default_factory=threading.Event)  # a hung collector until set
     paths: list[str] = field(default_factory=list)
 
 
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
+@contextlib.contextmanager
+def otlp_receiver(request_cls: Any, response_cls: Any) -> Iterator[Receiver]:
+    """An OTLP/HTTP endpoint on loopback decoding with opentelemetry-proto's ``request_cls``."""
     rec = Receiver("")
     rec.release.set()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
-            req = ExportMetricsServiceRequest()
+            req = request_cls()
             req.ParseFromString(body)
             rec.paths.append(self.path)
             rec.requests.append(req)
             rec.arrived.release()
             rec.release.wait(30)
-            out = ExportMetricsServiceResponse().SerializeToString()
+            out = response_cls().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", str(len(out)))
@@ -71,6 +73,23 @@ def receiver() -> Iterator[Receiver]:
         rec.release.set()
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with otlp_receiver(ExportMetricsServiceRequest, ExportMetricsServiceResponse) as rec:
+        yield rec
+
+
+@pytest.fixture
+def logs_receiver() -> Iterator[Receiver]:
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
+        ExportLogsServiceRequest,
+        ExportLogsServiceResponse,
+    )
+
+    with otlp_receiver(ExportLogsServiceRequest, ExportLogsServiceResponse) as rec:
+        yield rec
 
 
 def fed_state() -> MetricState:
@@ -179,47 +198,13 @@ def test_metrics_url_rejects_other_schemes() -> None:
         metrics_url("grpc://otelcol:4317")
 
 
-@pytest.fixture
-def logs_receiver() -> Iterator[tuple[str, list[tuple[str, Any]]]]:
-    """An OTLP/HTTP logs endpoint on loopback decoding with opentelemetry-proto: (url, [(path, request)])."""
-    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
-        ExportLogsServiceRequest,
-        ExportLogsServiceResponse,
-    )
-
-    got: list[tuple[str, Any]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            req = ExportLogsServiceRequest()
-            req.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-            got.append((self.path, req))
-            out = ExportLogsServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", got
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_causal_chains_are_pushed_once_as_log_records(logs_receiver: tuple[str, list[tuple[str, Any]]]) -> None:
+def test_causal_chains_are_pushed_once_as_log_records(logs_receiver: Receiver) -> None:
     import sqlite3
 
     from ingero.metrics.otlp_events import ChainLogPusher, logs_url, otlp_log_exporter
     from tests.conftest import INVESTIGATIONS
 
-    url, got = logs_receiver
+    url = logs_receiver.url
     db = INVESTIGATIONS / "sample-gpu-node-01.db"
     st = MetricState(Identity("gpu-node-01", rank=0), "serve")
     assert logs_url(url) == url + "/v1/logs"
@@ -230,8 +215,8 @@ def test_causal_chains_are_pushed_once_as_log_records(logs_receiver: tuple[str, 
     want = conn.execute("SELECT id, upper(severity), summary FROM causal_chains ORDER BY detected_at, id").fetchall()
     conn.close()
     assert want and n == len(want) and pusher.sent == 1 and pusher.dropped == 0
-    ((path, req),) = got
-    assert path == "/v1/logs"
+    assert logs_receiver.paths == ["/v1/logs"]
+    (req,) = logs_receiver.requests
     (rl,) = req.resource_logs
     assert attrs(rl.resource.attributes)["service.name"] == "ingero"
     (sl,) = rl.scope_logs
@@ -241,13 +226,11 @@ def test_causal_chains_are_pushed_once_as_log_records(logs_receiver: tuple[str, 
     assert all(x.event_name == "ingero.causal_chain" for x in sl.log_records)
 
 
-def test_slow_gpu_calls_are_pushed_once_as_log_records(
-    tmp_path: Path, logs_receiver: tuple[str, list[tuple[str, Any]]]
-) -> None:
+def test_slow_gpu_calls_are_pushed_once_as_log_records(tmp_path: Path, logs_receiver: Receiver) -> None:
     from ingero.metrics.otlp_events import ChainLogPusher, otlp_log_exporter
     from ingero.store.writer import StoreWriter
 
-    url, got = logs_receiver
+    url = logs_receiver.url
     sync, launch = catalog.op_id("cudaStreamSync"), catalog.op_id("cuLaunchKernel")
     st = MetricState(Identity("gpu-node-09", rank=0), "trace")
     ev = np.zeros(2000, dtype=EVENT_DTYPE)  # what the recorder saw: medians 1 ms and ≤ 10 µs
@@ -280,8 +263,8 @@ def test_slow_gpu_calls_are_pushed_once_as_log_records(
         )
         assert pusher.push_once() == 2
         assert pusher.push_once() == 0  # nothing new: nothing sent twice
-    ((path, req),) = got
-    assert path == "/v1/logs"
+    assert logs_receiver.paths == ["/v1/logs"]
+    (req,) = logs_receiver.requests
     (rl,) = req.resource_logs
     (sl,) = rl.scope_logs
     recs = [attrs(x.attributes) for x in sl.log_records]
