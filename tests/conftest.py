@@ -6,6 +6,8 @@ import hashlib
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -111,3 +113,17 @@ def write_db(path: Path, events: list[EventRow], node: str = "test-node", **iden
         w.write_batch(events)
         w.end_session(sid, {"events_seen": len(events)})
     return path
+
+
+def python_interpreter(version: str) -> str | None:
+    """An interpreter of CPython ``version`` that runs (this one, one on PATH, or pyenv's beside this
+    one's prefix; a pyenv shim for a version not installed does not run), or None."""
+    if sys.version_info[:2] == tuple(int(x) for x in version.split(".")):
+        return sys.executable
+    found = shutil.which(f"python{version}")
+    candidates = [found] if found else []
+    candidates += [str(p) for p in sorted(Path(sys.base_prefix).parent.glob(f"{version}*/bin/python{version}"))]
+    for exe in candidates:
+        if subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0:
+            return exe
+    return None

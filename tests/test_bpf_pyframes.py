@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from ingero.identity import Identity
 from ingero.store import catalog
 from ingero.trace.tracer import TraceOptions, TraceReady
 from tests.bpf_support import FIXTURES, Built, build, record
+from tests.conftest import python_interpreter
 
 pytestmark = pytest.mark.bpf
 PROGRAM = FIXTURES / "cudart_pyframes.py"
@@ -28,16 +27,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 
 def _python(version: str) -> str:
-    """An interpreter of that version that runs (a pyenv shim for another version does not)."""
-    if sys.version_info[:2] == tuple(int(x) for x in version.split(".")):
-        return sys.executable
-    found = shutil.which(f"python{version}")
-    candidates = [found] if found else []
-    candidates += [str(p) for p in sorted(Path(sys.base_prefix).parent.glob(f"{version}*/bin/python{version}"))]
-    for exe in candidates:
-        if subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0:
-            return exe
-    pytest.skip(f"no python{version} here")
+    exe = python_interpreter(version)
+    if exe is None:
+        pytest.skip(f"no python{version} here")
+    return exe
 
 
 @pytest.mark.parametrize("version", ["3.10", "3.11", "3.12"])

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ingero.trace.pyframes import PyFrame, PyFrames, PyProcess, insert_python, line_of, ptrace_problem
+from tests.conftest import python_interpreter
 
 CHILD = """
 import sys, threading
@@ -31,21 +30,9 @@ sys.stdin.readline()
 STEP_LINE = next(i for i, text in enumerate(CHILD.splitlines(), 1) if "STEP_LINE" in text)
 
 
-def _interpreter(version: str) -> str | None:
-    if sys.version_info[:2] == tuple(int(x) for x in version.split(".")):
-        return sys.executable
-    found = shutil.which(f"python{version}")
-    candidates = [found] if found else []
-    candidates += [str(p) for p in sorted(Path(sys.base_prefix).parent.glob(f"{version}*/bin/python{version}"))]
-    for exe in candidates:
-        if subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0:
-            return exe
-    return None
-
-
 @pytest.fixture(params=["3.11", "3.12", "3.10"])
 def child(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str], int, int]]:
-    exe = _interpreter(request.param)
+    exe = python_interpreter(request.param)
     if exe is None:
         pytest.skip(f"no python{request.param} here")
     script = tmp_path / "child.py"
@@ -134,7 +121,7 @@ def test_line_of_310_matches_the_310_interpreter_for_every_instruction() -> None
     import ingero.trace.pyframes as module
     from ingero.trace.pylines import line_of_310
 
-    exe = _interpreter("3.10")
+    exe = python_interpreter("3.10")
     if exe is None:
         pytest.skip("no python3.10 here")
     done = subprocess.run([exe, "-c", LINES_310, module.__file__], capture_output=True, text=True, check=True)
