@@ -227,6 +227,26 @@ def test_threaded_read_gives_the_same_frames_and_report(
     assert [o.as_dict() for o in again.ops] == [o.as_dict() for o in report.ops]
 
 
+def test_a_time_window_or_a_node_is_read_by_one_query(incident: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ingero.explain import frame
+    from ingero.store.window import Window
+
+    conn = open_readonly(incident)
+    monkeypatch.setattr(frame, "PARALLEL_MIN_ROWS", 0)
+    hi = conn.execute("SELECT max(timestamp) FROM events").fetchone()[0]
+    late = Window(hi - 2 * 10**9, None)  # found through the timestamp index: no rowid ranges
+    node = conn.execute("SELECT node FROM events LIMIT 1").fetchone()[0]
+    seen: list[str] = []
+    conn.set_trace_callback(seen.append)
+    for window, name in ((late, None), (None, node)):
+        seen.clear()
+        _same_frames(load_frames(conn, window, node=name), load_frames(conn, window, node=name, threads=3))
+        assert not [q for q in seen if "rowid BETWEEN" in q]
+    seen.clear()
+    load_frames(conn, threads=3)  # the whole table: split
+    assert [q for q in seen if "rowid BETWEEN" in q]
+
+
 def test_threaded_read_of_an_ingero_08_database_keeps_one_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -317,10 +317,13 @@ def load_frames(
     ``threads`` > 1 splits a large table's scan into rowid ranges read at once over that many
     read-only connections (the caller's ``conn`` and new ones to the same file: only where ``conn``
     carries no per-connection limits, such as the agent's query budget). The frames are the same.
+    Only a whole-table read is split: a time window or a node is found through its index, which a
+    rowid range would take SQLite away from (a 30 s window of a 1 M-event table: 5-30x slower).
     """
     window = window or Window()
     where, params = _filters(window, node, pid)
-    t0, t1, slices = _time_slices(conn, where, params, threads)
+    whole_table = window.unbounded and node is None
+    t0, t1, slices = _time_slices(conn, where, params, threads if whole_table else 1)
     if not slices:
         return {}
     conns = _siblings(conn, min(threads, len(slices))) if len(slices) > 1 else [conn]
