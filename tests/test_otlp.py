@@ -250,7 +250,7 @@ def test_slow_gpu_calls_are_pushed_once_as_log_records(tmp_path: Path, logs_rece
     with StoreWriter(db, Identity("gpu-node-09")) as w:
         w.write_batch([row(1, sync, 90_000_000)])  # history: stored before the pusher started, never pushed
         pusher = ChainLogPusher(st, db, otlp_log_exporter(url))
-        pusher.new_slow_calls()  # what start() does first
+        pusher.poll()  # what start() does first: the rows stored so far are history
         w.write_batch(
             [
                 row(2, sync, 5_000_000),  # 5x its median: not slow

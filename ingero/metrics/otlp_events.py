@@ -145,14 +145,22 @@ class ChainLogPusher(ExportCounts):
         self._thread: threading.Thread | None = None
         super().__init__(state, EXPORTER)
 
-    def new_chains(self) -> list[tuple[Any, ...]]:
-        """Chains detected after the last ones pushed (by detected_at, then id)."""
+    def poll(self) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[int, int]]:
+        """What is new since the last poll, in one read-only open of the database: the chains (by
+        detected_at, then id), the slow GPU calls, and the medians those were judged by."""
+        medians = self.state.op_medians_ns(GPU_API_SOURCES)
         try:
             conn = open_readonly(self.db_path, check_same_thread=False)
         except IngeroError:
-            return []
+            return [], [], medians
         try:
-            t, cid = self._since
+            return self._chains(conn), self._slow_calls(conn, medians), medians
+        finally:
+            conn.close()
+
+    def _chains(self, conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+        t, cid = self._since
+        try:
             return conn.execute(
                 f"SELECT {_COLS} FROM causal_chains WHERE detected_at > ? OR (detected_at = ? AND id > ?) "
                 "ORDER BY detected_at, id LIMIT ?",
@@ -160,22 +168,15 @@ class ChainLogPusher(ExportCounts):
             ).fetchall()
         except sqlite3.Error:
             return []
-        finally:
-            conn.close()
 
-    def new_slow_calls(self) -> tuple[list[tuple[Any, ...]], dict[int, int]]:
-        """GPU calls stored since the last poll that took ≥ SLOW_FACTOR x their op's median (slowest first,
-        at most MAX_SLOW_PER_POLL), and the medians they were judged by."""
-        medians = self.state.op_medians_ns(GPU_API_SOURCES)
-        try:
-            conn = open_readonly(self.db_path, check_same_thread=False)
-        except IngeroError:
-            return [], medians
+    def _slow_calls(self, conn: sqlite3.Connection, medians: dict[int, int]) -> list[tuple[Any, ...]]:
+        """GPU calls stored since the last poll that took ≥ SLOW_FACTOR x their op's median (slowest
+        first, at most MAX_SLOW_PER_POLL), in rowid order."""
         try:
             top = conn.execute("SELECT max(rowid) FROM events").fetchone()[0] or 0
             since, self._rowid = self._rowid, int(top)
             if since is None or not medians or top <= since:
-                return [], medians
+                return []
             whens = " ".join(f"WHEN {code} THEN {max(SLOW_FACTOR * m, SLOW_FLOOR_NS)}" for code, m in medians.items())
             rows = conn.execute(
                 f"SELECT {_SLOW_COLS} FROM events WHERE rowid > ? AND rowid <= ? "
@@ -183,17 +184,14 @@ class ChainLogPusher(ExportCounts):
                 "ORDER BY duration DESC LIMIT ?",
                 (since, top, MAX_SLOW_PER_POLL),
             ).fetchall()
-            return sorted(rows), medians
+            return sorted(rows)
         except sqlite3.Error:
-            return [], medians
-        finally:
-            conn.close()
+            return []
 
     def push_once(self) -> int:
         """Push the chains and slow calls found since the last call; how many records were pushed (0 on
         failure, counted)."""
-        rows = self.new_chains()
-        slow, medians = self.new_slow_calls()
+        rows, slow, medians = self.poll()
         if not rows and not slow:
             return 0
         if rows:
@@ -211,7 +209,7 @@ class ChainLogPusher(ExportCounts):
         return 0
 
     def start(self) -> None:
-        self.new_slow_calls()  # the events already stored are history: only later ones are pushed
+        self.poll()  # marks the events already stored as history: only later slow calls are pushed
         self._thread = threading.Thread(target=self._loop, name="ingero-otlp-events", daemon=True)
         self._thread.start()
 
