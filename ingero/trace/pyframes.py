@@ -7,15 +7,15 @@ the calling thread -> its current ``_PyInterpreterFrame`` chain. Code objects (f
 first line, line table) are cached by address; the line comes from the frame's last instruction and
 the code's location table (:mod:`ingero.trace.pylines`). Struct offsets are version tables
 (:data:`OFFSETS`, generated with ``offsetof`` against each version's internal headers; 3.13+ would
-read ``_Py_DebugOffsets`` instead).
+read ``_Py_DebugOffsets`` instead). Stacks are symbolized when first stored, a few milliseconds
+after the call: the frames are the thread's at that moment — the caller's while it is still in the
+call or its loop, which is the case this exists for (hot GPU call sites).
 
 3.10 differs: a thread state holds ``thread_id`` (the ``pthread_t``) rather than the kernel's thread
 id, which is read from the thread's ``struct pthread`` at an offset found once per process (the
 main thread's holds the pid; glibc x86_64 keeps it at 720); frames are ``PyFrameObject`` linked by
 ``f_back`` with ``f_lasti`` in code units, code objects have ``co_name`` (no qualified name) and the
-3.10 line table. Stacks are symbolized when first stored, a few
-milliseconds after the call: the frames are the thread's at that moment — the caller's while it is
-still in the call or its loop, which is the case this exists for (hot GPU call sites).
+3.10 line table.
 
 Not CPython, an unsupported version, or memory that cannot be read (``kernel.yama.ptrace_scope`` 3,
 no CAP_SYS_PTRACE, another PID namespace) gives no Python frames and a :attr:`PyProcess.problem`;
@@ -347,7 +347,7 @@ class PyProcess:
             if not ts:
                 return []
             if "tstate_frame" in o:
-                return self._frames_310(self._ptr(ts + o["tstate_frame"]), o, out)
+                return self._frames_310(self._ptr(ts + o["tstate_frame"]), o)
             frame = self._ptr(self._ptr(ts + o["tstate_cframe"]) + o["cframe_current_frame"])
             span = max(o["frame_owner"] + 1, o["frame_code"] + 8, o["frame_previous"] + 8, o["frame_prev_instr"] + 8)
             for _ in range(MAX_FRAMES):
@@ -369,8 +369,9 @@ class PyProcess:
             pass  # the thread moved on meanwhile: what was read so far
         return out
 
-    def _frames_310(self, frame: int, o: dict[str, int], out: list[PyFrame]) -> list[PyFrame]:
+    def _frames_310(self, frame: int, o: dict[str, int]) -> list[PyFrame]:
         """3.10's ``PyFrameObject`` chain (``f_back``), innermost first."""
+        out: list[PyFrame] = []
         span = max(o["frame_back"] + 8, o["frame_code"] + 8, o["frame_lasti"] + 4)
         try:
             for _ in range(MAX_FRAMES):
