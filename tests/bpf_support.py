@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from ingero.identity import Identity
 from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary, run_trace
 
 FIXTURES = Path(__file__).resolve().parent / "bpf_fixtures"
@@ -101,6 +102,13 @@ def build(out: Path) -> Built:
     )
     _built["b"] = b
     return b
+
+
+def trace_options(db_path: Path, identity: Identity, overrides: dict[str, list[str]], **extra: Any) -> TraceOptions:
+    """A quiet recording of the given libraries only (no system library search, no following new
+    processes' libraries); ``extra`` sets any other TraceOptions field."""
+    fields: dict[str, Any] = {"system_search": False, "follow": False, "output": "quiet", **extra}
+    return TraceOptions(db_path=db_path, identity=identity, overrides=overrides, **fields)
 
 
 def record(opts: TraceOptions, action: Callable[[TraceReady], Any]) -> tuple[TraceSummary, Any]:

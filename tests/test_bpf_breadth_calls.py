@@ -22,8 +22,8 @@ from ingero.explain.engine import explain
 from ingero.identity import Identity
 from ingero.store import catalog
 from ingero.store.allocations import live_bytes
-from ingero.trace.tracer import TraceOptions, TraceReady
-from tests.bpf_support import FIXTURES, REAL_CUDART, Built, build, build_program, record
+from ingero.trace.tracer import TraceReady
+from tests.bpf_support import FIXTURES, REAL_CUDART, Built, build, build_program, record, trace_options
 
 pytestmark = pytest.mark.bpf
 
@@ -102,13 +102,10 @@ def rec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rec]:
     work = tmp_path_factory.mktemp("breadth-trace")
     overrides = built.overrides()
     overrides["cudart"].append(str(REAL_CUDART))
-    opts = TraceOptions(
-        db_path=work / "trace.db",
-        identity=Identity("breadth-node"),
-        overrides=overrides,
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        work / "trace.db",
+        Identity("breadth-node"),
+        overrides,
     )
     _, (pids, outs, real) = record(opts, lambda ready: _phases(exe, built, ready))
     yield Rec(opts.db_path, pids, outs, real)

@@ -17,8 +17,8 @@ import pytest
 
 from ingero.identity import Identity
 from ingero.trace.cgroups import cgroup2_mount
-from ingero.trace.tracer import TraceOptions, TraceReady
-from tests.bpf_support import Built, build, record
+from ingero.trace.tracer import TraceReady
+from tests.bpf_support import Built, build, record, trace_options
 
 pytestmark = pytest.mark.bpf
 NOBODY = 65534
@@ -77,13 +77,10 @@ def test_events_carry_cgroup_ids_that_cgroup_metadata_names(
     built: Built, tmp_path: Path, two_cgroups: tuple[Path, Path]
 ) -> None:
     a, b = two_cgroups
-    opts = TraceOptions(
-        db_path=tmp_path / "cg.db",
-        identity=Identity("cg-node"),
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        tmp_path / "cg.db",
+        Identity("cg-node"),
+        built.overrides(),
     )
 
     def action(_ready: TraceReady) -> list[int]:
@@ -129,14 +126,11 @@ def shared_build(built: Built) -> Iterator[Built]:
 
 
 def test_user_traces_a_process_of_that_user_started_later_and_no_other(shared_build: Built, tmp_path: Path) -> None:
-    opts = TraceOptions(
-        db_path=tmp_path / "user.db",
-        identity=Identity("user-node"),
+    opts = trace_options(
+        tmp_path / "user.db",
+        Identity("user-node"),
+        shared_build.overrides(),
         uids=[NOBODY],
-        overrides=shared_build.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
     )
     loop = [str(shared_build.workload), "loop", str(shared_build.dir)]
 

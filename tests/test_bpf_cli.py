@@ -18,7 +18,7 @@ import trio
 
 from ingero.identity import Identity
 from ingero.trace.tracer import TraceOptions, TraceReady
-from tests.bpf_support import Built, build, record
+from tests.bpf_support import Built, build, record, trace_options
 
 pytestmark = pytest.mark.bpf
 
@@ -160,14 +160,11 @@ def test_pid_filter_traces_only_the_target(built: Built, tmp_path: Path) -> None
     try:
         assert target.stdout is not None and target.stdin is not None
         assert target.stdout.readline().strip() == "ready"
-        opts = TraceOptions(
-            db_path=tmp_path / "pid.db",
-            identity=Identity("pid-node"),
+        opts = trace_options(
+            tmp_path / "pid.db",
+            Identity("pid-node"),
+            built.overrides(),
             pids=[target.pid],
-            overrides=built.overrides(),
-            system_search=False,
-            follow=False,
-            output="quiet",
         )
 
         def action(_ready: object) -> int:
@@ -230,13 +227,10 @@ def test_follow_mode_probes_a_library_first_seen_in_a_new_process(built: Built, 
 
 
 def test_max_db_prunes_the_oldest_events(built: Built, tmp_path: Path) -> None:
-    opts = TraceOptions(
-        db_path=tmp_path / "small.db",
-        identity=Identity("prune-node"),
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        tmp_path / "small.db",
+        Identity("prune-node"),
+        built.overrides(),
         store_mode="all",  # every launch becomes a row: the database outgrows its cap quickly
         max_db_bytes=1 << 20,
     )

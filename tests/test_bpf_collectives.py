@@ -17,8 +17,7 @@ from ingero.store import catalog
 from ingero.store.db import open_readonly
 from ingero.store.nccl import read_calls
 from ingero.store.window import Window
-from ingero.trace.tracer import TraceOptions
-from tests.bpf_support import build, build_program, record
+from tests.bpf_support import build, build_program, record, trace_options
 
 pytestmark = pytest.mark.bpf
 
@@ -69,13 +68,10 @@ def test_traced_job_names_the_late_rank(tmp_path: Path) -> None:
     built = build(tmp_path / "build")
     exe = build_program("nccl_job.c", tmp_path / "build-job")
     root, job = "127.0.0.1:29617", "bpf-collectives"
-    opts = TraceOptions(
-        db_path=tmp_path / "trace.db",
-        identity=Identity("bpf-node"),
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        tmp_path / "trace.db",
+        Identity("bpf-node"),
+        built.overrides(),
     )
     _, pids = record(opts, lambda ready: run_job(exe, built.dir, tmp_path, root, job, [0, EXTRA_US, 0]))
 
@@ -126,13 +122,10 @@ def test_traced_hung_rank_is_named_from_calls_in_flight(tmp_path: Path) -> None:
         subprocess.Popen([str(exe), str(built.dir), str(r), "3", "100000", str(COMPUTE_US), "0", str(go)], env=env)
         for r in range(3)
     ]
-    opts = TraceOptions(
-        db_path=tmp_path / "trace.db",
-        identity=Identity("bpf-node"),
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        tmp_path / "trace.db",
+        Identity("bpf-node"),
+        built.overrides(),
     )
 
     def act(_ready: object) -> None:

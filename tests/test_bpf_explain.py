@@ -22,8 +22,8 @@ import pytest
 from ingero.explain.engine import ExplainReport, explain
 from ingero.identity import Identity
 from ingero.store.db import open_readonly
-from ingero.trace.tracer import TraceOptions, TraceReady
-from tests.bpf_support import Built, build, build_program, record, run_beside_cpu_hog
+from ingero.trace.tracer import TraceReady
+from tests.bpf_support import Built, build, build_program, record, run_beside_cpu_hog, trace_options
 
 pytestmark = pytest.mark.bpf
 
@@ -84,13 +84,10 @@ def rec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
     db = work / "trace.db"
     for f in work.glob("trace.db*"):
         f.unlink()
-    opts = TraceOptions(
-        db_path=db,
-        identity=Identity("bpf-explain"),
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        db,
+        Identity("bpf-explain"),
+        built.overrides(),
     )
     _summary, out = record(opts, lambda ready: _phases(exe, built, ready))
     conn = open_readonly(db)

@@ -12,8 +12,8 @@ import pytest
 
 from ingero.identity import Identity
 from ingero.store import catalog
-from ingero.trace.tracer import TraceOptions, TraceReady
-from tests.bpf_support import FIXTURES, Built, build, record
+from ingero.trace.tracer import TraceReady
+from tests.bpf_support import FIXTURES, Built, build, record, trace_options
 from tests.conftest import python_interpreter
 
 pytestmark = pytest.mark.bpf
@@ -36,13 +36,10 @@ def _python(version: str) -> str:
 @pytest.mark.parametrize("version", ["3.10", "3.11", "3.12"])
 def test_python_function_and_line_in_stored_stacks(built: Built, tmp_path: Path, version: str) -> None:
     exe = _python(version)
-    opts = TraceOptions(
-        db_path=tmp_path / "py.db",
-        identity=Identity("py-node"),
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        tmp_path / "py.db",
+        Identity("py-node"),
+        built.overrides(),
     )
 
     def action(_ready: TraceReady) -> tuple[int, int]:

@@ -15,8 +15,7 @@ import pytest
 
 from ingero.identity import Identity
 from ingero.store import catalog
-from ingero.trace.tracer import TraceOptions
-from tests.bpf_support import build, build_program, record
+from tests.bpf_support import build, build_program, record, trace_options
 
 pytestmark = pytest.mark.bpf
 
@@ -27,13 +26,10 @@ SEND, RECV = catalog.op_id("net_send"), catalog.op_id("net_recv")
 def _trace(tmp: Path, socket_rw: bool) -> tuple[Path, int, dict[str, int]]:
     built = build(tmp / "bpf-build")
     exe = build_program("breadth.c", tmp / "prog")
-    opts = TraceOptions(
-        db_path=tmp / f"rw-{socket_rw}.db",
-        identity=Identity("rw-node"),
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        tmp / f"rw-{socket_rw}.db",
+        Identity("rw-node"),
+        built.overrides(),
         socket_rw=socket_rw,
     )
 

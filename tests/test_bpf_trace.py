@@ -26,8 +26,8 @@ import pytest
 
 from ingero.identity import Identity
 from ingero.store.catalog import CUDA, DRIVER, HOST, NCCL
-from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary
-from tests.bpf_support import CUDART_CTYPES, REAL_CUDART, Built, build, pin, record, run_beside_cpu_hog
+from ingero.trace.tracer import TraceReady, TraceSummary
+from tests.bpf_support import CUDART_CTYPES, REAL_CUDART, Built, build, pin, record, run_beside_cpu_hog, trace_options
 
 pytestmark = pytest.mark.bpf
 
@@ -114,13 +114,10 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
     work = tmp_path_factory.mktemp("bpf-trace")
     overrides = built.overrides()
     overrides["cudart"].append(str(REAL_CUDART))
-    opts = TraceOptions(
-        db_path=work / "trace.db",
-        identity=Identity("bpf-node"),
-        overrides=overrides,
-        system_search=False,
-        follow=False,
-        output="quiet",
+    opts = trace_options(
+        work / "trace.db",
+        Identity("bpf-node"),
+        overrides,
     )
     io_dir = Path(__file__).resolve().parents[1] / ".pytest_cache" / "bpf-io"
     io_dir.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ from ingero.metrics.prometheus import serve_metrics
 from ingero.metrics.state import MetricState, op_labels
 from ingero.metrics.trace_hook import TraceMetrics
 from ingero.store import catalog
-from ingero.trace.tracer import TraceOptions, TraceReady
-from tests.bpf_support import Built, build, record
+from ingero.trace.tracer import TraceReady
+from tests.bpf_support import Built, build, record, trace_options
 from tests.prometheus_support import running_prometheus, wait_until
 
 pytestmark = pytest.mark.bpf
@@ -53,13 +53,10 @@ def per_op(db: Path) -> dict[tuple[int, int], int]:
 def test_metrics_of_a_recording_agent(tmp_path: Path) -> None:
     built = build(tmp_path / "build")
     identity = Identity("bpf-metrics", rank=3)
-    plain = TraceOptions(
-        db_path=tmp_path / "plain.db",
-        identity=identity,
-        overrides=built.overrides(),
-        system_search=False,
-        follow=False,
-        output="quiet",
+    plain = trace_options(
+        tmp_path / "plain.db",
+        identity,
+        built.overrides(),
     )
     summary_plain, calls_plain = record(plain, lambda ready: run_counts(built))
 

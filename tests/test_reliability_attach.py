@@ -19,7 +19,7 @@ import pytest
 from ingero.identity import Identity
 from ingero.store.catalog import CUDA
 from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary
-from tests.bpf_support import BusyJob, build_busy_cudart, build_program, record
+from tests.bpf_support import BusyJob, build_busy_cudart, build_program, record, trace_options
 
 pytestmark = [pytest.mark.bpf, pytest.mark.reliability]
 
@@ -41,17 +41,14 @@ def busy_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _options(db: Path, cudart: Path, *, host: bool) -> TraceOptions:
-    return TraceOptions(
-        db_path=db,
-        identity=Identity("attach-node"),
-        overrides={"cudart": [str(cudart)], "cuda": [], "nccl": []},
-        system_search=False,
-        follow=False,
+    return trace_options(
+        db,
+        Identity("attach-node"),
+        {"cudart": [str(cudart)], "cuda": [], "nccl": []},
         stack_mode="off",
         store_mode="selective",
         host=host,
         io=False,
-        output="quiet",
     )
 
 

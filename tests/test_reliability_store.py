@@ -112,23 +112,19 @@ def test_a_full_disk_prunes_the_oldest_events_and_recording_goes_on(
     import sqlite3
     import time
 
-    from ingero.trace.tracer import TraceOptions
-    from tests.bpf_support import BusyJob, build_busy_cudart, build_program, record
+    from tests.bpf_support import BusyJob, build_busy_cudart, build_program, record, trace_options
 
     cudart = build_busy_cudart(tmp_path_factory.mktemp("bpf-busy-lib"))
     job = BusyJob(build_program("busy_threads.c", tmp_path_factory.mktemp("bpf-busy")), cudart.parent, "busy", 2)
     db = small_disk / "full.db"
-    opts = TraceOptions(
-        db_path=db,
-        identity=Identity("full-node"),
-        overrides={"cudart": [str(cudart)], "cuda": [], "nccl": []},
-        system_search=False,
-        follow=False,
+    opts = trace_options(
+        db,
+        Identity("full-node"),
+        {"cudart": [str(cudart)], "cuda": [], "nccl": []},
         stack_mode="off",
         store_mode="all",  # every call a row: the disk fills within a second or two
         host=False,
         io=False,
-        output="quiet",
     )
     reserve = db.with_name(db.name + ".reserve")  # given back to the file system at the first SQLITE_FULL
 
