@@ -13,10 +13,11 @@ from ingero.explain.frame import I64, Frame
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, SCHED_SWITCH, OffCpu
 from ingero.explain.stats import OpStats
-from ingero.store.catalog import DRIVER, HOST
+from ingero.store.catalog import DRIVER, op_ids
 from ingero.timeutil import NS_PER_S, fmt_duration
 
 CULPRIT_LEAD_NS = 5 * NS_PER_S  # a process started this long before an episode may have caused it
+PROCESS_STARTS = op_ids("process_exec", "process_fork")
 MIN_PREEMPTIONS = 3  # a preemptor is named when it ran in the GPU process's place this often
 PREEMPTOR_SHARE = 0.1  # ... and accounts for at least this share of the window's preemptions
 # Kernel threads that run briefly between the real preemptor and the thread's return (sched_switch arg1
@@ -169,8 +170,7 @@ class Context:
         if out:
             return out
         m = (
-            (a.source == HOST)
-            & np.isin(a.op, (5, 7))
+            a.is_any(PROCESS_STARTS)
             & (a.ts_ns >= start_ns - CULPRIT_LEAD_NS)
             & (a.ts_ns <= end_ns)
             & ~np.isin(a.pid, self.traced)

@@ -30,13 +30,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.errors import IngeroError
-from ingero.store.catalog import CUDA, DRIVER, GPU_API_SOURCES, IO, NCCL, NET, TCP, op_ids
+from ingero.store.catalog import GPU_API_SOURCES, IO, NET, TCP, op_ids
 from ingero.store.db import node_names, open_readonly
 from ingero.store.window import Window
 
 I64 = npt.NDArray[np.int64]
 
 GPU_SOURCES = GPU_API_SOURCES  # the catalog's one list of GPU API sources
+_GPU_SQL = ", ".join(map(str, GPU_SOURCES))
 MAX_DUR = (1 << 43) - 1
 PID_BITS = 22
 NODES_PER_QUERY = 127  # node index 127 = "not in the list" (found and loaded in another round)
@@ -125,6 +126,11 @@ class ArgRows:
     def is_op(self, source_op: tuple[int, int]) -> npt.NDArray[np.bool_]:
         """Rows of one op (``catalog.op_id(name)``)."""
         m: npt.NDArray[np.bool_] = (self.source == source_op[0]) & (self.op == source_op[1])
+        return m
+
+    def is_any(self, ops: Sequence[tuple[int, int]]) -> npt.NDArray[np.bool_]:
+        """Rows of any of ``ops`` (``catalog.op_ids(...)``)."""
+        m: npt.NDArray[np.bool_] = np.logical_or.reduce([self.is_op(op) for op in ops])
         return m
 
     @classmethod
@@ -228,7 +234,7 @@ def _filters(window: Window, node: str | None, pid: int | None) -> tuple[str, li
         extra.append(node)
     if pid is not None:
         # GPU calls of this process only; host-side evidence stays node-wide (the rules pick the pid's rows)
-        where += f" AND (source NOT IN ({CUDA}, {DRIVER}, {NCCL}) OR pid = ?)"
+        where += f" AND (source NOT IN ({_GPU_SQL}) OR pid = ?)"
         extra.append(pid)
     return where, extra
 
@@ -463,7 +469,7 @@ def _attach_args(
     if not any(_several(fr.pid[fr.gpu_mask()]) for fr in frames.values()):
         return
     for i_node, p, g in conn.execute(
-        f"SELECT DISTINCT {case}, pid, gpu_id FROM events WHERE {where} AND source IN ({CUDA}, {DRIVER}, {NCCL})",
+        f"SELECT DISTINCT {case}, pid, gpu_id FROM events WHERE {where} AND source IN ({_GPU_SQL})",
         [*case_params, *params],
     ):
         if 0 <= i_node < len(names) and names[i_node] in frames:

@@ -14,7 +14,7 @@ from ingero.explain.context import Context, layer_of, us
 from ingero.explain.frame import I64, member
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.stats import OpStats
-from ingero.store.catalog import HOST, TCP, op_ids, op_name
+from ingero.store.catalog import TCP, op_ids, op_name
 from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
 
 MIN_CALLS = 10
@@ -29,6 +29,7 @@ TRANSFER_SHARE = 0.30
 PAGEABLE_MIN_BYTES = 1 << 20  # copies this large show their bandwidth
 PAGEABLE_CV = 0.15  # per-call bandwidth this constant: one path, the staging buffer
 PAGEABLE_GBPS = 8.0  # below this, host↔device copies are not using pinned memory
+OOM_KILLS = op_ids("oom_kill", "pod_oom_kill")
 MEMCPY_OPS = op_ids("cudaMemcpy", "cuMemcpy")  # synchronous copies (async ones only time the enqueue)
 DIRECTIONS = {0: "host→host", 1: "host→device", 2: "device→host", 3: "device→device", 4: "default"}
 
@@ -47,7 +48,7 @@ def _short(ns: float) -> str:
 
 def oom_chains(ctx: Context) -> list[Chain]:
     a = ctx.frame.args
-    m = (a.source == HOST) & np.isin(a.op, (4, 12))
+    m = a.is_any(OOM_KILLS)
     if not m.any():
         return []
     ts, pids = a.ts_ns[m], a.pid[m]

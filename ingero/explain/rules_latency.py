@@ -23,7 +23,7 @@ from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, Intervals, union
 from ingero.explain.rules_launch import LAUNCH_OPS, first_launch_mask
 from ingero.explain.stats import OpStats
-from ingero.store.catalog import IO, NCCL
+from ingero.store.catalog import IO, NCCL, op_ids
 from ingero.timeutil import NS_PER_S, fmt_ts
 
 TAIL_RATIO = 3.0
@@ -32,7 +32,7 @@ DROP = 0.40
 MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
 MIN_IO_OVERLAP = 0.05  # share of the slow calls' time during which the traced tree's block I/O was in flight
 IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
-COPY_OPS = {(1, 4), (1, 7), (4, 2), (4, 3)}  # arg0 = bytes
+COPY_OPS = set(op_ids("cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"))  # arg0 = bytes
 
 
 _fmt = fmt_ns

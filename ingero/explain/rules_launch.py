@@ -20,9 +20,10 @@ from ingero.explain import causes as cz
 from ingero.explain.context import Context, OpRows, layer_of
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.stats import OpStats
+from ingero.store.catalog import op_ids
 from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
 
-LAUNCH_OPS = ((1, 3), (4, 1))  # cudaLaunchKernel, cuLaunchKernel
+LAUNCH_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")
 WARMUP_SHARE = 0.2  # kernels first launched after this share of the process's GPU span are "mid-run"
 WARMUP_MIN_NS = 5 * NS_PER_S
 MIN_NEW = 3  # new kernels mid-run before it is called recompilation

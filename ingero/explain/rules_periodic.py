@@ -13,13 +13,14 @@ from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.rules_latency import MIN_CALLS
 from ingero.explain.rules_launch import LAUNCH_OPS, first_launch_mask
 from ingero.explain.stats import OpStats
+from ingero.store.catalog import op_ids
 from ingero.timeutil import NS_PER_S
 
 SPIKE_RATIO = 10.0
 MIN_SPIKES = 4
 MAX_CV = 0.35
-SYNC_OPS = ((1, 5), (1, 6), (4, 4))  # cudaStreamSync, cudaDeviceSync, cuCtxSynchronize
-ALLOC_OPS = {(1, 1), (1, 2), (1, 8), (4, 5), (4, 6)}
+SYNC_OPS = op_ids("cudaStreamSync", "cudaDeviceSync", "cuCtxSynchronize")
+ALLOC_OPS = set(op_ids("cudaMalloc", "cudaFree", "cudaMallocManaged", "cuMemAlloc", "cuMemAllocManaged"))
 
 
 def periodic_chains(ctx: Context, candidates: list[OpStats]) -> list[Chain]:
