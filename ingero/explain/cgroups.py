@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import sqlite3
 
-from ingero.store.catalog import CUDA, DRIVER, NCCL
+from ingero.store.catalog import GPU_API_SOURCES
 from ingero.store.cgroups import CgroupInfo, cgroup_labels
 from ingero.store.window import Window
+
+_GPU_SQL = ", ".join(map(str, GPU_API_SOURCES))
 
 
 def pid_cgroups(
@@ -28,7 +30,7 @@ def pid_cgroups(
     try:
         rows = conn.execute(
             f"SELECT pid, cgroup_id, max(timestamp) FROM events WHERE cgroup_id IN ({marks}) "
-            f"AND source IN ({CUDA}, {DRIVER}, {NCCL}) AND {where} GROUP BY pid, cgroup_id",
+            f"AND source IN ({_GPU_SQL}) AND {where} GROUP BY pid, cgroup_id",
             [*labels, *params],
         ).fetchall()
     except sqlite3.OperationalError:  # a database without events.cgroup_id

@@ -29,7 +29,7 @@ MAX_SLOTS = 128  # distinct (source, op) pairs; the catalog has ~40
 _BOUNDS_NS = np.array([round(b * 1e9) for b in r.DURATION_BUCKETS_S], dtype=np.uint64)
 NB = len(r.DURATION_BUCKETS_S) + 1  # + the +Inf bucket
 HISTOGRAM_SOURCES = frozenset({catalog.CUDA, catalog.DRIVER, catalog.NCCL, catalog.IO, catalog.NET})
-GPU_SOURCES = (catalog.CUDA, catalog.DRIVER, catalog.NCCL)
+GPU_SOURCES = catalog.GPU_API_SOURCES
 SCHED_SWITCH = catalog.op_id("sched_switch")
 _BYTES = np.zeros(1 << 16, dtype=bool)
 _BYTES[[s << 8 | o for s, o in BYTES_OPS]] = True

@@ -102,7 +102,7 @@ def load_rows(conn: sqlite3.Connection, pid: int, *, node: str | None = None) ->
     if node is not None:
         where += " AND node = ?"
         params.append(node)
-    free_case = " OR ".join(f"(source = {s} AND op = {o})" for s, o in FREE_OPS)
+    free_case = _op_clause(FREE_OPS)
     rows = conn.execute(
         f"SELECT CASE WHEN {free_case} THEN {FREE} ELSE {ALLOC} END, "
         f"CASE WHEN {free_case} THEN arg0 ELSE arg1 END, timestamp, "

@@ -10,6 +10,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from ingero.store.catalog import as_sqlite_int
 from ingero.store.db import write_transaction
 from ingero.timeutil import now_ns
 
@@ -42,13 +43,8 @@ def write_cgroups(db: Path, rows: list[CgroupInfo], *, seen_at: int | None = Non
     with write_transaction(db) as conn:
         conn.executemany(
             f"INSERT OR REPLACE INTO cgroup_metadata({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
-            [(_as_sqlite(r.cgroup_id), r.container_id, r.path, r.pod_name, r.namespace, r.job_id, at) for r in rows],
+            [(as_sqlite_int(r.cgroup_id), r.container_id, r.path, r.pod_name, r.namespace, r.job_id, at) for r in rows],
         )
-
-
-def _as_sqlite(value: int) -> int:
-    """u64 -> SQLite's signed 64-bit (as events.cgroup_id stores it)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def cgroup_labels(conn: sqlite3.Connection) -> dict[int, CgroupInfo]:

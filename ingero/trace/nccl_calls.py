@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ingero.store.catalog import NCCL_DATATYPES
+from ingero.store.catalog import NCCL_DATATYPES, as_sqlite_int
 from ingero.store.nccl import IN_FLIGHT
 
 MAX_PENDING = 65_536  # calls entered and not returned that are remembered (the oldest are forgotten)
@@ -36,7 +36,7 @@ class NcclCalls:
         ts, count, comm, pid, tid, peer, packed, seq = e[0], e[2], e[3], e[5], e[6], e[7], e[11], e[12]
         op, datatype, redop = packed & 0xF, (packed >> 4) & 0xF, (packed >> 8) & 0xF
         size = NCCL_DATATYPES.get(datatype, ("", 1))[1]
-        row = [pid, tid, _signed(comm), seq, op, ts + offset_ns, IN_FLIGHT, datatype,
+        row = [pid, tid, as_sqlite_int(comm), seq, op, ts + offset_ns, IN_FLIGHT, datatype,
                -1 if redop == NO_REDOP else redop, count, count * size, peer, 0]  # fmt: skip
         self._pending[(pid, tid, ts)] = (row, [False])
         while len(self._pending) > MAX_PENDING:
@@ -66,7 +66,3 @@ class NcclCalls:
                 out.append(tuple(row))
                 written[0] = True
         return out
-
-
-def _signed(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
