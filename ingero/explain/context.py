@@ -81,7 +81,7 @@ class Context:
         if cached is not None:
             return OpRows(st, cached.ts_ns, cached.dur, cached.pid, cached.tid)
         m = (self.gpu.source == st.source) & (self.gpu.op == st.op)
-        tid = self.gpu.tid[m] if self.gpu.tid.size == self.gpu.pid.size else self.gpu.pid[m]
+        tid = self.gpu.tid[m]
         out = OpRows(st, self.gpu.ts_ns[m], self.gpu.dur[m], self.gpu.pid[m], tid)
         self._rows[key] = out
         return out

@@ -172,6 +172,10 @@ class Frame:
     args: ArgRows = field(default_factory=ArgRows.empty)
     gpu_ids: dict[int, set[int]] = field(default_factory=dict)  # pid -> GPU ids it used
 
+    def __post_init__(self) -> None:
+        if self.tid.size != self.pid.size:  # threads unknown: each row is its process's
+            self.tid = self.pid.copy()
+
     @property
     def size(self) -> int:
         return int(self.source.size)
@@ -208,7 +212,7 @@ class Frame:
             self.ts_ns[mask],
             self.pid[mask],
             self.failed[mask],
-            self.tid[mask] if self.tid.size == self.pid.size else self.pid[mask],
+            self.tid[mask],
             self.args,
             self.gpu_ids,
         )

@@ -21,7 +21,7 @@ import numpy as np
 
 from ingero.explain import causes as cz
 from ingero.explain.context import Context
-from ingero.explain.frame import I64
+from ingero.explain.frame import I64, distinct, member
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.store.catalog import CUDA_GRAPH, lookup_op
 from ingero.timeutil import NS_PER_MS, fmt_duration
@@ -45,9 +45,9 @@ def graph_chains(ctx: Context) -> list[Chain]:
     pids = ctx.traced if ctx.pid is None else np.asarray([ctx.pid], dtype=np.int64)
     wall = max(1, fr.last_ns - fr.first_ns)
     out: list[Chain] = []
-    for pid in np.unique(fr.pid[is_graph & np.isin(fr.pid, pids)]).tolist():
+    for pid in distinct(fr.pid[is_graph & member(fr.pid, pids)]).tolist():
         m = is_graph & (fr.pid == pid)
-        op, ts, dur, tid = fr.op[m], fr.ts_ns[m], fr.dur[m], fr.tid[m] if fr.tid.size == fr.pid.size else fr.pid[m]
+        op, ts, dur, tid = fr.op[m], fr.ts_ns[m], fr.dur[m], fr.tid[m]
         c = _churn(ctx, int(pid), op, ts, dur, wall)
         if c is not None:
             out.append(c)
@@ -117,9 +117,8 @@ def _late(ctx: Context, pid: int, ts: I64, tid: I64, wall: int) -> Chain | None:
     late = np.flatnonzero(gaps > LATE_FACTOR * period)
     g = ctx.gpu
     own = g.pid == pid
-    g_tid_all = g.tid if g.tid.size == g.pid.size else g.pid
     o = np.argsort(g.ts_ns[own], kind="stable")
-    g_ts, g_dur, g_tid = g.ts_ns[own][o], g.dur[own][o], g_tid_all[own][o]
+    g_ts, g_dur, g_tid = g.ts_ns[own][o], g.dur[own][o], g.tid[own][o]
     longest = int(g_dur.max()) if g_dur.size else 0
     host_lost, n = 0, 0
     for i in late.tolist():
