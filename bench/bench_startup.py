@@ -165,9 +165,7 @@ def main() -> int:
         helps = best_wall([*INGERO, "--help"], runs, partial(expect_ok, needle="usage: ingero"))
         byte = first_byte([*query, f"127.0.0.1:{port}"], listener, runs)
         refused = best_wall([*query, f"127.0.0.1:{closed}"], runs, expect_refused)
-    print(
-        f"CLI start-up, best of {runs} fresh processes; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
-    )
+    print(f"CLI start-up, best of {runs} fresh processes; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"  python -c pass                {python.best * 1000:6.0f} ms   [{python.detail}]")
     print(f"  floor: import trio, ssl, httpx {floor.best * 1000:5.0f} ms   [{floor.detail}]")
     verdict("ingero --help", helps.best * 1000, HELP_TARGET, complete=helps.complete, detail=helps.detail)

@@ -55,19 +55,19 @@ def verdict(name: str, measured: float, target: Target, *, complete: bool = True
         word, why = MISS, " (incomplete run)"
     else:
         word, why = (OK, "") if target.met(measured) else (MISS, "")
-    _emit(name, f"{target.show(measured):>12}  target {target}", word + why, detail)
+    _emit(name, f"{target.show(measured):>12}  target {target}", word, why, detail)
     return word
 
 
 def no_verdict(name: str, measured: float, target: Target, why: str, *, detail: str = "") -> str:
     """A figure shown beside a target it cannot be judged against (e.g. ``why="quick run"``)."""
-    _emit(name, f"{target.show(measured):>12}  target {target}", f"{NO_VERDICT} ({why})", detail)
+    _emit(name, f"{target.show(measured):>12}  target {target}", NO_VERDICT, f" ({why})", detail)
     return NO_VERDICT
 
 
-def _emit(name: str, figures: str, word: str, detail: str) -> None:
-    _tally[word.split(" (")[0]] += 1
-    print(f"  {name:<44} {figures:<34} {word}" + (f"   [{detail}]" if detail else ""), flush=True)
+def _emit(name: str, figures: str, word: str, why: str, detail: str) -> None:
+    _tally[word] += 1
+    print(f"  {name:<44} {figures:<34} {word}{why}" + (f"   [{detail}]" if detail else ""), flush=True)
 
 
 def summary() -> int:
