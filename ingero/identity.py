@@ -1,6 +1,7 @@
 """Node identity: who this agent is in the fleet.
 
-``--node`` > ``agent.node`` in the config file > hostname. ``rank``, ``local_rank`` and
+``--node`` > ``agent.node`` in the config file > the node recorded in the database an agent serves
+(``ingero serve`` over a recording answers as the node that recorded it) > hostname. ``rank``, ``local_rank`` and
 ``world_size`` come from the ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` variables set by
 torchrun / mpirun / SLURM launchers when present. The identity is stamped on every event and session.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from ingero.errors import InvalidNodeNameError
 
+NAME_SOURCES = ("--node", "config", "recorded", "hostname")
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -24,6 +26,7 @@ class Identity:
     rank: int | None = None
     local_rank: int | None = None
     world_size: int | None = None
+    source: str = "hostname"  # where the name came from: one of NAME_SOURCES
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -70,11 +73,20 @@ def resolve_identity(
     cli_node: str | None = None,
     config_node: str | None = None,
     env: Mapping[str, str] | None = None,
+    recorded: str | None = None,
 ) -> Identity:
+    """``recorded``: the node a served recording was made on (used only when it is a valid name)."""
     env = os.environ if env is None else env
-    node = validate_node_name(cli_node or config_node or hostname_node())
+    if recorded is not None and not _NODE_RE.match(recorded):
+        recorded = None
+    candidates = (cli_node, config_node, recorded)
+    source, node = next(
+        ((src, name) for src, name in zip(NAME_SOURCES, candidates, strict=False) if name),
+        ("hostname", hostname_node()),
+    )
     return Identity(
-        node=node,
+        node=validate_node_name(node),
+        source=source,
         rank=_env_int(env, "RANK"),
         local_rank=_env_int(env, "LOCAL_RANK"),
         world_size=_env_int(env, "WORLD_SIZE"),

@@ -44,6 +44,7 @@ class AgentContext:
     token: str | None
     budget: QueryBudget  # every row/time/size limit
     workers: Admission  # the lanes of worker threads (short, heavy, meta)
+    instance: str = ""  # this agent's stable instance id (ingero.store.instance), sent with every answer
 
     @property
     def node(self) -> str:
@@ -66,7 +67,7 @@ def encode(doc: Mapping[str, Any]) -> bytes:
 
 
 def ok(ctx: AgentContext, **fields: Any) -> dict[str, Any]:
-    return {"ok": True, "node": ctx.node, **fields}
+    return {"ok": True, "node": ctx.node, "instance": ctx.instance, **fields}
 
 
 # --- connections with a deadline ---------------------------------------------------------------
@@ -125,6 +126,7 @@ def info_fields(ctx: AgentContext, s: DbSummary, conn: sqlite3.Connection) -> di
     if rank is None and local_rank is None and world_size is None:
         rank, local_rank, world_size = recorded_ranks(conn, ident.node)
     return {
+        "node_source": ident.source,
         "rank": rank,
         "local_rank": local_rank,
         "world_size": world_size,

@@ -36,6 +36,7 @@ from ingero.errors import PortInUseError, UsageError
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget
 from ingero.store.db import open_readonly
+from ingero.store.instance import agent_instance
 from ingero.tls import context
 
 log = logging.getLogger("ingero.api.server")
@@ -206,9 +207,19 @@ def preflight(settings: ServerSettings) -> TLSSetup:
     return prepare_tls(settings)
 
 
+def database_instance(path: Path) -> str:
+    """The instance id this agent sends with its answers (see :mod:`ingero.store.instance`)."""
+    conn = open_readonly(path)
+    try:
+        return agent_instance(conn, path)
+    finally:
+        conn.close()
+
+
 def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
     ctx = AgentContext(
         db_path=settings.db_path.expanduser(),
+        instance=database_instance(settings.db_path.expanduser()),
         identity=settings.identity,
         tls_mode=tls_mode,
         token=settings.token or None,

@@ -46,7 +46,8 @@ def add_node_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node",
         metavar="NAME",
-        help="this node's name (default: agent.node in the config, else the hostname)",
+        help="this node's name (default: agent.node in the config; for serve, the node recorded in the database; "
+        "else the hostname)",
     )
 
 
@@ -86,9 +87,21 @@ def config_from(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def identity_from(args: argparse.Namespace) -> Identity:
+def identity_from(args: argparse.Namespace, recording: Path | None = None) -> Identity:
+    """This agent's identity; ``recording``: the database an agent serves, whose recorded node names it
+    when neither --node nor agent.node does."""
     cfg = config_from(args)
-    return resolve_identity(getattr(args, "node", None), cfg.agent.node)
+    cli_node, config_node = getattr(args, "node", None), cfg.agent.node
+    recorded = None
+    if recording is not None and not (cli_node or config_node):
+        from ingero.store.db import open_readonly, recorded_node
+
+        conn = open_readonly(recording)
+        try:
+            recorded = recorded_node(conn)
+        finally:
+            conn.close()
+    return resolve_identity(cli_node, config_node, recorded=recorded)
 
 
 def fleet_nodes_from(args: argparse.Namespace) -> list[NodeSpec]:

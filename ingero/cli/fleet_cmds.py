@@ -61,8 +61,11 @@ def progress_for(nodes: Sequence[NodeSpec]) -> Progress:
 
 def report(outcomes: Sequence[NodeOutcome], settings: ClientSettings, *, strict: bool, what: str = "answer") -> int:
     """Skew warnings and the folded unanswered list on stderr; the exit code (or NoNodeAnsweredError)."""
-    from ingero.fleet.render import folded_failure_lines, skew_warnings
+    from ingero.fleet.render import folded_failure_lines, skew_warnings, twin_warning
 
+    twins = twin_warning(outcomes)
+    if twins:
+        warn(twins)
     for line in skew_warnings([o for o in outcomes if o.answered], settings.skew_threshold_ms):
         warn(line)
     failed = [o for o in outcomes if not o.answered]

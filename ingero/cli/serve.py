@@ -232,9 +232,10 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         raise UsageError("--" + e.message, hint=e.hint) from None
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
+    db_path = common.db_path_from(args)
     settings = ServerSettings(
-        db_path=common.db_path_from(args),
-        identity=common.identity_from(args),
+        db_path=db_path,
+        identity=common.identity_from(args, recording=db_path),
         host=host,
         port=port,
         tls_cert=None if args.no_tls or not cert else Path(cert).expanduser(),

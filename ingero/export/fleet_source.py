@@ -95,15 +95,20 @@ def node_traces(outcome: NodeOutcome) -> list[NodeTrace]:
     uncertainty = round(outcome.skew.uncertainty_ns) if outcome.skew else None
     names_body = data["names"]
     names = {int(r[0]): str(r[1]) for r in names_body.get("rows") or [] if len(r) == 2}
+    # a twin (another agent of the fleet answered with the same name) is labelled name@host:port
+    own_label = outcome.label if outcome.twin else ident
     by_node: dict[str, list[list[Any]]] = {}
     for r in data["rows"]:
-        by_node.setdefault(str(r[1] or ident), []).append(r[2:])
+        node = str(r[1] or ident)
+        by_node.setdefault(own_label if node == ident else node, []).append(r[2:])
     chains = _chains(data["chains"], ident)
     for c in chains:
+        if c.node == ident:
+            c.node = own_label
         by_node.setdefault(c.node, [])
     traces = []
     for node, rows in by_node.items():
-        own = node == ident
+        own = node == own_label
         traces.append(
             NodeTrace(
                 node=node,

@@ -9,6 +9,7 @@ prints ``listening on``.
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import signal
 import subprocess
@@ -30,21 +31,28 @@ def wait_ready(
     Raises :class:`~ingero.errors.IngeroError` when the agent exits or stays silent for ``timeout_s``.
     """
     assert proc.stdout is not None, "start the agent with stdout=subprocess.PIPE"
+    # Raw reads on the pipe's descriptor: a buffered readline() may swallow two lines at once (a warning,
+    # then "listening on"), and select() would then wait for bytes that were already read.
+    fd = proc.stdout.fileno()
     seen: list[str] = []
+    pending = b""
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(fd, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sel.select(left):
                 raise IngeroError(f"agent {name} did not report listening within {timeout_s:g}s")
-            line = proc.stdout.readline()
-            if not line:
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 raise IngeroError(f"agent {name} exited (rc={proc.wait()}): {' '.join(seen)[-400:]}")
-            seen.append(line.strip())
-            if "listening on" in line:
-                doc: dict[str, Any] = json.loads(ready_file.read_text())
-                return line.strip(), doc
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace").strip()
+                seen.append(line)
+                if "listening on" in line:
+                    doc: dict[str, Any] = json.loads(ready_file.read_text())
+                    return line, doc
 
 
 def stop(procs: Sequence[subprocess.Popen[str]], timeout_s: float = 10.0) -> None:

@@ -3,7 +3,8 @@
 Rows: every answering node's result set must have the same columns; the reference is the column list
 most nodes returned (ties: the first node by name), and a node that disagrees is reported as a
 ``schema`` outcome and skipped. The merged table's first column is ``node``, the agent's own identity
-from its answer (not the address that was dialled). When the SQL itself selected a ``node`` column and
+from its answer (not the address that was dialled; ``name@host:port`` for agents that share a name:
+see :func:`ingero.fleet.client.flag_duplicates`). When the SQL itself selected a ``node`` column and
 each node's values equal that node's identity (the usual ``SELECT node, ... GROUP BY node``), that
 column is folded into the first one rather than repeated; when they differ (an agent serving a merged
 multi-node database) it is kept, renamed ``db_node``.
@@ -93,7 +94,7 @@ def merge_rows(outcomes: list[NodeOutcome], elapsed_ms: float = 0.0) -> FleetRes
     node_idx = next((i for i, c in enumerate(columns) if c.lower() == "node"), None)
     fold_at: int | None = None  # the SQL's own node column, when it holds each agent's identity
     if node_idx is not None:
-        if all(row[node_idx] == o.label for o, node_rows in kept for row in node_rows):
+        if all(row[node_idx] in (o.label, o.node) for o, node_rows in kept for row in node_rows):
             fold_at = node_idx
             del columns[node_idx]
         else:
@@ -140,7 +141,8 @@ def _chains_of(o: NodeOutcome, key: str) -> list[Chain]:
     for d in raw if isinstance(raw, list) else []:
         if isinstance(d, dict):
             c = Chain.from_dict(d)
-            c.node = c.node or o.label
+            # a twin's chains take its distinct label (name@host:port), like its rows
+            c.node = o.label if not c.node or (o.twin and c.node == o.node) else c.node
             chains.append(c)
     return chains
 

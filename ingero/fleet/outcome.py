@@ -17,7 +17,8 @@ kind            answered   meaning
 ``schema``      no         the answer does not match the API contract or the fleet's columns
 ``protocol``    no         the connection broke mid-answer (cut-off body), or the body is not JSON
 ``too_large``   no         the answer passed the per-answer cap or the fan-out's shared byte budget
-``duplicate``   no         answered with the identity of another node of the list (not counted twice)
+``duplicate``   no         the same agent instance as another entry of the list (listed twice, or reached at
+                           two addresses): its answer is counted once
 ``error``       no         anything else
 ==============  =========  ======================================================================
 """
@@ -96,6 +97,8 @@ class NodeOutcome:
     skew: SkewEstimate | None = None
     skew_error: str | None = None  # why no skew estimate, when none
     notes: list[str] = field(default_factory=list)
+    instance: str | None = None  # the agent's instance id (from its answers), when it sends one
+    twin: bool = False  # another instance of the fleet answered with the same name: labelled name@host:port
 
     @property
     def answered(self) -> bool:
@@ -107,7 +110,10 @@ class NodeOutcome:
 
     @property
     def label(self) -> str:
-        """The best name for humans: the agent's identity, else the configured name, else host:port."""
+        """The best name for humans: the agent's identity (``name@host:port`` when another instance of the
+        fleet shares its name), else the configured name, else host:port."""
+        if self.twin and self.node:
+            return f"{self.node}@{self.spec.addr}"
         return self.node or self.spec.label
 
     @property
@@ -121,7 +127,10 @@ class NodeOutcome:
         return {
             "addr": self.spec.addr,
             "name": self.spec.name,
-            "node": self.node,
+            "node": self.label if self.node else None,
+            "agent_node": self.node,
+            "instance": self.instance,
+            "twin": self.twin,
             "outcome": str(self.kind),
             "answered": self.answered,
             "reason": self.reason or None,

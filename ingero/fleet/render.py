@@ -52,6 +52,19 @@ def truncated_lines(outcomes: Sequence[NodeOutcome]) -> list[str]:
     ]
 
 
+def twin_warning(outcomes: list[NodeOutcome]) -> str | None:
+    """One line naming the instances that share a name, or None when there are none."""
+    twins = [o for o in outcomes if o.twin and o.answered]
+    if not twins:
+        return None
+    names = sorted({o.node or "" for o in twins})
+    labels = ", ".join(o.label for o in sorted(twins, key=lambda o: (o.node or "", o.spec.addr)))
+    return (
+        f"{len(twins)} distinct agents answered with {len(names)} shared name(s) ({', '.join(names)}): all are kept, "
+        f"as {labels} (give each agent its own --node or agent.node)"
+    )
+
+
 def skew_warnings(outcomes: Sequence[NodeOutcome], threshold_ms: float) -> list[str]:
     """``gpu-node-02 is ~47 ms ahead of this host (±1 ms); ...`` for every node past the threshold."""
     out = []

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ingero.errors import DatabaseNotFoundError, NotADatabaseError, StoreError
 from ingero.store.budget import errorname
+from ingero.store.instance import ensure_instance_id
 from ingero.store.schema import Layout, inspect_layout, migrate
 from ingero.timeutil import NS_PER_S, now_ns
 
@@ -162,6 +163,7 @@ def open_writable(path: str | Path) -> sqlite3.Connection:
         conn.execute("PRAGMA temp_store = MEMORY")
         conn.execute("PRAGMA wal_autocheckpoint = 0")
         migrate(conn)
+        ensure_instance_id(conn)
     except sqlite3.Error as e:
         conn.close()
         raise translate(e, p) from None
@@ -232,6 +234,13 @@ def node_names(conn: sqlite3.Connection) -> list[str]:
     except sqlite3.OperationalError:
         return []
     return sorted(names)
+
+
+def recorded_node(conn: sqlite3.Connection) -> str | None:
+    """The one node a recording was made on (its sessions, else its events); None for a database with
+    no node or several (a merged cluster database)."""
+    names = node_names(conn)
+    return names[0] if len(names) == 1 else None
 
 
 def is_live(conn: sqlite3.Connection, last_event_ns: int | None = None) -> bool:

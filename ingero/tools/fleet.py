@@ -31,10 +31,12 @@ OVERVIEW_COLUMNS = ["node", "events", "first", "last", "live", "high", "medium",
 
 
 def _header(outcomes: Sequence[NodeOutcome], settings: ClientSettings) -> dict[str, Any]:
-    from ingero.fleet.render import skew_warnings, unanswered_lines
+    from ingero.fleet.render import skew_warnings, twin_warning, unanswered_lines
 
     answered = [o for o in outcomes if o.answered]
+    twins = twin_warning(outcomes)
     return {
+        "identity_warnings": [twins] if twins else [],
         "clock_skew_warnings": skew_warnings(outcomes, settings.skew_threshold_ms),
         "unreachable": unanswered_lines(outcomes),
         "answered": len(answered),

@@ -1,0 +1,65 @@
+"""Who a database is: the node recorded in it, and a stable instance id for the agent serving it.
+
+Two agents may answer with one node name (cloned VMs that share a hostname; three recordings served
+without ``--node``). The fleet client tells them apart by an *instance id*, which every agent sends
+with its answers:
+
+* a database ingero writes gets a random ``instance_id`` in ``schema_info`` when its schema is made
+  or migrated (:func:`ensure_instance_id`); a merged database gets its own, never an input's;
+* a database without one (an Ingero recording, a read-only copy) is named by its file: device and
+  inode, so one file reached by two paths is one database, and serving it never writes to it;
+* the agent's instance id hashes that with this machine's ``/etc/machine-id``: two machines serving
+  copies of one recording are two instances; one agent listed twice, or reached at two addresses, is
+  one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import uuid
+from pathlib import Path
+
+INSTANCE_KEY = "instance_id"
+MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+INSTANCE_HEX = 16  # characters of the agent's instance id (64 bits)
+
+
+def stored_instance_id(conn: sqlite3.Connection) -> str | None:
+    """The database's own instance id from ``schema_info``; None when it has none (or no such table)."""
+    try:
+        row = conn.execute("SELECT value FROM schema_info WHERE key = ?", (INSTANCE_KEY,)).fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return str(row[0]) if row and row[0] else None
+
+
+def ensure_instance_id(conn: sqlite3.Connection) -> None:
+    """Give a writable database its instance id once (inside the caller's transaction, if any)."""
+    conn.execute(
+        "INSERT OR IGNORE INTO schema_info(key, value) VALUES (?, ?)",
+        (INSTANCE_KEY, uuid.uuid4().hex),
+    )
+
+
+def machine_id() -> str:
+    """This machine's id (systemd's ``machine-id``), else the hostname: what two hosts do not share."""
+    for path in MACHINE_ID_FILES:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return os.uname().nodename
+
+
+def agent_instance(conn: sqlite3.Connection, path: str | Path) -> str:
+    """The instance id an agent serving ``path`` sends with its answers (see the module docstring)."""
+    db_id = stored_instance_id(conn)
+    if db_id is None:
+        st = Path(path).expanduser().stat()
+        db_id = f"file:{st.st_dev}:{st.st_ino}"
+    digest = hashlib.sha256(f"{machine_id()}\0{db_id}".encode()).hexdigest()
+    return digest[:INSTANCE_HEX]
