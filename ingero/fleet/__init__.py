@@ -29,9 +29,9 @@ Pieces, one job per module:
 * :mod:`ingero.fleet.client` — :class:`FleetClient` (one shared transport, a ``CapacityLimiter``,
   one trio task per node, per-node deadline, skew samples concurrent with each node's job),
   :class:`NodeClient`.
-* :mod:`ingero.fleet.transport` — HTTP/1.1 over trio (:mod:`ingero.fleet.http1`): per-node keep-alive pools
-  over trio (at most 2 connections a node; samples share the query's connection unless it is busy
-  for half the deadline), wire-level t1/t4 for skew, per-node release on wide fleets.
+* :mod:`ingero.fleet.transport` — httpx on trio: one ``httpx.AsyncClient`` per node (HTTP/1.1, at most 2
+  connections a node; samples share the query's connection unless it is busy for half the deadline),
+  answers streamed under the caps, t1/t4 from httpcore's trace hooks, per-node release on wide fleets.
 * :mod:`ingero.fleet.outcome` — :class:`NodeOutcome` and its kinds (ok, truncated, timeout, refused,
   unreachable, tls, auth, http, schema, protocol, error); transport errors → kinds.
 * :mod:`ingero.fleet.skew` — NTP four-timestamp offset/delay (samples ride every answer's headers plus

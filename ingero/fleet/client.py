@@ -1,7 +1,8 @@
 """Concurrent fan-out to every agent: one trio nursery, one task per node, one shared HTTPS transport.
 
 :class:`FleetClient` owns one :class:`~ingero.fleet.transport.NodeTransport` (one SSL context, built
-once; at most two keep-alive connections per node, so at most ``2 × fanout`` open at once) and a
+once; an ``httpx.AsyncClient`` per node with at most two keep-alive connections, so at most
+``2 × fanout`` open at once) and a
 :class:`trio.CapacityLimiter`. :meth:`FleetClient.fan_out` runs a *job* (an async function of a
 :class:`NodeClient`) for every node at once; each node's job runs under its own deadline, concurrently
 with that node's clock-skew sample over the same transport, and ends as a
@@ -31,25 +32,22 @@ from ingero.fleet.transport import NodeTransport, Origin, Request, Response
 NodeJob = Callable[["NodeClient"], Awaitable[Any]]
 OutcomeCallback = Callable[[NodeOutcome], None]
 
+_JSON_BODY = (("content-type", "application/json"),)
 # Failures after which the node's skew samples are pointless (they would fail the same way).
 _TRANSPORT_KINDS = frozenset({Kind.TIMEOUT, Kind.REFUSED, Kind.UNREACHABLE, Kind.TLS})
 
 
 def base_url(spec: NodeSpec, settings: ClientSettings) -> str:
-    return f"{settings.scheme}://{_host_port(spec)}"
+    host = f"[{spec.host}]" if ":" in spec.host else spec.host
+    return f"{settings.scheme}://{host}:{spec.port}"
 
 
 def origin_of(spec: NodeSpec, settings: ClientSettings) -> Origin:
     return (settings.scheme, spec.host, spec.port)
 
 
-def _host_port(spec: NodeSpec) -> str:
-    host = f"[{spec.host}]" if ":" in spec.host else spec.host
-    return f"{host}:{spec.port}"
-
-
 def common_headers(settings: ClientSettings) -> list[tuple[str, str]]:
-    """Headers of every request of a fan-out (``host`` is added per node)."""
+    """Headers of every request of a fan-out (httpx adds ``host`` per node)."""
     headers = [("user-agent", f"ingero/{__version__}"), ("accept", "application/json")]
     if settings.token:
         headers.append(("authorization", f"Bearer {settings.token}"))
@@ -64,14 +62,12 @@ class NodeClient:
         spec: NodeSpec,
         settings: ClientSettings,
         transport: NodeTransport,
-        headers: list[tuple[str, str]] | None = None,
     ) -> None:
         self.spec = spec
         self.settings = settings
         self.transport = transport
         self.base_url = base_url(spec, settings)
         self.origin = origin_of(spec, settings)
-        self.headers = [("host", _host_port(spec)), *(headers if headers is not None else common_headers(settings))]
         self.node: str | None = None  # the agent's identity, from its first answer
         self.samples: list[skewmod.TimeSample] = []  # clock samples carried on the answers' headers
         self._time_request: Request | None = None
@@ -97,10 +93,9 @@ class NodeClient:
     ) -> Request:
         target = f"{path}?{urlencode(params)}" if params else path
         if json is None:
-            return Request(method, self.origin, target, self.headers)
+            return Request(method, self.origin, target)
         body = _json.dumps(json, separators=(",", ":")).encode()
-        headers = [*self.headers, ("content-type", "application/json"), ("content-length", str(len(body)))]
-        return Request(method, self.origin, target, headers, body)
+        return Request(method, self.origin, target, _JSON_BODY, body)
 
     async def send(
         self,
@@ -112,9 +107,7 @@ class NodeClient:
     ) -> Response:
         """One request; transport failures raise a classified :class:`NodeFailure`."""
         try:
-            resp = await self.transport.request(
-                self.build(method, path, json=json, params=params), self.settings.timeout_s
-            )
+            resp = await self.transport.request(self.build(method, path, json=json, params=params))
         except Exception as e:  # transport errors of every flavour → one classified outcome
             raise self.classify(e) from None
         sample = skewmod.sample_from_headers(resp.sent_ns, resp.first_byte_ns, resp.headers)
@@ -172,7 +165,7 @@ class NodeClient:
         if self._time_request is None:
             self._time_request = self.build("GET", "/api/v1/time")
         try:
-            resp = await self.transport.request(self._time_request, self.settings.timeout_s)
+            resp = await self.transport.request(self._time_request)
         except Exception as e:
             raise self.classify(e) from None
         body = self.check(resp, "/api/v1/time")
@@ -189,10 +182,11 @@ class FleetClient:
         self.nodes = list(nodes)
         self.settings = s = settings or ClientSettings()
         check_plaintext(self.nodes, s)
-        self.headers = common_headers(s)
         self._open = False
         self.transport = NodeTransport(
             build_ssl_context(s),
+            headers=common_headers(s),
+            timeout_s=s.timeout_s,
             per_node=2,
             # A skew sample waits up to half the deadline for the query's connection before opening its own.
             patience=s.timeout_s / 2,
@@ -253,7 +247,7 @@ class FleetClient:
         s = self.settings
         if not self._open:
             raise RuntimeError("FleetClient used outside 'async with'")
-        conn = NodeClient(spec, s, self.transport, self.headers)
+        conn = NodeClient(spec, s, self.transport)
         started = time.perf_counter()
         result: dict[str, Any] = {}
         time_samples: list[skewmod.TimeSample] = []

@@ -1,40 +1,48 @@
-"""The fan-out's HTTP/1.1 client: per-node keep-alive connections over trio, one SSL context.
+"""The fan-out's HTTP client: one ``httpx.AsyncClient`` per node on trio, one shared SSL context.
 
-:class:`NodeTransport` keeps a tiny pool per node (a dict lookup), speaks HTTP/1.1
-(:mod:`ingero.fleet.http1`) directly on ``trio`` streams (TLS from the one shared :class:`ssl.SSLContext`), reads each answer
-whole — within a per-answer cap and a byte budget shared by the whole fan-out
-(:class:`~ingero.fleet.budget.AnswerBudget`) — and can drop a node's connections the moment that node
-is done. It replaced an ``httpx.AsyncClient`` on this transport: the client's request layers and
-~40 ms of imports bought nothing the fan-out used (one method, a path, a JSON body, a few headers).
+:class:`NodeTransport` keeps one :class:`httpx.AsyncClient` per node (its own pool: HTTP/1.1, at most
+``per_node`` connections; one shared pool grows costly at 128+ origins), every client built on the one
+:class:`ssl.SSLContext` of the fan-out (``verify=ctx``: no certifi bundle is loaded) with
+``trust_env=False`` and explicit :class:`httpx.Timeout`\\ s. Each answer is streamed
+(``client.stream`` + ``aiter_raw``) within a per-answer cap and a byte budget shared by the whole
+fan-out (:class:`~ingero.fleet.budget.AnswerBudget`), charged chunk by chunk as the bytes arrive; a
+declared ``Content-Length`` past the cap stops the answer before its body is read. A node's client can
+be dropped the moment that node is done (:meth:`NodeTransport.release`).
 
-Per node at most ``per_node`` connections (2): the first request opens one; a request that finds it
-busy waits up to ``patience`` seconds for it before opening the second — so a clock-skew sample rides
-the query's connection when the query is quick (no second TLS handshake) and gets its own when it
-is slow or hung (skew never waits on a slow query).
+A request that finds its node's connection busy waits up to ``patience`` seconds for it before the pool
+opens the second — so a clock-skew sample rides the query's connection when the query is quick (no
+second TLS handshake) and gets its own when it is slow or hung (skew never waits on a slow query).
 
-Every :class:`Response` carries ``sent_ns`` (wall clock just before the request's bytes were
-written), ``first_byte_ns`` (when the status line and headers arrived) and ``received_ns`` (after its
+Every :class:`Response` carries ``sent_ns`` (wall clock when httpcore starts writing the request's
+bytes), ``first_byte_ns`` (when the status line and headers arrived) and ``received_ns`` (after its
 last byte), the later two as ``sent_ns`` plus a monotonic interval: the NTP ``t1``/``t4`` without
-client-side queueing or parsing in them.
+client-side queueing or parsing in them, taken from httpcore's ``trace`` extension.
 
-Failures are typed (:class:`TransportFailure` and its subclasses), raised ``from`` the underlying
-ssl/OS/trio error, so that :func:`ingero.fleet.outcome.classify` decides by type and never by message
-text.
+Failures are typed (:class:`TransportFailure` and its subclasses), raised ``from`` httpx's exception
+(whose chain holds the ssl/OS/trio error), so that :func:`ingero.fleet.outcome.classify` decides by type
+and never by message text. httpx is imported on the first fan-out, not with this module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import ssl
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ingero.fleet import http1
 from ingero.fleet.budget import MAX_ANSWER_BYTES, AnswerBudget, BudgetExceeded
 
+if TYPE_CHECKING:
+    import httpx
+
 Origin = tuple[str, str, int]
+Headers = Sequence[tuple[str, str]]
+_FORBIDDEN = re.compile(r"[\r\n\x00]")
 
 
 # --- requests and answers ----------------------------------------------------------------------
@@ -42,12 +50,13 @@ Origin = tuple[str, str, int]
 
 @dataclass
 class Request:
-    """One request to one node: ``origin`` is (scheme, host, port), ``target`` the path and query."""
+    """One request to one node: ``origin`` is (scheme, host, port), ``target`` the path and query;
+    ``headers`` are this request's own (the node's client adds the fan-out's common ones)."""
 
     method: str
     origin: Origin
     target: str
-    headers: list[tuple[str, str]]
+    headers: Headers = ()
     body: bytes = b""
 
 
@@ -56,11 +65,18 @@ class Response:
     """One complete answer, with the wall-clock stamps the skew estimate needs."""
 
     status: int
-    headers: dict[str, str]  # lower-case names
+    headers: Mapping[str, str]  # case-insensitive (httpx.Headers)
     content: bytes
     sent_ns: int
     first_byte_ns: int
     received_ns: int
+
+
+def check_headers(headers: Headers) -> None:
+    """Header names and values may not carry CR, LF or NUL (no header injection)."""
+    for name, value in headers:
+        if _FORBIDDEN.search(name) or _FORBIDDEN.search(value):
+            raise ValueError(f"header {name!r} holds a line break or NUL")
 
 
 # --- typed failures ------------------------------------------------------------------------------
@@ -71,15 +87,15 @@ class TransportFailure(Exception):
 
 
 class ConnectFailed(TransportFailure):
-    """TCP or TLS could not be set up; ``__cause__`` holds the OSError/ssl error."""
+    """TCP or TLS could not be set up; the chain holds the OSError/ssl error."""
 
 
 class ConnectTimedOut(TransportFailure):
-    """TCP connect plus TLS handshake took longer than the connect timeout."""
+    """TCP connect plus TLS handshake (or the wait for a pooled connection) took longer than the timeout."""
 
 
 class SendFailed(TransportFailure):
-    """The request could not be written."""
+    """The request could not be written, and no answer came."""
 
 
 class SendTimedOut(TransportFailure):
@@ -87,7 +103,7 @@ class SendTimedOut(TransportFailure):
 
 
 class ClosedBeforeAnswer(TransportFailure):
-    """The agent closed a fresh connection before any answer byte.
+    """The agent closed a fresh connection before a complete answer head.
 
     Under TLS 1.3 an mTLS agent that rejects the client's certificate does so *after* the client
     considers the handshake done: the connection then just closes. ``tls`` says whether it was TLS.
@@ -99,7 +115,7 @@ class ClosedBeforeAnswer(TransportFailure):
 
 
 class AnswerCutOff(TransportFailure):
-    """The connection ended in the middle of an answer."""
+    """The connection ended in the middle of an answer's body."""
 
     def __init__(self, message: str, *, bytes_read: int) -> None:
         super().__init__(message)
@@ -107,7 +123,7 @@ class AnswerCutOff(TransportFailure):
 
 
 class MalformedAnswer(TransportFailure):
-    """The bytes that came back are not HTTP/1.1."""
+    """The bytes that came back are not an HTTP/1.1 answer head."""
 
 
 class ReadBroke(TransportFailure):
@@ -115,7 +131,7 @@ class ReadBroke(TransportFailure):
 
 
 class ReadTimedOut(TransportFailure):
-    """No complete answer within the read timeout."""
+    """No answer bytes within the read timeout."""
 
 
 class AnswerTooLarge(TransportFailure):
@@ -132,238 +148,268 @@ class AnswerTooLarge(TransportFailure):
         self.bytes_read = bytes_read
 
 
+class _OverCap(Exception):
+    def __init__(self, size: int) -> None:
+        super().__init__(f"answer of at least {size} bytes")
+        self.size = size
+
+
 class _StaleConnectionError(Exception):
-    """A reused connection turned out closed before any answer byte: safe to retry on a new one."""
+    """A reused connection turned out closed before any answer: safe to retry on a new one."""
 
 
-# --- connections and pools ---------------------------------------------------------------------
+# --- one exchange: where it got to, and its stamps ---------------------------------------------
+
+_CONNECT, _SEND, _HEAD, _BODY = range(4)
 
 
-class _Conn:
-    """One keep-alive HTTP/1.1 connection."""
+class _Exchange:
+    """httpcore's ``trace`` callback for one request: the stage reached, a fresh connection or not,
+    and the monotonic stamps around the bytes on the wire."""
 
-    __slots__ = ("reader", "stream", "tls", "used")
+    __slots__ = ("fresh", "head_pc", "owner", "sent_ns", "sent_pc", "size", "stage")
 
-    def __init__(self, stream: trio.abc.Stream, tls: bool) -> None:
-        self.stream = stream
-        self.tls = tls
-        self.reader = http1.Reader(stream)
-        self.used = False
+    def __init__(self, owner: NodeTransport) -> None:
+        self.owner = owner
+        self.fresh = False
+        self.stage = _CONNECT
+        self.sent_ns = self.sent_pc = self.head_pc = 0
+        self.size = 0  # body bytes read
 
-    async def aclose(self) -> None:
-        with (
-            trio.CancelScope(shield=True),
-            trio.move_on_after(1),
-            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
-        ):
-            await self.stream.aclose()
+    async def trace(self, name: str, info: Mapping[str, Any]) -> None:
+        if name == "http11.send_request_headers.started":
+            self.sent_pc = time.perf_counter_ns()
+            self.sent_ns = time.time_ns()
+            self.stage = _SEND
+        elif name == "http11.receive_response_headers.started":
+            self.stage = _HEAD
+        elif name == "http11.receive_response_headers.complete":
+            self.head_pc = time.perf_counter_ns()
+            self.stage = _BODY
+        elif name == "connection.connect_tcp.started":
+            self.fresh = True
+            self.owner.connections_opened += 1
 
-
-@dataclass
-class _NodePool:
-    per_node: int
-    idle: list[_Conn] = field(default_factory=list)
-    total: int = 0  # open connections, busy or idle, plus ones being opened
-    freed: trio.Event = field(default_factory=trio.Event)
-
-    async def acquire(self, patience: float) -> _Conn | None:
-        """An idle connection, or None when the caller may open a new one (a slot is reserved)."""
-        deadline = trio.current_time() + patience
-        while True:
-            if self.idle:
-                return self.idle.pop()
-            if self.total < self.per_node and (self.total == 0 or trio.current_time() >= deadline):
-                self.total += 1
-                return None
-            ev = self.freed
-            if self.total < self.per_node:
-                with trio.move_on_at(deadline):
-                    await ev.wait()
-            else:
-                await ev.wait()
-
-    def give_back(self, conn: _Conn | None) -> None:
-        """Return a reusable connection (or, with None, forget a closed one)."""
-        if conn is not None:
-            self.idle.append(conn)
-        else:
-            self.total -= 1
-        self.freed.set()
-        self.freed = trio.Event()
+    def wall(self, pc: int) -> int:
+        """Wall-clock nanoseconds of the monotonic stamp ``pc`` (0 when the request never went out)."""
+        return self.sent_ns + (pc - self.sent_pc) if self.sent_ns else 0
 
 
-def _deadline(seconds: float | None) -> float:
-    return seconds if seconds is not None else float("inf")
+# --- one node's client -------------------------------------------------------------------------
+
+
+class _Node:
+    """One node's ``AsyncClient`` and its requests in flight."""
+
+    __slots__ = ("busy", "client", "idle")
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self.busy = 0
+        self.idle = trio.Event()
+
+    async def turn(self, patience: float) -> None:
+        """Wait up to ``patience`` for the node's requests in flight to end, then go."""
+        if self.busy:
+            with trio.move_on_after(patience):
+                await self.idle.wait()
+        self.busy += 1
+
+    def done(self) -> None:
+        self.busy -= 1
+        if not self.busy:
+            self.idle.set()
+            self.idle = trio.Event()
+
+
+async def _close(client: httpx.AsyncClient) -> None:
+    with (
+        trio.CancelScope(shield=True),
+        trio.move_on_after(1),
+        contextlib.suppress(Exception),  # a peer that is gone: nothing left to close cleanly
+    ):
+        await client.aclose()
 
 
 class NodeTransport:
-    """HTTP/1.1 over trio with a small connection pool per node (see the module docstring)."""
+    """httpx on trio, one ``AsyncClient`` per node (see the module docstring)."""
 
     def __init__(
         self,
         ssl_context: ssl.SSLContext | None,
         *,
+        headers: Headers = (),
+        timeout_s: float | None = None,
         per_node: int = 2,
         patience: float = 0.5,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
         budget: AnswerBudget | None = None,
     ) -> None:
-        self.ssl_context = ssl_context
+        import httpx
+
+        check_headers(headers)
+        # Plain HTTP never uses it, but httpx would otherwise build (and load certifi into) one per client.
+        self.ssl_context = ssl_context if ssl_context is not None else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         self.per_node = max(1, per_node)
         self.patience = patience
         self.max_answer_bytes = max_answer_bytes
         self.budget = budget if budget is not None else AnswerBudget()
-        self._pools: dict[Origin, _NodePool] = {}
         self.connections_opened = 0
+        self._headers = httpx.Headers({"accept-encoding": "identity", **dict(headers)})
+        self._timeout = httpx.Timeout(timeout_s)
+        self._limits = httpx.Limits(max_connections=self.per_node, max_keepalive_connections=self.per_node)
+        self._nodes: dict[Origin, _Node] = {}
+        self._urls: dict[tuple[Origin, str], httpx.URL] = {}
 
-    async def request(self, request: Request, timeout_s: float | None = None) -> Response:
-        """Send ``request`` on one of its node's connections; connect, send and read each within
-        ``timeout_s`` (the fan-out's per-node deadline bounds the whole)."""
-        origin = request.origin
-        pool = self._pools.get(origin)
-        if pool is None:
-            pool = self._pools[origin] = _NodePool(self.per_node)
-        for attempt in (1, 2):
-            conn = await pool.acquire(self.patience)
-            reused = conn is not None
+    def _node(self, origin: Origin) -> _Node:
+        node = self._nodes.get(origin)
+        if node is None:
+            import httpx
+
+            client = httpx.AsyncClient(
+                verify=self.ssl_context,
+                http1=True,
+                http2=False,
+                limits=self._limits,
+                timeout=self._timeout,
+                headers=self._headers,
+                trust_env=False,
+                follow_redirects=False,
+            )
+            node = self._nodes[origin] = _Node(client)
+        return node
+
+    def _url(self, origin: Origin, target: str) -> httpx.URL:
+        url = self._urls.get((origin, target))
+        if url is None:
+            import httpx
+
+            scheme, host, port = origin
+            url = httpx.URL(scheme=scheme, host=host, port=port, raw_path=target.encode("ascii"))
+            if len(self._urls) < 4096:  # the fan-out's few paths, per node
+                self._urls[(origin, target)] = url
+        return url
+
+    async def request(self, request: Request) -> Response:
+        """Send ``request`` on its node's client, after that node's requests in flight (up to ``patience``)."""
+        check_headers(request.headers)
+        node = self._node(request.origin)
+        await node.turn(self.patience)
+        try:
             try:
-                if conn is None:
-                    conn = await self._connect(origin, timeout_s)
-                response, reusable = await self._exchange(conn, request, timeout_s)
-            except _StaleConnectionError as e:
+                return await self._exchange(node.client, request)
+            except _StaleConnectionError:
                 # A kept-alive connection the agent had closed meanwhile: nothing was answered; retry once.
-                pool.give_back(None)
-                if conn is not None:
-                    await conn.aclose()
-                if attempt == 2 or not reused:
+                try:
+                    return await self._exchange(node.client, request)
+                except _StaleConnectionError as e:
                     raise ClosedBeforeAnswer("the agent closed the connection without answering", tls=False) from e
-                continue
-            except BaseException:
-                pool.give_back(None)
-                if conn is not None:
-                    await conn.aclose()
-                raise
-            if reusable:
-                pool.give_back(conn)
-            else:
-                pool.give_back(None)
-                await conn.aclose()
-            return response
-        raise AssertionError("unreachable")  # pragma: no cover
+        finally:
+            node.done()
 
-    async def _connect(self, origin: Origin, connect_s: float | None) -> _Conn:
-        scheme, host, port = origin
-        self.connections_opened += 1
-        tls = scheme == "https"
+    async def _exchange(self, client: httpx.AsyncClient, request: Request) -> Response:
+        ex = _Exchange(self)
+        chunks: list[bytes] = []
         try:
-            with trio.fail_after(_deadline(connect_s)):
-                stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
-                if tls:
-                    if self.ssl_context is None:
-                        raise ConnectFailed("https without an SSL context")
-                    tls_stream = trio.SSLStream(stream, self.ssl_context, server_hostname=host, https_compatible=True)
-                    try:
-                        await tls_stream.do_handshake()
-                    except BaseException:
-                        await _Conn(tls_stream, tls).aclose()
-                        raise
-                    stream = tls_stream
-        except trio.TooSlowError as e:
-            raise ConnectTimedOut(f"connecting to {host}:{port} timed out") from e
-        except (OSError, trio.BrokenResourceError) as e:
-            raise ConnectFailed(f"cannot connect to {host}:{port}") from e
-        return _Conn(stream, tls)
-
-    async def _exchange(self, conn: _Conn, request: Request, timeout_s: float | None) -> tuple[Response, bool]:
-        data = http1.encode_request(request.method, request.target, request.headers, request.body)
-        sent_ns = time.time_ns()
-        sent_pc = time.perf_counter_ns()
-        fresh = not conn.used
-        conn.used = True
-        try:
-            with trio.fail_after(_deadline(timeout_s)):
-                await conn.stream.send_all(data)
-        except trio.TooSlowError as e:
-            raise SendTimedOut("sending the request timed out") from e
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            if not fresh:
-                raise _StaleConnectionError from e
-            raise SendFailed("sending the request failed") from e
-
-        answer = http1.Answer()
-        first_byte = [0]
-
-        def on_head() -> None:
-            first_byte[0] = sent_ns + (time.perf_counter_ns() - sent_pc)
-
-        budget = self.budget
-        try:
-            with trio.fail_after(_deadline(timeout_s)):
-                await conn.reader.read(answer, budget.take, self.max_answer_bytes, on_head)
+            async with client.stream(
+                request.method,
+                self._url(request.origin, request.target),
+                content=request.body or None,
+                headers=request.headers,
+                extensions={"trace": ex.trace},
+            ) as resp:
+                await self._read(resp, ex, chunks)
         except BaseException as e:
-            budget.give_back(answer.size)  # nothing of a failed answer is kept
-            failure = self._failure(e, answer, fresh, conn.tls)
+            self.budget.give_back(sum(map(len, chunks)))  # nothing of a failed answer is kept
+            failure = self._failure(e, ex, tls=request.origin[0] == "https")
             if failure is e:
                 raise
             raise failure from e
-        received_ns = sent_ns + (time.perf_counter_ns() - sent_pc)
-        chunks = answer.chunks
-        response = Response(
-            answer.status,
-            answer.headers,
-            b"".join(chunks) if len(chunks) != 1 else chunks[0],
-            sent_ns,
-            first_byte[0],
-            received_ns,
-        )
-        return response, answer.reusable
+        received = ex.wall(time.perf_counter_ns())
+        content = b"".join(chunks) if len(chunks) != 1 else chunks[0]
+        return Response(resp.status_code, resp.headers, content, ex.sent_ns, ex.wall(ex.head_pc), received)
 
-    def _failure(self, e: BaseException, answer: http1.Answer, fresh: bool, tls: bool) -> BaseException:
-        """The typed failure for an exception that ended a read (others are returned as they are)."""
-        if isinstance(e, BudgetExceeded | http1.TooLarge):
+    async def _read(self, resp: httpx.Response, ex: _Exchange, chunks: list[bytes]) -> None:
+        """Stream the body into ``chunks``, each charged to the cap and the shared budget as it arrives."""
+        cap = self.max_answer_bytes
+        declared = resp.headers.get("content-length")
+        if declared is not None and int(declared) > cap:  # h11 admits only digits here
+            raise _OverCap(int(declared))
+        take = self.budget.take  # raises BudgetExceeded when the fan-out's budget is spent
+        async for chunk in resp.aiter_raw():
+            ex.size += len(chunk)
+            if ex.size > cap:
+                raise _OverCap(ex.size)
+            take(len(chunk))
+            chunks.append(chunk)
+
+    def _failure(self, e: BaseException, ex: _Exchange, *, tls: bool) -> BaseException:
+        """The typed failure for an exception that ended an exchange (others are returned as they are)."""
+        import h11
+        import httpx
+
+        size = ex.size
+        if isinstance(e, BudgetExceeded | _OverCap):
             shared = isinstance(e, BudgetExceeded)
             limit = e.limit if isinstance(e, BudgetExceeded) else self.max_answer_bytes
             what = "the fan-out's answer budget" if shared else "the per-answer cap"
             return AnswerTooLarge(
-                f"{what} of {_mib(limit)} stops this answer at {_mib(answer.size)}",
+                f"{what} of {_mib(limit)} stops this answer at {_mib(size)}",
                 limit=limit,
                 shared=shared,
-                bytes_read=answer.size,
+                bytes_read=size,
             )
-        if isinstance(e, trio.TooSlowError):
-            return ReadTimedOut("no complete answer in time")
-        if isinstance(e, http1.Malformed):
-            return MalformedAnswer(f"the answer is not valid HTTP/1.1: {e}")
-        if isinstance(e, http1.CutOff):
-            return AnswerCutOff(
-                f"the agent closed the connection mid-answer ({answer.size} bytes read)", bytes_read=answer.size
-            )
-        broken = isinstance(e, trio.BrokenResourceError | trio.ClosedResourceError | OSError)
-        if (broken or isinstance(e, http1.ClosedEarly)) and not fresh and not answer.got_any:
+        if isinstance(e, httpx.ConnectTimeout | httpx.PoolTimeout):
+            return ConnectTimedOut("no connection in time")
+        if isinstance(e, httpx.ConnectError):
+            return ConnectFailed("cannot connect")
+        if isinstance(e, httpx.WriteTimeout):
+            return SendTimedOut("sending the request timed out")
+        if isinstance(e, httpx.ReadTimeout):
+            return ReadTimedOut("no answer in time")
+        broken = isinstance(e, httpx.ReadError | httpx.WriteError | httpx.RemoteProtocolError)
+        if broken and not ex.fresh and ex.stage < _BODY and not _in_chain(e, ssl.SSLError | h11.RemoteProtocolError):
             return _StaleConnectionError()
-        if isinstance(e, http1.ClosedEarly):
+        if isinstance(e, httpx.RemoteProtocolError):
+            if ex.stage == _BODY:
+                return AnswerCutOff(f"the agent closed the connection mid-answer ({size} bytes read)", bytes_read=size)
+            if _in_chain(e, h11.RemoteProtocolError):  # h11 read bytes that are not an answer head
+                return MalformedAnswer("the answer is not valid HTTP/1.1")
             return ClosedBeforeAnswer("the agent closed the connection without answering", tls=tls)
-        if broken:
+        if isinstance(e, httpx.WriteError):
+            return SendFailed("sending the request failed")
+        if isinstance(e, httpx.ReadError):
             return ReadBroke("the connection broke mid-answer")
         return e
 
     @property
     def open_nodes(self) -> int:
-        """Nodes this transport currently keeps a pool for."""
-        return len(self._pools)
+        """Nodes this transport currently keeps a client for."""
+        return len(self._nodes)
 
     async def release(self, origin: Origin) -> None:
-        """Close a node's idle connections and forget it (its busy ones close when their request ends)."""
-        pool = self._pools.pop(origin, None)
-        if pool is not None:
-            while pool.idle:
-                await pool.idle.pop().aclose()
+        """Close a node's client (its pool and connections) and forget it."""
+        node = self._nodes.pop(origin, None)
+        if node is not None:
+            await _close(node.client)
 
     async def aclose(self) -> None:
-        pools, self._pools = self._pools, {}
-        for pool in pools.values():
-            while pool.idle:
-                await pool.idle.pop().aclose()
+        nodes, self._nodes = self._nodes, {}
+        for node in nodes.values():
+            await _close(node.client)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _in_chain(exc: BaseException, kind: type[BaseException] | Any) -> bool:
+    return any(isinstance(e, kind) for e in _chain(exc))
 
 
 def _mib(n: int) -> str:
