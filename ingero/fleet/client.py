@@ -69,6 +69,7 @@ class NodeClient:
         self.base_url = base_url(spec, settings)
         self.origin = origin_of(spec, settings)
         self.node: str | None = None  # the agent's identity, from its first answer
+        self.instance: str | None = None  # the agent's instance id, from its answers (older agents: None)
         self.samples: list[skewmod.TimeSample] = []  # clock samples carried on the answers' headers
         self._time_request: Request | None = None
 
@@ -138,6 +139,9 @@ class NodeClient:
         if node is None:
             raise NodeFailure(Kind.SCHEMA, f"{path}: the answer lacks the agent's 'node' name", status=status)
         self.node = node
+        instance = body.get("instance")
+        if isinstance(instance, str) and instance:
+            self.instance = instance
         return body
 
     def _parse(self, resp: Response) -> Any:
@@ -300,7 +304,9 @@ class FleetClient:
             if isinstance(data, dict) and data.get("truncated") is True:
                 kind = Kind.TRUNCATED
                 reason = str(data.get("truncated_reason") or "row limit")
-            return NodeOutcome(spec, kind, conn.node, reason, data, 200, elapsed_ms, est, skew_error)
+            return NodeOutcome(
+                spec, kind, conn.node, reason, data, 200, elapsed_ms, est, skew_error, instance=conn.instance
+            )
         failure: NodeFailure | None = result.get("failure")
         if failure is None:  # the deadline struck first
             what = "answer" if conn.node is None else "complete answer"
@@ -317,6 +323,7 @@ class FleetClient:
             elapsed_ms,
             est,
             skew_error,
+            instance=conn.instance,
         )
 
     # --- building blocks for callers -------------------------------------------------------------
@@ -340,18 +347,43 @@ class FleetClient:
 
 
 def flag_duplicates(outcomes: list[NodeOutcome]) -> list[NodeOutcome]:
-    """Two entries of the node list that answered with one identity: the first (in list order) keeps
-    its answer, the others become ``duplicate`` outcomes — flagged, never counted twice."""
-    first: dict[str, NodeOutcome] = {}
+    """Tell one agent listed twice from two agents that share a name.
+
+    * The same instance (same instance id; the same agent listed twice, or reached at two addresses):
+      the first entry in list order keeps its answer, the others become ``duplicate`` outcomes.
+    * Distinct instances that answered with one name (cloned VMs, recordings served without --node):
+      every one is kept, marked ``twin`` so its label (node column, chains, stragglers) is
+      ``name@host:port``; the fan-out's callers say so in one warning line
+      (:func:`ingero.fleet.render.twin_warning`).
+    * Older agents that send no instance id cannot be told from each other: of those that share a name,
+      the first is kept and the others are ``duplicate`` (never counted twice).
+    """
+    by_instance: dict[str, NodeOutcome] = {}
+    by_name: dict[str, list[NodeOutcome]] = {}
     for o in outcomes:
         if not o.answered or o.node is None:
             continue
-        seen = first.setdefault(o.node, o)
-        if seen is not o:
-            o.kind = Kind.DUPLICATE
-            o.reason = (
-                f"answered as '{o.node}', the identity {seen.spec.addr} answered with too; "
-                "its answer is not counted twice (two agents with one --node name, or one agent listed twice?)"
-            )
-            o.data = None
+        if o.instance is not None:
+            seen = by_instance.setdefault(o.instance, o)
+            if seen is not o:
+                _mark_duplicate(o, seen, "the same agent instance")
+                continue
+        by_name.setdefault(o.node, []).append(o)
+    for group in by_name.values():
+        if len(group) < 2:
+            continue
+        # agents without an id are distinct from those with one, but not from each other: keep the first
+        anonymous = [o for o in group if o.instance is None]
+        for o in anonymous[1:]:
+            _mark_duplicate(o, anonymous[0], "the same name as an agent that sends no instance id (too old to tell)")
+        kept = [o for o in group if o.answered]
+        if len(kept) > 1:
+            for o in kept:
+                o.twin = True
     return outcomes
+
+
+def _mark_duplicate(o: NodeOutcome, first: NodeOutcome, why: str) -> None:
+    o.kind = Kind.DUPLICATE
+    o.reason = f"{why} as {first.spec.addr} ('{o.node}'): its answer is not counted twice (listed twice?)"
+    o.data = None
