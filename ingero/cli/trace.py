@@ -153,6 +153,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     srv.add_argument("--listen", metavar="HOST:PORT", help="serve the agent API here while tracing")
     serve.add_server_args(p, srv)
     serve.add_limit_args(srv, hidden=True)
+    ann = p.add_argument_group("annotations (Ingero's socket protocol; see 'ingero annotate --help')")
+    ann.add_argument(
+        "--annotate",
+        action="store_true",
+        help="take step/epoch/task labels on the socket /run/ingero/annotate.sock (~/.ingero/run/ when /run "
+        "is not writable; an agent-owned 0700 directory, checked at start)",
+    )
+    ann.add_argument(
+        "--annotate-socket-gid",
+        type=int,
+        metavar="GID",
+        help="let this group connect too (directory 0750, socket 0660 of group GID)",
+    )
     p.add_argument("--ready-file", metavar="PATH", help="write {pid, session, probes, url} as JSON here once recording")
     metrics_flags.add_metrics_args(p)
     p.set_defaults(func=run)
@@ -187,6 +200,15 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
     if args.socket_rw and not args.io:
         raise UsageError("--socket-rw records socket I/O, which --no-io turns off", hint="drop one of the two")
+    if args.annotate_socket_gid is not None:
+        if not args.annotate:
+            raise UsageError("--annotate-socket-gid needs --annotate")
+        if args.annotate_socket_gid < 0:
+            raise UsageError("--annotate-socket-gid must be a group id (>= 0)")
+    if args.annotate:  # an unsafe socket directory refuses now, in one line, before any probe is attached
+        from ingero.trace.annotate_socket import prepare_dir
+
+        prepare_dir(gid=args.annotate_socket_gid)
     raw_db = str(common.db_path_from(args))
     uids = resolve_users(args.user)
     return TraceOptions(
@@ -210,6 +232,8 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         system_search=args.system_search,
         output=args.output,
         serve=listen,
+        annotate=args.annotate,
+        annotate_gid=args.annotate_socket_gid,
     )
 
 
@@ -285,5 +309,6 @@ def _write_ready(path: Path, info: TraceReady) -> None:
             "url": info.server.url if info.server else None,
             "port": info.server.port if info.server else None,
             "fingerprint_sha256": info.server.fingerprint_sha256 if info.server else None,
+            "annotate_socket": str(info.annotate_socket) if info.annotate_socket else None,
         },
     )

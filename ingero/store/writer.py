@@ -34,6 +34,7 @@ from typing import Any
 from ingero import __version__
 from ingero.errors import DiskFullError, StoreError
 from ingero.identity import Identity, validate_node_name
+from ingero.store.annotations import insert_sql as annotations_insert_sql
 from ingero.store.budget import errorname
 from ingero.store.db import open_writable
 from ingero.store.db import translate as _translate_sqlite
@@ -234,13 +235,15 @@ class StoreWriter:
         process_names: Iterable[tuple[int, str, int]] = (),
         nccl_comms: Iterable[tuple[int, ...]] = (),
         nccl_calls: Iterable[tuple[int, ...]] = (),
+        annotations: Iterable[tuple[int | str, ...]] = (),
     ) -> int:
         """Write everything given in one transaction. Returns the number of events written.
 
         ``nccl_comms``: (comm, pid, rank, nranks, seen_at[, comm_id]); ``nccl_calls``: (pid, tid, comm,
         seq, op, timestamp, duration, datatype, redop, count, bytes, peer, ret_code) — a call written
         again with the same (pid, tid, timestamp) replaces the first row (an entry record, duration
-        −1, completed by its return); see :mod:`ingero.store.schema`."""
+        −1, completed by its return); ``annotations``: rows of :data:`ingero.store.annotations.ROW_COLUMNS`
+        (the annotation socket's); see :mod:`ingero.store.schema`."""
         try:
             self._begin()
             n = self._insert_events(events)
@@ -266,6 +269,7 @@ class StoreWriter:
                 f"count, bytes, peer, ret_code, node) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {self._node_lit})",
                 nccl_calls,
             )
+            self.conn.executemany(annotations_insert_sql(self._node_lit), annotations)
             self._commit()
         except sqlite3.Error as e:
             self._rollback()

@@ -105,6 +105,8 @@ class Pipeline:
         self._kernel: dict[str, int] = {}
         self._exited: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._processed = 0  # events turned into rows (written by the writer thread only)
+        self._side_rows: queue.SimpleQueue[WriteBatch] = queue.SimpleQueue()  # add_rows -> the next write
+        self._side_closed = False
         self.started_ns = time.monotonic_ns()
 
     def forget_pids(self, pids: list[int]) -> None:
@@ -113,6 +115,14 @@ class Pipeline:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def add_rows(self, rows: WriteBatch) -> bool:
+        """Rows from outside the ring buffer (the annotation socket) for the writer's next batch (within
+        a second: the housekeeping tick wakes it); False once the last batch was written."""
+        if self._side_closed:
+            return False
+        self._side_rows.put(rows)
+        return True
 
     @property
     def stopping(self) -> bool:
@@ -124,6 +134,9 @@ class Pipeline:
             nursery.start_soon(self._writer_loop, recv)
             nursery.start_soon(self._housekeeping_loop, send.clone())
             await self._drain_loop(send)
+        self._side_closed = True  # what add_rows took before this goes into one last write
+        if not self._side_rows.empty():
+            await trio.to_thread.run_sync(self._write_items, [])
 
     # --- drain -----------------------------------------------------------------------------------
 
@@ -212,6 +225,8 @@ class Pipeline:
         t0 = time.thread_time()
         batch = WriteBatch()
         stats = prune = False
+        while not self._side_rows.empty():
+            batch.merge(self._side_rows.get_nowait())
         for it in items:
             if it.kind == "events" and it.events is not None:
                 batch.merge(self.recorder.process(it.events, it.offset_ns))
@@ -260,6 +275,7 @@ class Pipeline:
                             process_names=batch.process_names,
                             nccl_comms=batch.nccl_comms,
                             nccl_calls=batch.nccl_calls,
+                            annotations=batch.annotations,
                         )
                         done = max(1, len(chunk)) if events else 1
                     else:

@@ -130,6 +130,7 @@ class WriteBatch:
     process_names: list[tuple[int, str, int]] = field(default_factory=list)
     nccl_comms: list[tuple[int, ...]] = field(default_factory=list)  # (comm, pid, rank, nranks, seen_at, comm_id)
     nccl_calls: list[tuple[int, ...]] = field(default_factory=list)  # see ingero.trace.nccl_calls
+    annotations: list[tuple[int | str, ...]] = field(default_factory=list)  # ingero.store.annotations.ROW_COLUMNS
 
     def merge(self, other: WriteBatch) -> None:
         self.events += other.events
@@ -139,6 +140,7 @@ class WriteBatch:
         self.process_names += other.process_names
         self.nccl_comms += other.nccl_comms
         self.nccl_calls += other.nccl_calls
+        self.annotations += other.annotations
 
 
 @dataclass

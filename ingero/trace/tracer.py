@@ -36,7 +36,7 @@ from ingero.trace.livemode import LiveView, tick_loop
 from ingero.trace.livestats import LiveStats
 from ingero.trace.pipeline import Pipeline, PipelineOptions
 from ingero.trace.pyframes import PyFrames
-from ingero.trace.recorder import Recorder, StoragePolicy
+from ingero.trace.recorder import Recorder, StoragePolicy, WriteBatch
 from ingero.trace.stacks import Symbolizer
 from ingero.trace.sysinfo import session_info
 
@@ -75,6 +75,8 @@ class TraceOptions:
     serve: Callable[..., Awaitable[Any]] | None = None
     flags: str = ""
     observer: TraceObserver | None = None  # e.g. ingero.metrics (--prometheus / --otlp)
+    annotate: bool = False  # --annotate: the annotation socket (ingero.trace.annotate_socket)
+    annotate_gid: int | None = None  # --annotate-socket-gid: one group may connect too
 
 
 class TraceObserver(Protocol):
@@ -92,6 +94,7 @@ class TraceReady:
     probes: int
     server: Any  # what ``TraceOptions.serve`` reported when started (the CLI's BoundServer); None without one
     control: TraceControl
+    annotate_socket: Path | None = None  # where --annotate listens
 
 
 @dataclass
@@ -275,6 +278,7 @@ async def run_trace(
             bound = None
             if opts.serve is not None:
                 bound = await nursery.start(opts.serve)
+            annotate = await nursery.start(_annotate_server, opts, pipeline) if opts.annotate else None
             pipeline_done = trio.Event()
             nursery.start_soon(_run_pipeline, pipeline, pipeline_done)
             if handle_signals:
@@ -284,7 +288,7 @@ async def run_trace(
             nursery.start_soon(_maintenance_loop, follower, probes, pipeline, view, control)
             if view is not None:
                 nursery.start_soon(tick_loop, view, live, pipeline)
-            ready = TraceReady(session_id, attached, len(probes.attached_probes()), bound, control)
+            ready = TraceReady(session_id, attached, len(probes.attached_probes()), bound, control, annotate)
             task_status.started(ready)  # the one readiness report (the caller announces it)
             await control.wait()
             # Shutdown: the programs stop emitting (a flag, instant), a last drain, the writer commits,
@@ -351,6 +355,18 @@ def _both(first: Callable[[np.ndarray], None], observer: TraceObserver) -> Calla
         observer.on_events(ev)
 
     return on_events
+
+
+async def _annotate_server(
+    opts: TraceOptions, pipeline: Pipeline, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """--annotate: labels from the socket go into the pipeline's next write (its single writer)."""
+    from ingero.trace.annotate_socket import serve_annotations
+
+    def sink(rows: list[Any]) -> bool:
+        return pipeline.add_rows(WriteBatch(annotations=rows))
+
+    await serve_annotations(sink, gid=opts.annotate_gid, task_status=task_status)
 
 
 async def _run_pipeline(pipeline: Pipeline, done: trio.Event) -> None:
