@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "texttable": 1,
     "asgi": 1,
     "compactjson": 1,
+    "annotate": 1,  # ingero.annotate: the annotation protocol and the stdlib-only helper
     "tls": 1,
     "config": 2,
     "store": 2,
