@@ -12,20 +12,24 @@ Side by side, the same SQL on the same database behind every "node", best of ``-
            sshd with its own ControlMaster connection, opened by a warm-up run and kept (ControlPersist)
            — the best case for ssh: no key exchange inside the measured runs
 
-Target: ingero / pdsh ≤ 0.5x at every size.
+Every run's output is read back: each node's rows (pdsh: each host's ``sqlite3 -json`` array; ingero:
+``--json``, the merged table's ``node`` column) must all be there, from every node, or the size's
+verdict is MISS (incomplete). Target: ingero / pdsh ≤ 0.5x at every size.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -33,9 +37,10 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
-from bench_fleet import SAMPLE_DB, SQL, make_pki, raise_fd_limit, start_agents  # noqa: E402
+from bench_fleet import SAMPLE_DB, SQL, expected_rows, make_pki, raise_fd_limit, start_agents  # noqa: E402
+from verdict import Target, summary, verdict  # noqa: E402
 
-TARGET = 0.5
+TARGET = Target(0.5, "x")
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -101,24 +106,79 @@ def sshd(d: Path, max_nodes: int) -> Iterator[tuple[Path, str]]:
         proc.wait(timeout=10)
 
 
-def best_of(argv: list[str], repeat: int, env: dict[str, str] | None = None) -> tuple[float, str]:
-    best, out = float("inf"), ""
+def pdsh_rows(out: str) -> dict[str, int]:
+    """Rows per host in pdsh's output (``host: line`` for every line of each host's ``sqlite3 -json``)."""
+    lines: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        host, _, rest = line.partition(": ")
+        lines.setdefault(host, []).append(rest)
+    return {host: _json_rows(text) for host, text in lines.items()}
+
+
+def _json_rows(text: list[str]) -> int:
+    try:
+        rows = json.loads("\n".join(text))
+    except ValueError:
+        return -1  # mangled output: not this host's rows
+    return len(rows) if isinstance(rows, list) else -1
+
+
+def ingero_rows(out: str) -> dict[str, int]:
+    """Rows per node of ``ingero query --json`` (the merged table's ``node`` column)."""
+    doc = json.loads(out)
+    col = doc["columns"].index("node")
+    counts: dict[str, int] = {}
+    for row in doc["rows"]:
+        counts[row[col]] = counts.get(row[col], 0) + 1
+    return counts
+
+
+@dataclass
+class Timed:
+    """Best wall time over the runs, and how many runs had every node's rows."""
+
+    best: float = float("inf")
+    complete_runs: int = 0
+    runs: int = 0
+    problem: str = ""
+
+
+def best_of(argv: list[str], repeat: int, env: dict[str, str], rows: Callable[[str], dict[str, int]], want: int,
+            rows_each: int) -> Timed:  # fmt: skip
+    """Best of ``repeat`` runs of ``argv``; a run counts as complete when it exits 0 and ``rows`` of its
+    output finds ``want`` nodes with ``rows_each`` rows each."""
+    timed = Timed()
     for _ in range(repeat):
         t0 = time.perf_counter()
         r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
         dt = time.perf_counter() - t0
+        timed.runs += 1
+        timed.best = min(timed.best, dt)
         if r.returncode != 0:
-            raise RuntimeError(f"{argv[0]} failed (rc={r.returncode}): {r.stderr[-400:]}")
-        if dt < best:
-            best, out = dt, r.stdout
-    return best, out
+            timed.problem = timed.problem or f"{argv[0]} exit {r.returncode}: {r.stderr.strip()[-200:]}"
+            continue
+        try:
+            per_node = rows(r.stdout)
+        except (ValueError, KeyError) as e:
+            timed.problem = timed.problem or f"{argv[0]}: unreadable output ({e})"
+            continue
+        full = sum(1 for k in per_node.values() if k == rows_each)
+        if full == want == len(per_node):
+            timed.complete_runs += 1
+        else:
+            err = r.stderr.strip().splitlines()
+            timed.problem = timed.problem or (
+                f"{argv[0]}: {full}/{want} nodes with their {rows_each} rows" + (f" ({err[-1][:200]})" if err else "")
+            )
+    return timed
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="4,16,64,128")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--procs", type=int, default=4, help="agent processes (bench_fleet's)")
+    ap.add_argument("--quick", action="store_true", help="one run per size (same sizes and target)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_ssh: run as root (it starts its own sshd)")
@@ -126,11 +186,13 @@ def main() -> None:
         if not shutil.which(tool):
             sys.exit(f"bench_ssh: {tool} not found (apt-get install openssh-server pdsh sqlite3)")
     raise_fd_limit()
+    repeat = 1 if args.quick else args.repeat
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         db = d / "node.db"
         shutil.copy(SAMPLE_DB, db)
+        rows_each = expected_rows(db)
         (d / "pki").mkdir()
         make_pki(d / "pki")
         pki = d / "pki"
@@ -142,9 +204,8 @@ def main() -> None:
         (d / "ssh").mkdir(mode=0o700)
         env = {k: v for k, v in os.environ.items() if k != "INGERO_CONFIG"}
         env["HOME"] = tmp  # no user config file
-        print(f"ingero query --nodes vs pdsh + sqlite3 over ssh (ControlMaster), best of {args.repeat}; "
-              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-        print(f"{'agents':>6} {'ingero':>9} {'pdsh+ssh':>9} {'ratio':>7}  target ≤ {TARGET}x")
+        print(f"ingero query --nodes vs pdsh + sqlite3 over ssh (ControlMaster), best of {repeat}, "
+              f"{rows_each} rows per node; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
         with sshd(d / "ssh", max(sizes)) as (ssh_config, prefix):
             pdsh_env = {**env, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {ssh_config}"}
             remote = f"sqlite3 -json {db} '{SQL}'"
@@ -153,18 +214,25 @@ def main() -> None:
                 for n in sizes:
                     hosts = f"{prefix}[{0:03d}-{n - 1:03d}]"
                     pdsh = ["pdsh", "-R", "ssh", "-f", str(n), "-w", hosts, remote]
-                    best_of(pdsh, 1, pdsh_env)  # warm-up: opens every alias's ControlMaster connection
-                    t_pdsh, out_pdsh = best_of(pdsh, args.repeat, pdsh_env)
+                    best_of(pdsh, 1, pdsh_env, pdsh_rows, n, rows_each)  # warm-up: opens every ControlMaster
+                    t_pdsh = best_of(pdsh, repeat, pdsh_env, pdsh_rows, n, rows_each)
                     nodes = ",".join(f"{s.host}:{s.port}" for s in pool.nodes[:n])
-                    ingero = [sys.executable, "-m", "ingero", "query", "--nodes", nodes, *tls, "--fanout", str(n), SQL]
-                    t_ingero, out_ingero = best_of(ingero, args.repeat, env)
-                    assert out_pdsh.count('"source"') >= n and out_ingero.count("bench-") >= n, "answers missing"
-                    ratio = t_ingero / t_pdsh
-                    verdict = "ok" if ratio <= TARGET else "MISS"
-                    print(f"{n:>6} {t_ingero:8.2f}s {t_pdsh:8.2f}s {ratio:6.2f}x  {verdict}", flush=True)
+                    ingero = [sys.executable, "-m", "ingero", "query", "--json", "--nodes", nodes, *tls]
+                    ingero += ["--fanout", str(n), SQL]
+                    t_ingero = best_of(ingero, repeat, env, ingero_rows, n, rows_each)
+                    runs = f"{t_ingero.complete_runs}/{repeat} ingero and {t_pdsh.complete_runs}/{repeat} pdsh runs"
+                    verdict(
+                        f"{n} nodes: ingero / pdsh+ssh",
+                        t_ingero.best / t_pdsh.best,
+                        TARGET,
+                        complete=t_ingero.complete_runs == t_pdsh.complete_runs == repeat,
+                        detail=f"{t_ingero.best:.2f} s vs {t_pdsh.best:.2f} s; {runs} with every node's rows"
+                        + (f"; {t_ingero.problem or t_pdsh.problem}" if t_ingero.problem or t_pdsh.problem else ""),
+                    )
             finally:
                 pool.close()
+    return summary()
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
