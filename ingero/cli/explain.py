@@ -64,6 +64,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         action="store_true",
         help="show the chains stored in the database (recorded by the tracer or Ingero) instead of computing them",
     )
+    p.add_argument(
+        "--annotations",
+        action="store_true",
+        help="summarise the window's labels (ingero annotate: step, epoch, ...): values, spans, processes",
+    )
     common.add_fleet_args(p)
     add_output_args(p, csv_ok=False)
     p.set_defaults(func=run)
@@ -73,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 
+        if args.annotations:
+            from ingero.errors import UsageError
+
+            raise UsageError("--annotations is local for now", hint="run it on a merged database (ingero merge)")
         return fleet_cmds.run_explain(args)
     return run_local(args)
 
@@ -152,6 +161,8 @@ def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_na
     if args.format == "json":
         doc = {"db": str(path), **report.as_dict(), "stored_chains": len(stored)}
         doc["annotations"] = [a.as_dict() for a in marks]
+        if args.annotations:
+            doc["labels"] = _label_summary(conn, window, args.node)
         emit_json(doc)
         return 0
     print(render_report(report, source=str(path), stored=len(stored) if not report.chains else 0), end="")
@@ -161,6 +172,10 @@ def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_na
         print("\nannotations (ingero annotate):")
         for a in marks:
             print(f"  {fmt_ts(a.timestamp)}  {a.node}  {a.message}  ({a.author})")
+    if args.annotations:
+        from ingero.store.annotation_join import render_label_summary
+
+        print(render_label_summary(_label_summary(conn, window, args.node)), end="")
     for msg in report.notes:
         note(msg)
     return 0
@@ -178,6 +193,12 @@ def _annotations(conn: Any, window: Any, node: str | None) -> list[Any]:
 
     marks = list_annotations(conn, window.start_ns, window.end_ns)
     return [a for a in marks if node is None or a.node == node]
+
+
+def _label_summary(conn: Any, window: Any, node: str | None) -> dict[str, Any]:
+    from ingero.store.annotation_join import label_summary
+
+    return label_summary(conn, window.start_ns, window.end_ns, node)
 
 
 def _per_cgroup(conn: Any, args: argparse.Namespace, path: Any, window: Any) -> int:

@@ -48,6 +48,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     p.add_argument("--pid", type=int, metavar="PID", help="only events of this process")
     p.add_argument("--limit", type=int, metavar="N", help="row cap (per node with --nodes); default 1000, max 10000")
     p.add_argument("--timeout-ms", type=int, metavar="MS", help="query time limit (default 2000)")
+    p.add_argument(
+        "--annotations",
+        action="store_true",
+        help="add each event's labels in force (ingero annotate: its process incarnation and time) as a "
+        "'labels' column; the result needs timestamp and pid columns",
+    )
     common.add_fleet_args(p)
     add_output_args(p, rows_ok=True)
     p.set_defaults(func=run)
@@ -56,6 +62,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 def run(args: argparse.Namespace) -> int:
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
+
+        if args.annotations:
+            from ingero.errors import UsageError
+
+            raise UsageError("--annotations is local for now", hint="run it on a merged database (ingero merge)")
 
         return fleet_cmds.run_query(args, sql_from(args))
     return run_local(args)
@@ -101,6 +112,16 @@ def run_local(args: argparse.Namespace) -> int:
         event_filter=flt,
         max_limit=guard.MAX_LIMIT,
     )
+    if args.annotations:
+        from ingero.store.annotation_join import with_labels
+        from ingero.store.db import open_readonly
+
+        conn = open_readonly(path)
+        try:
+            result.rows = with_labels(conn, result.columns, result.rows)
+        finally:
+            conn.close()
+        result.columns = [*result.columns, "labels"]
     emit_rows(
         result.columns,
         result.rows,

@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from ingero import __version__
 from ingero.explain.model import SEVERITIES, Chain
-from ingero.store.annotations import Annotation
+from ingero.store.annotations import Annotation, format_labels
 from ingero.store.catalog import ALLOC_OPS, CUDA, DRIVER, NCCL, NET, SOURCE_NAMES, op_id, op_ids, op_name
 from ingero.store.catalog import IO as IO_SOURCE
 
@@ -51,6 +51,8 @@ TID_STRIDE = 10_000_000  # > Linux pid_max (4 194 304): slot * stride + tid stay
 OFF_CPU_LANE = 5_000_000  # + tid (< pid_max 4 194 304): a thread's off-CPU lane
 CHAIN_LANE = 9_999_900
 IO_LANE = 9_999_000
+ANNOTATION_LANE = 9_998_000  # + n: label spans (one lane per process scope and label keys)
+MAX_ANNOTATION_LANES = 64
 MAX_IO_LANES = 64
 CHAIN_COLOURS = {"HIGH": "terrible", "MEDIUM": "bad", "LOW": "yellow"}
 _ALLOC = frozenset(ALLOC_OPS)
@@ -202,7 +204,7 @@ class TraceWriter:
                 self._thread_slices(slot, lane, off_cpu[tid])
         self._io_lanes(slot, base, io, nt.process_names)
         self._chains(slot, base, nt, shift)
-        self._annotations(slot, nt, shift)
+        self._annotations(slot, base, nt, shift)
 
     def _meta(self, pid: int, tid: int | None, name: str, args: dict[str, Any]) -> None:
         ev: dict[str, Any] = {"ph": "M", "pid": pid, "name": name, "args": args}
@@ -327,9 +329,33 @@ class TraceWriter:
             )
             self.stats.chains += 1
 
-    def _annotations(self, pid: int, nt: NodeTrace, shift: int) -> None:
-        """``ingero annotate`` marks: process-wide instant events (a line across the node's lanes)."""
+    def _annotations(self, pid: int, base: int, nt: NodeTrace, shift: int) -> None:
+        """``ingero annotate`` marks: process-wide instant events (a line across the node's lanes); label
+        spans (``with ingero.annotate.span(step=12)``): slices, one lane per process scope and label keys."""
+        lanes: dict[tuple[int, tuple[str, ...]], int] = {}
         for a in nt.annotations:
+            lane_key = (a.pid, tuple(sorted(a.labels)))
+            if a.is_span and (lane_key in lanes or len(lanes) < MAX_ANNOTATION_LANES):
+                if lane_key not in lanes:
+                    lanes[lane_key] = tid = base + ANNOTATION_LANE + len(lanes)
+                    scope = f"pid {a.pid}" if a.pid else "node"
+                    self._meta(pid, tid, "thread_name", {"name": f"labels {'/'.join(lane_key[1])} ({scope})"})
+                    self._meta(pid, tid, "thread_sort_index", {"sort_index": 9_000_000 + len(lanes)})
+                    self.stats.threads += 1
+                self._emit(
+                    {
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": lanes[lane_key],
+                        "ts": _us(a.span_start - shift),
+                        "dur": _us(a.span_end - a.span_start),
+                        "name": format_labels(a.labels)[:160],
+                        "cat": "annotation",
+                        "args": {**a.labels, "pid": a.pid, "id": a.id, "author": a.author},
+                    }
+                )
+                self.stats.slices += 1
+                continue
             self._emit(
                 {
                     "ph": "i",

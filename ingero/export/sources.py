@@ -94,7 +94,7 @@ def traces_from_db(path: str | Path, window: Window | None = None) -> LocalExpor
         nodes = [r[0] for r in conn.execute(f"SELECT DISTINCT node FROM events WHERE {where}", params)]
         first = conn.execute(f"SELECT min(timestamp) FROM events WHERE {where}", params).fetchone()[0]
         chains = local_chains(conn, window)
-        marks = list_annotations(conn, window.start_ns, window.end_ns)
+        marks = list_annotations(conn, window.start_ns, window.end_ns, limit=100_000, overlapping=True)
         for c in chains:
             if c.node not in nodes:
                 nodes.append(c.node)
