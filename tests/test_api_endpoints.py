@@ -33,7 +33,8 @@ def test_health_info_time(samples: Path, tmp_path: Path) -> None:
             assert info["live"] is False and info["tls"] == "tls" and info["auth"] == "none"
             assert isinstance(info["schema_version"], int)
             t = (await srv.get("/api/v1/time")).json()
-            assert set(t) == {"ok", "node", "receive_ns", "transmit_ns"}
+            assert set(t) == {"ok", "node", "instance", "receive_ns", "transmit_ns"}
+            assert h["instance"] == info["instance"] == t["instance"] and len(t["instance"]) == 16
             assert isinstance(t["receive_ns"], int) and t["receive_ns"] <= t["transmit_ns"]
 
     trio.run(main)

@@ -66,7 +66,8 @@ def test_instance_id_is_stored_stable_and_per_database(tmp_path: Path) -> None:
     link = tmp_path / "link.db"
     link.symlink_to(a)
     ra, rl, rb = (open_readonly(p) for p in (a, link, b))
-    assert agent_instance(ra, a) == agent_instance(rl, link) != agent_instance(rb, b)
+    assert agent_instance(ra, a, "n") == agent_instance(rl, link, "n") != agent_instance(rb, b, "n")
+    assert agent_instance(ra, a, "n") != agent_instance(ra, a, "m")  # one database served under two names
 
 
 def test_a_recording_without_an_id_is_named_by_its_file_and_never_written(samples: Path, tmp_path: Path) -> None:
@@ -74,11 +75,11 @@ def test_a_recording_without_an_id_is_named_by_its_file_and_never_written(sample
     before = hashlib.sha256(src.read_bytes()).hexdigest()
     conn = open_readonly(src)
     assert stored_instance_id(conn) is None  # an Ingero recording carries none
-    first = agent_instance(conn, src)
-    assert agent_instance(conn, src) == first
+    first = agent_instance(conn, src, "n")
+    assert agent_instance(conn, src, "n") == first
     copy = tmp_path / "copy.db"
     shutil.copy(src, copy)
-    assert agent_instance(open_readonly(copy), copy) != first  # a copy is another database
+    assert agent_instance(open_readonly(copy), copy, "n") != first  # a copy is another database
     assert hashlib.sha256(src.read_bytes()).hexdigest() == before
 
 

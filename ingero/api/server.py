@@ -207,11 +207,11 @@ def preflight(settings: ServerSettings) -> TLSSetup:
     return prepare_tls(settings)
 
 
-def database_instance(path: Path) -> str:
+def database_instance(path: Path, node: str) -> str:
     """The instance id this agent sends with its answers (see :mod:`ingero.store.instance`)."""
     conn = open_readonly(path)
     try:
-        return agent_instance(conn, path)
+        return agent_instance(conn, path, node)
     finally:
         conn.close()
 
@@ -219,7 +219,7 @@ def database_instance(path: Path) -> str:
 def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
     ctx = AgentContext(
         db_path=settings.db_path.expanduser(),
-        instance=database_instance(settings.db_path.expanduser()),
+        instance=database_instance(settings.db_path.expanduser(), settings.identity.node),
         identity=settings.identity,
         tls_mode=tls_mode,
         token=settings.token or None,

@@ -209,7 +209,9 @@ def bearer_token(
     return token
 
 
-def settings_from(args: argparse.Namespace) -> ServerSettings:
+def settings_from(args: argparse.Namespace, *, recording: bool = True) -> ServerSettings:
+    """``recording``: the database is a recording to serve (its recorded node names the agent when neither
+    --node nor agent.node does); ``ingero trace --listen`` serves the database it is writing, as itself."""
     from ingero.api.server import ServerSettings, check_exposure
     from ingero.api.workers import AdmissionLimits
     from ingero.errors import UsageError
@@ -235,7 +237,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
     db_path = common.db_path_from(args)
     settings = ServerSettings(
         db_path=db_path,
-        identity=common.identity_from(args, recording=db_path),
+        identity=common.identity_from(args, recording=db_path if recording else None),
         host=host,
         port=port,
         tls_cert=None if args.no_tls or not cert else Path(cert).expanduser(),

@@ -191,7 +191,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
     if args.listen:
         from ingero.api.server import bind_socket, serve_api
 
-        settings = serve.settings_from(args)
+        settings = serve.settings_from(args, recording=False)
         if settings.port:  # a busy port fails now, in one line, before any probe is attached
             bind_socket(settings.host, settings.port, 1).close()
         serve.warn_about_exposure(settings)

@@ -168,7 +168,21 @@ def generate(out_dir: str | Path) -> dict[str, Path]:
     for rec in recs:
         rec.write(cluster, chains=chains[rec.node])
     written["cluster"] = cluster
+    for path in written.values():  # committed files are reproducible: their instance ids too
+        _pin_instance_id(path)
     return written
+
+
+def _pin_instance_id(path: Path) -> None:
+    """A fixed instance id per file name (a database normally gets a random one when created)."""
+    import uuid
+
+    from ingero.store.db import write_transaction
+    from ingero.store.instance import INSTANCE_KEY
+
+    value = uuid.uuid5(uuid.NAMESPACE_URL, f"ingero-investigations/{path.name}").hex
+    with write_transaction(path) as conn:
+        conn.execute("UPDATE schema_info SET value = ? WHERE key = ?", (value, INSTANCE_KEY))
 
 
 def _remove(path: Path) -> None:

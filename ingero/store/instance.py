@@ -8,9 +8,10 @@ with its answers:
   or migrated (:func:`ensure_instance_id`); a merged database gets its own, never an input's;
 * a database without one (an Ingero recording, a read-only copy) is named by its file: device and
   inode, so one file reached by two paths is one database, and serving it never writes to it;
-* the agent's instance id hashes that with this machine's ``/etc/machine-id``: two machines serving
-  copies of one recording are two instances; one agent listed twice, or reached at two addresses, is
-  one.
+* the agent's instance id hashes that with this machine's ``/etc/machine-id`` and the agent's node
+  name: two machines serving copies of one recording are two instances, and so are two agents serving
+  one database under two names; one agent listed twice, or reached at two addresses, is one (and so
+  are two agents serving one database under one name: their answers are the same).
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ def machine_id() -> str:
     return os.uname().nodename
 
 
-def agent_instance(conn: sqlite3.Connection, path: str | Path) -> str:
-    """The instance id an agent serving ``path`` sends with its answers (see the module docstring)."""
+def agent_instance(conn: sqlite3.Connection, path: str | Path, node: str) -> str:
+    """The instance id an agent named ``node`` serving ``path`` sends with its answers (see the module
+    docstring)."""
     db_id = stored_instance_id(conn)
     if db_id is None:
         st = Path(path).expanduser().stat()
         db_id = f"file:{st.st_dev}:{st.st_ino}"
-    digest = hashlib.sha256(f"{machine_id()}\0{db_id}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{machine_id()}\0{db_id}\0{node}".encode()).hexdigest()
     return digest[:INSTANCE_HEX]
