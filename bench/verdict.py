@@ -67,7 +67,7 @@ def no_verdict(name: str, measured: float, target: Target, why: str, *, detail: 
 
 def _emit(name: str, figures: str, word: str, why: str, detail: str) -> None:
     _tally[word] += 1
-    print(f"  {name:<44} {figures:<36}  {word}{why}" + (f"   [{detail}]" if detail else ""), flush=True)
+    print(f"  {name:<52} {figures:<34}  {word}{why}" + (f"   [{detail}]" if detail else ""), flush=True)
 
 
 def summary() -> int:
