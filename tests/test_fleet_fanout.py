@@ -271,8 +271,8 @@ def test_explain_merges_chains_and_names_the_straggler(pki: Pki, tmp_path: Path)
     assert set(rows) == set(dbs)
     assert rows["gpu-node-01"][0] == "yes"
     assert rows["gpu-node-02"][3] == "1/3"
-    assert rows["gpu-node-03"][7] == 510  # events
-    assert rows["gpu-node-01"][10].startswith("mtls")
+    assert rows["gpu-node-03"][status.columns.index("events")] == 510
+    assert rows["gpu-node-01"][status.columns.index("tls")].startswith("mtls")
 
 
 def test_connections_shared_per_node_and_released_on_wide_fleets(pki: Pki, samples: Path) -> None:

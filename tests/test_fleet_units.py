@@ -89,7 +89,18 @@ def test_skew_wording_and_threshold() -> None:
     assert warning("n3", behind, 10.0) is None
     line = warning("gpu-node-02", ahead, 10.0)
     assert line is not None and line.startswith("gpu-node-02 is ~47 ms ahead of this host (±1 ms)")
-    assert ahead.as_dict() == {"offset_ms": 47.3, "uncertainty_ms": 1.0, "rtt_ms": 2.0, "samples": 4, "failed": 0}
+    assert ahead.as_dict() == {
+        "offset_ms": 47.3,
+        "uncertainty_ms": 1.0,
+        "rtt_ms": 2.0,
+        "samples": 4,
+        "failed": 0,
+        "drift_ppm": None,  # no fleet pass, and under 3 samples: never a made-up number
+        "drift_uncertainty_ppm": None,
+        "fleet_median_ms": None,
+        "z": None,
+        "outlier": False,
+    }
 
 
 def test_skew_warning_only_when_offset_beyond_its_uncertainty() -> None:

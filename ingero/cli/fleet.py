@@ -18,10 +18,13 @@ examples:
   ingero fleet status --config ~/.config/ingero/ingero.yaml      nodes and TLS from the config
   ingero fleet status --json                                      for machines (fleet.nodes from the config)
   ingero fleet status --strict --timeout 2s && echo "all nodes up"
+  ingero fleet status --samples 10 --sample-interval 0.5s          drift (ppm) of every node's clock too
 
 Columns: reachable (or why not), node (the agent's own name), addr, rank (rank/world_size), version,
-rtt_ms (lowest /time round trip), skew (agent clock minus this host's, ± its uncertainty), events,
-first/last (time range of the recording), tls (tls, mtls or plaintext; +token when a token is required).
+rtt_ms (lowest /time round trip), skew (agent clock minus this host's, ± its uncertainty; "(outlier)"
+when it stands out from the fleet's median by MAD), drift_ppm (how much faster the agent's clock runs,
+± its 95 % interval; with --samples 3 or more), events, first/last (time range of the recording),
+tls (tls, mtls or plaintext; +token when a token is required).
 A warning names every node whose clock is off by more than fleet.skew_threshold (10 ms).
 """
 
@@ -74,6 +77,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         formatter_class=common.help_formatter(),
     )
     common.add_fleet_args(s)
+    s.add_argument(
+        "--samples",
+        type=int,
+        metavar="N",
+        help="clock samples per node (default 2: the /info answer's and one /time); 3 or more give drift in ppm",
+    )
+    s.add_argument(
+        "--sample-interval",
+        metavar="DUR",
+        default="200ms",
+        help="time between the extra samples (default 200ms; longer spans give tighter drift)",
+    )
     add_output_args(s)
     s.set_defaults(func=run_status)
 
@@ -121,12 +136,20 @@ def _no_subcommand(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     from ingero.cli import fleet_cmds
     from ingero.fleet.operations import status_sync
+    from ingero.timeutil import NS_PER_S, parse_duration
 
+    if args.samples is not None and args.samples < 1:
+        raise UsageError(f"--samples {args.samples}: must be at least 1")
+    interval_ns = parse_duration(args.sample_interval)
+    if interval_ns <= 0:
+        raise UsageError(f"--sample-interval {args.sample_interval}: must be positive")
     nodes = fleet_cmds.nodes_from(args)
     settings = fleet_cmds.settings_from_args(args)
     progress = fleet_cmds.progress_for(nodes)
     try:
-        status = status_sync(nodes, settings, on_outcome=progress)
+        status = status_sync(
+            nodes, settings, samples=args.samples, interval_s=interval_ns / NS_PER_S, on_outcome=progress
+        )
     finally:
         progress.clear()
     if args.format == "json":

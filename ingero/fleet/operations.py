@@ -147,6 +147,7 @@ STATUS_COLUMNS = [
     "version",
     "rtt_ms",
     "skew",
+    "drift_ppm",
     "events",
     "first",
     "last",
@@ -177,6 +178,7 @@ class FleetStatus(Outcomes):
                     info.get("version", ""),
                     round(rtt, 2) if rtt is not None else "",
                     o.skew.short() if o.skew else "",
+                    o.skew.drift_short() if o.skew else "",
                     info.get("events", ""),
                     fmt_ts(info.get("first_ns")) if info.get("first_ns") else "",
                     fmt_ts(info.get("last_ns")) if info.get("last_ns") else "",
@@ -191,10 +193,15 @@ class FleetStatus(Outcomes):
             d = o.as_dict()
             d["info"] = o.data if o.answered else None
             nodes.append(d)
+        medians = [o.skew.fleet_median_ns for o in self.outcomes if o.skew and o.skew.fleet_median_ns is not None]
         return {
             "answered": len(self.answered),
             "failed": len(self.failed),
             "elapsed_ms": round(self.elapsed_ms, 3),
+            "skew": {
+                "fleet_median_ms": round(medians[0] / NS_PER_MS, 3) if medians else None,
+                "outliers": [o.label for o in self.outcomes if o.skew and o.skew.outlier],
+            },
             "nodes": nodes,
         }
 
@@ -208,20 +215,42 @@ def _tls_mode(info: dict[str, Any]) -> str:
     return mode
 
 
+STATUS_SAMPLE_INTERVAL_S = 0.2  # between the clock samples of ``fleet status --samples N``
+# ``fleet status`` without --samples: the /info answer's own sample (headers) and one /time sample
+STATUS_BASE_SAMPLES = 2
+
+
 async def fleet_status(
     nodes: Sequence[NodeSpec],
     settings: ClientSettings | None,
     *,
+    samples: int | None = None,
+    interval_s: float = STATUS_SAMPLE_INTERVAL_S,
     client: FleetClient | None = None,
     on_outcome: OutcomeCallback | None = None,
 ) -> FleetStatus:
-    """``/api/v1/info`` and clock skew for every node."""
+    """``/api/v1/info`` and clock skew for every node.
+
+    ``samples``: clock samples per node (default: the /info answer's and one /time sample, 2). More
+    are /time round trips ``interval_s`` apart after /info — with 3 or more the fleet pass also gives
+    each node's drift in ppm — and the node's deadline grows by their span.
+    """
+    extra = max(0, (samples or STATUS_BASE_SAMPLES) - STATUS_BASE_SAMPLES)
+    if extra:
+        base = settings or ClientSettings()
+        settings = base.with_(timeout_s=base.timeout_s + extra * interval_s)
 
     async def job(conn: NodeClient) -> dict[str, Any]:
         info = await conn.get("/api/v1/info")
         version = info.get("api_version")
         if version != API_VERSION:
             raise NodeFailure(Kind.SCHEMA, f"the agent speaks API version {version}; this client speaks {API_VERSION}")
+        for _ in range(extra):
+            await trio.sleep(interval_s)
+            try:
+                conn.samples.append(await conn.time_sample())
+            except NodeFailure:
+                continue  # a failed sample never drops the node; the estimate counts what arrived
         return info
 
     started = time.perf_counter()

@@ -16,19 +16,33 @@ report. Several samples are taken per node and the one with the lowest delay win
 bound). ``t1``/``t4`` are taken by the fan-out's transport around the bytes on the wire, ``t4`` as
 ``t1`` plus a ``perf_counter_ns`` interval, so a clock step on this host in the middle of a sample
 cannot corrupt it.
+
+This module is the arithmetic of one node's samples in plain Python (what the fan-out computes as each
+node ends, without numpy). The fleet's estimate is :mod:`ingero.fleet.fleet_skew`'s, on numpy: arrays
+of ``t1..t4`` over every node's samples give each node its lowest-delay sample, its drift in ppm (with
+≥ 3 samples), and the fleet's median offset and MAD outliers. numpy's import (~80 ms) never delays the
+first byte on the wire: the first sample a fan-out receives starts it in a daemon thread
+(:func:`prefetch_fit`), and :func:`refine` — at the end of the fan-out — waits for it only when some
+node has a sample.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ingero.timeutil import NS_PER_MS
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
 RECEIVE_HEADER = "x-ingero-receive-ns"  # t2, on every agent answer
 TRANSMIT_HEADER = "x-ingero-transmit-ns"  # t3
+FIT_MODULE = "ingero.fleet.fleet_skew"  # the numpy estimator, imported off the wire path
 
 
 @dataclass(frozen=True)
@@ -51,12 +65,19 @@ class TimeSample:
 
 @dataclass(frozen=True)
 class SkewEstimate:
-    """The best (lowest-delay) sample's offset, with its ±delay/2 uncertainty."""
+    """The best (lowest-delay) sample's offset, with its ±delay/2 uncertainty; after the fleet pass
+    (:func:`refine`) also the node's drift and how it stands against the fleet's median offset."""
 
     offset_ns: float  # > 0: the agent's clock is ahead of this host's
     delay_ns: float  # round trip of the winning sample
     samples: int  # samples that succeeded
     failed: int = 0  # samples that did not (they never drop the node)
+    points: tuple[TimeSample, ...] = field(default=(), repr=False, compare=False)  # the samples that succeeded
+    drift_ppm: float | None = None  # agent clock rate minus ours, ppm (> 0: it runs fast); None under 3 samples
+    drift_uncertainty_ppm: float | None = None  # ± its 95 % interval
+    fleet_median_ns: float | None = None  # median offset of the fleet's nodes (None: fewer than 3)
+    z: float | None = None  # robust z-score of this offset against the fleet (median/MAD)
+    outlier: bool = False  # z past the threshold *and* off the median by more than the clocks' uncertainty
 
     @property
     def uncertainty_ns(self) -> float:
@@ -75,8 +96,14 @@ class SkewEstimate:
         return abs(self.offset_ns - true_offset_ns) <= self.uncertainty_ns + slack_ns
 
     def short(self) -> str:
-        """``+47.2 ms ±0.4 ms`` for tables."""
-        return f"{_signed_ms(self.offset_ns)} ±{_fmt_ms(self.uncertainty_ns)}"
+        """``+47.2 ms ±0.4 ms`` for tables (``(outlier)`` after it when the fleet pass flagged it)."""
+        return f"{_signed_ms(self.offset_ns)} ±{_fmt_ms(self.uncertainty_ns)}" + (" (outlier)" if self.outlier else "")
+
+    def drift_short(self) -> str:
+        """``+50.2 ±3.1`` (ppm) for tables; empty without a drift estimate."""
+        if self.drift_ppm is None or self.drift_uncertainty_ppm is None:
+            return ""
+        return f"{self.drift_ppm:+.1f} ±{self.drift_uncertainty_ppm:.1f}"
 
     def describe(self, node: str) -> str:
         """``gpu-node-02 is ~47 ms ahead of this host (±1 ms)``."""
@@ -92,17 +119,22 @@ class SkewEstimate:
             "rtt_ms": round(self.delay_ns / NS_PER_MS, 3),
             "samples": self.samples,
             "failed": self.failed,
+            "drift_ppm": _round(self.drift_ppm, 3),
+            "drift_uncertainty_ppm": _round(self.drift_uncertainty_ppm, 3),
+            "fleet_median_ms": _round(None if self.fleet_median_ns is None else self.fleet_median_ns / NS_PER_MS, 3),
+            "z": None if self.z is None or not math.isfinite(self.z) else round(self.z, 2),
+            "outlier": self.outlier,
         }
 
 
 def estimate(samples: Sequence[TimeSample], failed: int = 0) -> SkewEstimate | None:
-    """Pick the lowest-delay sample. ``None`` when no sample succeeded.
+    """One node's lowest-delay sample, in plain Python (the fan-out's per-node figure and the reference
+    the numpy pass is tested against). ``None`` when no sample succeeded.
 
     Samples with a negative delay (the agent claims to have spent longer than the round trip — a
-    broken agent clock or a clock step inside the sample) are discarded. Python ints are exact for
-    Unix nanoseconds; a handful of samples needs no array library.
+    broken agent clock or a clock step inside the sample) are discarded.
     """
-    valid = [s for s in samples if s.delay_ns >= 0]
+    valid = tuple(s for s in samples if s.delay_ns >= 0)
     if not valid:
         return None
     best = min(valid, key=lambda s: s.delay_ns)
@@ -111,7 +143,64 @@ def estimate(samples: Sequence[TimeSample], failed: int = 0) -> SkewEstimate | N
         delay_ns=best.delay_ns,
         samples=len(valid),
         failed=failed + len(samples) - len(valid),
+        points=valid,
     )
+
+
+class HasSkew(Protocol):
+    """What :func:`refine` needs of a node's outcome."""
+
+    skew: SkewEstimate | None
+
+    @property
+    def answered(self) -> bool: ...
+
+
+OutcomeT = TypeVar("OutcomeT", bound=HasSkew)
+
+_prefetch_lock = threading.Lock()
+_prefetching: list[threading.Thread] = []  # the import thread, once started
+_fit_loaded = threading.Event()  # set once the module is fully imported (not merely in sys.modules)
+
+
+def prefetch_fit() -> None:
+    """Start importing the numpy estimator (and numpy) in a daemon thread, once per process.
+
+    Called when a fan-out receives its first clock sample: by then the requests of every node it is
+    asking are on the wire, and the import overlaps the answers still in flight. A daemon thread, not a
+    trio task: a fan-out that ends without a sample (every node refused) neither waits for it nor
+    starts it.
+    """
+    with _prefetch_lock:
+        if _prefetching or _fit_loaded.is_set():
+            return
+        _prefetching.append(threading.Thread(target=_import_fit, name="ingero-numpy-import", daemon=True))
+    _prefetching[0].start()
+
+
+def _import_fit() -> ModuleType:
+    """The numpy estimator; while another thread imports it, import_module waits for that import."""
+    module = importlib.import_module(FIT_MODULE)
+    _fit_loaded.set()
+    return module
+
+
+async def refine(outcomes: list[OutcomeT]) -> list[OutcomeT]:
+    """The fleet pass: replace every outcome's estimate by :func:`ingero.fleet.fleet_skew.fleet_estimates`'
+    (numpy, all nodes at once: drift, fleet median, MAD outliers). Waits for numpy's import — in a
+    worker thread, so the event loop stays free — only when some node has an estimate."""
+    if not any(o.skew is not None for o in outcomes):
+        return outcomes
+    if _fit_loaded.is_set():
+        fit = _import_fit()
+    else:
+        import trio
+
+        fit = await trio.to_thread.run_sync(_import_fit)
+    answered = [o.answered for o in outcomes]  # the fleet's median is the answering nodes'
+    for o, est in zip(outcomes, fit.fleet_estimates([o.skew for o in outcomes], answered), strict=True):
+        o.skew = est
+    return outcomes
 
 
 def sample_from_body(t1: int, t4: int, body: dict[str, Any]) -> TimeSample:
@@ -119,6 +208,7 @@ def sample_from_body(t1: int, t4: int, body: dict[str, Any]) -> TimeSample:
     t2, t3 = body.get("receive_ns"), body.get("transmit_ns")
     if not isinstance(t2, int) or not isinstance(t3, int) or isinstance(t2, bool) or isinstance(t3, bool):
         raise ValueError("/time answer lacks integer receive_ns/transmit_ns")
+    prefetch_fit()
     return TimeSample(t1, t2, t3, t4)
 
 
@@ -129,9 +219,11 @@ def sample_from_headers(t1: int, t4: int, headers: Mapping[str, str]) -> TimeSam
     if not t1 or not t4 or raw2 is None or raw3 is None:
         return None
     try:
-        return TimeSample(t1, int(raw2), int(raw3), t4)
+        sample = TimeSample(t1, int(raw2), int(raw3), t4)
     except ValueError:
         return None
+    prefetch_fit()
+    return sample
 
 
 def exceeds(est: SkewEstimate | None, threshold_ms: float) -> bool:
@@ -160,3 +252,7 @@ def _fmt_ms(ns: float) -> str:
 
 def _signed_ms(ns: float) -> str:
     return ("+" if ns >= 0 else "-") + _fmt_ms(ns)
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
