@@ -243,7 +243,10 @@ def test_annotate_cli_writes_protocol_lines_directly_with_db(
     capsys.readouterr()
     assert main(["annotate", "--db", str(labelled), "--list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["labels"], r["pid"]) for r in rows[:2]] == [({"step": "1"}, 0), ({"epoch": "3"}, 0)]  # by instant
+    assert [(r["labels"], r.get("pid")) for r in rows[:2]] == [
+        ({"step": "1"}, None),
+        ({"epoch": "3"}, None),
+    ]  # by instant
     assert rows[-1]["labels"] == {"phase": "warmup"} and rows[-1]["pid"] == os.getpid()
     src.write_text('{"labels": {"ok": "1"}}\n{"labels": {"bad key": "1"}}\n')
     assert main(["annotate", "--db", str(labelled), "--from-file", str(src)]) == 2

@@ -139,7 +139,9 @@ def test_trace_annotate_records_step_labels_and_refuses_hostile_input(
     assert labels == [*(f"phase=train step={k} task_id=kept" for k in range(3) for _ in range(20)), "task_id=kept"]
     assert main(["annotate", "--db", str(db), "--list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["labels"] for r in rows if r["pid"] == worker] == [{"phase": "train", "step": str(k)} for k in range(3)]
+    assert [r["labels"] for r in rows if r.get("pid") == worker] == [
+        {"phase": "train", "step": str(k)} for k in range(3)
+    ]
     kept = [r for r in rows if r["labels"] == {"task_id": "kept"}]
     assert len(kept) == 1 and kept[0]["node"] == "ann-node"
 

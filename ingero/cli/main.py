@@ -42,7 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("ingero.cli.dashboard", "HTTPS browser dashboard for one database or the fleet"),
     "version": ("ingero.cli.version", "version, Python, platform, bcc, schema and API versions (--json for scripts)"),
     "completion": ("ingero.cli.completion", "print a shell completion script (bash), generated from the parser"),
-    "annotate": ("ingero.cli.annotate", "mark a moment (a deploy, a config change) that explain and the timeline show"),
+    "annotate": (
+        "ingero.cli.annotate",
+        "label a live recording (step, epoch, task) or mark a moment (a deploy) in the database",
+    ),
 }
 COMMAND_MODULES = [module for module, _ in COMMANDS.values()]
 

@@ -78,9 +78,11 @@ class Annotation:
             "node": self.node,
             "message": self.message,
             "author": self.author,
-            "labels": self.labels,
-            "pid": self.pid,
         }
+        if set(self.labels) - {"message", "author"}:  # a protocol row: its labels as they are
+            doc["labels"] = self.labels
+        if self.pid:
+            doc["pid"] = self.pid
         if self.is_span:
             doc["span_start"], doc["span_end"] = self.span_start, self.span_end
         return doc
