@@ -6,7 +6,6 @@ import json
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -253,31 +252,14 @@ def test_annotate_cli_writes_protocol_lines_directly_with_db(
     assert "line 2: label key" in capsys.readouterr().err
 
 
-def test_annotate_cli_sends_to_the_socket_and_reports_refusals(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import trio
+def test_annotate_cli_sends_to_the_socket(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_annotate_socket import serve_and
 
-    from ingero.trace.annotate_socket import serve_annotations
+    def client(path: Path) -> int:
+        return main(["annotate", "--socket", str(path), "--label", "step=4", "--pid", "1"])
 
-    rows: list[Any] = []
-    codes: list[int] = []
-
-    def sink(batch: list[Any]) -> bool:
-        rows.extend(batch)
-        return True
-
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            path = await nursery.start(
-                lambda task_status: serve_annotations(sink, directory=tmp_path / "d", task_status=task_status)
-            )
-            argv = ["annotate", "--socket", str(path), "--label", "step=4", "--pid", "1"]
-            codes.append(await trio.to_thread.run_sync(main, argv))
-            nursery.cancel_scope.cancel()
-
-    trio.run(run)
-    assert codes == [0] and len(rows) == 1 and rows[0][2] == 1 and rows[0][8] == os.getpid()
+    code, rows, _ = serve_and(tmp_path, client)
+    assert code == 0 and len(rows) == 1 and rows[0][2] == 1 and rows[0][8] == os.getpid()
     assert "sent 1 annotation(s) to" in capsys.readouterr().out
 
 
