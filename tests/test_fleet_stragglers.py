@@ -135,16 +135,16 @@ def test_tools_find_outlier_nodes_and_get_cost(late3: list[str], pki: Pki) -> No
     import trio
 
     from ingero.config import parse_node_list
-    from ingero.tools import registry
+    from ingero.tools import toolset
     from ingero.tools.registry import ToolEnv
     from tests.fleet_agents import client_settings
 
     env = ToolEnv(nodes=tuple(parse_node_list(",".join(late3))), fleet=client_settings(pki))
 
     async def main() -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
-        out = await registry.call("find_outlier_nodes", {}, env)
-        by_wait = await registry.call("find_outlier_nodes", {"metric": "wait", "threshold": 3.0}, env)
-        cost = await registry.call("get_cost", {"usd_per_gpu_hour": 2.0}, env)
+        out = await toolset.call("find_outlier_nodes", {}, env)
+        by_wait = await toolset.call("find_outlier_nodes", {"metric": "wait", "threshold": 3.0}, env)
+        cost = await toolset.call("get_cost", {"usd_per_gpu_hour": 2.0}, env)
         return out, by_wait, cost
 
     out, by_wait, cost = trio.run(main)
@@ -156,4 +156,4 @@ def test_tools_find_outlier_nodes_and_get_cost(late3: list[str], pki: Pki) -> No
     assert c["usd"] == pytest.approx(c["wait_s"] / 3600 * 2.0, rel=1e-3)  # type: ignore[index]
     assert {r["node"] for r in c["ranks"]} == {"gpu-node-01", "gpu-node-02", "gpu-node-04"}  # type: ignore[index]
     with pytest.raises(Exception, match="metric"):
-        trio.run(lambda: registry.call("find_outlier_nodes", {"metric": "speed"}, env))
+        trio.run(lambda: toolset.call("find_outlier_nodes", {"metric": "speed"}, env))

@@ -75,3 +75,41 @@ def test_imports_flow_one_way() -> None:
                     f"{path.relative_to(ROOT.parent)} imports ingero.{target} (layer {LAYERS[target]} ≥ {LAYERS[own]})"
                 )
     assert not wrong, "\n".join(wrong)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module → the ingero modules it imports anywhere (function-level imports included);
+    ``from pkg import sub`` counts as importing ``pkg.sub``, not the package."""
+    mods: dict[str, Path] = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [s for s in subs if s in mods] + ([node.module] if any(s not in mods for s in subs) else [])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            graph[mod] |= {n for n in names if n in mods and n != mod}
+    return graph
+
+
+def test_no_import_circles_between_modules() -> None:
+    """No module reaches itself through its imports, lazy ones included (e.g. the tool registry never
+    imports the tool modules that register with it: ingero.tools.toolset does)."""
+    graph = _module_graph()
+    circles = []
+    for start in sorted(graph):
+        stack, seen = [(start, [start])], {start}
+        while stack:
+            mod, trail = stack.pop()
+            for nxt in sorted(graph[mod]):
+                if nxt == start:
+                    circles.append(" → ".join([*trail, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+    assert not circles, "\n".join(sorted(set(circles))[:20])

@@ -17,13 +17,13 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from ingero.errors import UsageError
 from ingero.tools import local as lt
-from ingero.tools import registry
+from ingero.tools import toolset
 from ingero.tools.registry import ToolEnv
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, make_pki
 
 INGERO = str(Path(sys.executable).with_name("ingero"))
 NODES = ("sample-gpu-node-01.db", "sample-gpu-node-02.db", "sample-gpu-node-03.db")
-TOOLS = set(registry.tools())
+TOOLS = set(toolset.tools())
 
 
 @asynccontextmanager
@@ -65,7 +65,7 @@ def test_local_tools_over_stdio(tmp_path: Path, samples: Path) -> None:
             assert {"get_trace_stats", "get_causal_chains", "run_sql", "get_stacks", "query_fleet"} <= TOOLS
             assert all(t.annotations and t.annotations.read_only_hint for t in tools.values())
             for name, t in tools.items():  # the schema the registry derived, published as is
-                assert t.input_schema == registry.get(name).input_schema, name
+                assert t.input_schema == toolset.get(name).input_schema, name
             assert tools["query_fleet"].input_schema["properties"]["action"]["enum"] == [
                 "chains",
                 "sql",
@@ -192,7 +192,7 @@ def test_query_fleet_over_three_loopback_agents(tmp_path: Path, samples: Path, p
                 assert res["rows"] == [["gpu-node-01", 200], ["gpu-node-02", 200], ["gpu-node-03", 200]]
                 assert (res["answered"], res["asked"]) == (3, 4)
                 assert len(res["unreachable"]) == 1 and "gpu-node-04" in res["unreachable"][0]
-                assert list(res)[:2] == ["clock_skew_warnings", "unreachable"]  # warnings come first
+                assert list(res)[:3] == ["identity_warnings", "clock_skew_warnings", "unreachable"]  # warnings first
 
                 err, res = await call(
                     s,

@@ -14,7 +14,7 @@ import trio
 
 from ingero import API_VERSION
 from ingero.api.https import Listen, serve_asgi
-from ingero.tools import registry
+from ingero.tools import toolset
 from ingero.tools.http import Auth, Guard, RateLimit, ToolsAPI
 from ingero.tools.openapi import openapi_document
 from ingero.tools.registry import ToolEnv
@@ -37,7 +37,7 @@ def test_openapi_document_is_valid_openapi_31() -> None:
     assert get_spec_version(doc) == consts.OPENAPIV31
     validate(doc)  # raises on any schema violation
     posted = {p.removeprefix("/api/v1/tools/") for p, ops in doc["paths"].items() if "post" in ops}
-    assert posted == set(registry.tools())
+    assert posted == set(toolset.tools())
     run_sql = doc["paths"]["/api/v1/tools/run_sql"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert run_sql["required"] == ["query"] and run_sql["properties"]["limit"]["maximum"] == 1000
     assert doc["paths"]["/api/versions"]["get"]["security"] == []

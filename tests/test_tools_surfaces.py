@@ -17,7 +17,7 @@ import trio
 from ingero.api.https import Listen
 from ingero.config import NodeSpec
 from ingero.mcp.server import McpSettings, serve_http
-from ingero.tools import registry
+from ingero.tools import toolset
 from ingero.tools.failures import STATUS_OF_KIND
 from ingero.tools.registry import ToolEnv
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, client_settings, make_pki
@@ -104,13 +104,13 @@ def test_every_tool_answers_the_same_on_every_surface(tmp_path: Path, samples: P
                 ):
                     for s in (stdio, http):
                         listed = {t.name: t for t in (await s.list_tools()).tools}
-                        assert set(listed) == set(registry.tools())
+                        assert set(listed) == set(toolset.tools())
                         for name, t in listed.items():
-                            assert t.input_schema == registry.get(name).input_schema, name
+                            assert t.input_schema == toolset.get(name).input_schema, name
                     doc = (await agent.get("/api/v1/tools/list")).json()
-                    assert [t["name"] for t in doc["tools"]] == list(registry.tools())
+                    assert [t["name"] for t in doc["tools"]] == list(toolset.tools())
 
-                    for name, tool in registry.tools().items():
+                    for name, tool in toolset.tools().items():
                         api = mcp_api if tool.scope == "fleet" else agent
                         for args in ARGS.get(name, [{}]):
                             err1, text1 = await mcp_call(stdio, name, args)
@@ -124,7 +124,7 @@ def test_every_tool_answers_the_same_on_every_surface(tmp_path: Path, samples: P
                             compared[name] = compared.get(name, 0) + 1
 
                     for name, args, kind in FAILURES:
-                        api = mcp_api if name in registry.tools() and registry.get(name).scope == "fleet" else agent
+                        api = mcp_api if name in toolset.tools() and toolset.get(name).scope == "fleet" else agent
                         resp = await api.post(f"/api/v1/tools/{name}", json=args)
                         body = resp.json()
                         assert (resp.status_code, body["kind"], body["ok"]) == (STATUS_OF_KIND[kind], kind, False)
@@ -136,7 +136,7 @@ def test_every_tool_answers_the_same_on_every_surface(tmp_path: Path, samples: P
                 nursery.cancel_scope.cancel()
 
         anyio.run(main, backend="trio")
-        assert set(compared) == set(registry.tools())
+        assert set(compared) == set(toolset.tools())
 
 
 @pytest.mark.slow  # MCP stdio + HTTP servers and agents: run by make test, not test-fast
@@ -167,7 +167,7 @@ def test_fleet_tools_answer_with_the_straggler_and_every_node(tmp_path: Path, sa
                 # ... and one node's is exactly what its own database says
                 args = {"node": "gpu-node-02", "op": "sched_switch", "limit": 7}
                 err, text = await mcp_call(s, "event_history", {**args, "fleet": True})
-                own = await registry.call("event_history", args, ToolEnv(samples / NODE_DBS[1]))
+                own = await toolset.call("event_history", args, ToolEnv(samples / NODE_DBS[1]))
                 assert not err and decoded(text)["rows"] == own["rows"] and len(own["rows"]) == 7
                 assert {(r[1], r[5]) for r in own["rows"]} == {("gpu-node-02", "sched_switch")}
 

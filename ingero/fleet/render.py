@@ -52,7 +52,7 @@ def truncated_lines(outcomes: Sequence[NodeOutcome]) -> list[str]:
     ]
 
 
-def twin_warning(outcomes: list[NodeOutcome]) -> str | None:
+def twin_warning(outcomes: Sequence[NodeOutcome]) -> str | None:
     """One line naming the instances that share a name, or None when there are none."""
     twins = [o for o in outcomes if o.twin and o.answered]
     if not twins:

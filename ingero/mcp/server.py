@@ -26,7 +26,7 @@ from ingero import __version__
 from ingero.config import GpuRates, NodeSpec
 from ingero.fleet.settings import ClientSettings
 from ingero.mcp.prompt import INSTRUCTIONS, investigate_prompt
-from ingero.tools import registry
+from ingero.tools import registry, toolset
 from ingero.tools.failures import classify
 from ingero.tools.registry import Tool, ToolEnv
 
@@ -54,7 +54,7 @@ def _mcp_function(t: Tool, env: ToolEnv) -> Callable[..., Any]:
 
     async def call(**kwargs: Any) -> str:
         try:
-            return registry.encode_answer(await registry.call(t.name, kwargs, env))
+            return registry.encode_answer(await toolset.call(t.name, kwargs, env))
         except Exception as e:  # every failure is this call's error, in the registry's vocabulary
             raise ToolError(classify(e, tool=t.name).mcp_text()) from None
 
@@ -77,7 +77,7 @@ def build_server(settings: McpSettings) -> Any:
             """The registry checks the call first, so MCP refuses exactly what the HTTP API refuses
             (unknown tools and arguments included), in the same words."""
             try:
-                registry.get(name).validate(arguments)
+                toolset.get(name).validate(arguments)
             except Exception as e:
                 raise ToolError(classify(e, tool=name).mcp_text()) from None
             return await super().call_tool(name, arguments, context)
@@ -90,7 +90,7 @@ def build_server(settings: McpSettings) -> Any:
         log_level="WARNING",
     )
     env = settings.env()
-    for t in registry.tools().values():
+    for t in toolset.tools().values():
         annotations = ToolAnnotations(
             title=t.title,
             read_only_hint=True,

@@ -39,13 +39,11 @@ from ingero.errors import (
     RateLimitedError,
     RequestError,
 )
-from ingero.tools import registry
+from ingero.tools import registry, toolset
 from ingero.tools.failures import Failure, classify
+from ingero.tools.openapi import OPENAPI_PATH, TOOLS_PREFIX, VERSIONS_PATH, openapi_document
 from ingero.tools.registry import ToolEnv
 
-VERSIONS_PATH = "/api/versions"
-TOOLS_PREFIX = "/api/v1/tools/"
-OPENAPI_PATH = "/api/v1/openapi.json"
 PUBLIC_PATHS = frozenset({VERSIONS_PATH})
 MAX_ARGS_BYTES = 256 * 1024
 TOOL_THREADS = 4  # blocking tool calls (statistics, explain, SQL) running at once per server
@@ -260,17 +258,15 @@ class ToolsAPI:
             if path == VERSIONS_PATH:
                 return registry.encode_answer(versions_doc())
             if path == OPENAPI_PATH:
-                from ingero.tools.openapi import openapi_document
-
                 return registry.encode_answer(openapi_document(self.title))
             return registry.encode_answer(
-                {"ok": True, "version": __version__, "tools": [t.as_dict() for t in registry.tools().values()]}
+                {"ok": True, "version": __version__, "tools": [t.as_dict() for t in toolset.tools().values()]}
             )
-        registry.get(tool)  # unknown tool: 404 before reading the body
+        toolset.get(tool)  # unknown tool: 404 before reading the body
         if method != "POST":
             raise MethodNotAllowedError(f"{method} is not allowed on {path}; use POST with a JSON object")
         args = _json_object(await read_body(receive, MAX_ARGS_BYTES, f"arguments over {MAX_ARGS_BYTES} bytes", _gone))
-        return registry.encode_answer(await registry.call(tool, args, self.env, run_sync=self._run_sync))
+        return registry.encode_answer(await toolset.call(tool, args, self.env, run_sync=self._run_sync))
 
 
 def _gone() -> RequestError:

@@ -6,9 +6,13 @@ import copy
 from typing import Any
 
 from ingero import API_VERSION, __version__
-from ingero.tools import registry
+from ingero.tools import toolset
 from ingero.tools.failures import STATUS_OF_KIND
-from ingero.tools.http import OPENAPI_PATH, TOOLS_PREFIX, VERSIONS_PATH
+
+# The tools API's paths (ingero.tools.http serves them; this document describes them).
+VERSIONS_PATH = "/api/versions"
+TOOLS_PREFIX = "/api/v1/tools/"
+OPENAPI_PATH = "/api/v1/openapi.json"
 
 _FAILURE = {
     "type": "object",
@@ -79,7 +83,7 @@ def openapi_document(title: str = "ingero tools API") -> dict[str, Any]:
             }
         },
     }
-    for t in registry.tools().values():
+    for t in toolset.tools().values():
         args = _inline_defs(t.input_schema, schemas, f"{t.name}.")
         paths[TOOLS_PREFIX + t.name] = {
             "post": {

@@ -10,6 +10,9 @@ same model validates the arguments on every surface:
   the dashboard;
 * the OpenAPI document — :mod:`ingero.tools.openapi`.
 
+The tool modules (:mod:`ingero.tools.local`, :mod:`ingero.tools.fleet`) import this one to register;
+:mod:`ingero.tools.toolset` imports them and is what the surfaces ask for the tools (no import circle).
+
 Every surface answers with :func:`encode_answer` (compact JSON, the same bytes everywhere) and maps
 failures with :func:`ingero.tools.failures.classify` (one error vocabulary).
 """
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ingero import compactjson
 from ingero.config import GpuRates, NodeSpec
-from ingero.errors import ToolNotFoundError, UsageError
+from ingero.errors import UsageError
 from ingero.fleet.settings import ClientSettings
 
 if TYPE_CHECKING:
@@ -118,36 +121,9 @@ def tool(title: str, *, scope: Scope, name: str | None = None) -> Callable[[Tool
     return register
 
 
-def tools() -> dict[str, Tool]:
-    """Every registered tool, by name (importing the tool modules registers them)."""
-    import ingero.tools.fleet
-    import ingero.tools.local  # noqa: F401  (registration happens at import)
-
+def registered() -> dict[str, Tool]:
+    """The tools registered so far (:func:`ingero.tools.toolset.tools` has them all)."""
     return dict(_TOOLS)
-
-
-def get(name: str) -> Tool:
-    found = tools().get(name)
-    if found is None:
-        raise ToolNotFoundError(f"unknown tool {name!r}", hint="tools: " + ", ".join(sorted(tools())))
-    return found
-
-
-async def call(
-    name: str, args: Mapping[str, Any], env: ToolEnv, *, run_sync: SyncRunner | None = None
-) -> dict[str, Any]:
-    """Validate ``args`` and run tool ``name``; raises IngeroError / pydantic ValidationError on failure."""
-    t = get(name)
-    kwargs = t.validate(args)
-    if t.is_async:
-        result = t.fn(env, **kwargs)
-        assert inspect.isawaitable(result)
-        return await result
-    if run_sync is None:
-        import anyio
-
-        return await anyio.to_thread.run_sync(lambda: t.fn(env, **kwargs))  # type: ignore[arg-type,return-value]
-    return await run_sync(lambda: t.fn(env, **kwargs))  # type: ignore[arg-type,return-value]
 
 
 def encode_answer(doc: Mapping[str, Any]) -> str:
