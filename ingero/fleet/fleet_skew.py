@@ -42,7 +42,7 @@ from ingero.fleet.straggler import Z_THRESHOLD, robust_z
 from ingero.timeutil import NS_PER_S
 
 MIN_DRIFT_SAMPLES = 3  # a slope from two points has no residual to check it against
-MAX_DELAY_RATIO = 2.0  # samples slower than this × the node's fastest stay out of the drift fit
+MAX_DELAY_RATIO = 4.0  # samples slower than this × the node's fastest stay out of the drift fit
 SIGMA_FLOOR_NS = 1_000.0  # a sample's σ, at least: reading a clock from Python costs about a microsecond
 PPM = 1e-6
 # Student's t, two-sided 95 %, for 1..10 degrees of freedom; beyond, 1.96 + 2.5/dof (within 0.015)
