@@ -38,6 +38,8 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from verdict import Target, summary, verdict  # noqa: E402
+
 from ingero.identity import Identity  # noqa: E402
 from ingero.trace.tracer import TraceOptions, TraceReady, run_trace  # noqa: E402
 
@@ -47,6 +49,10 @@ FIXTURES = ROOT / "tests" / "bpf_fixtures"
 NCPU = os.cpu_count() or 1
 LOOP_CPU = NCPU - 1
 AGENT_CPUS = set(range(NCPU - 1)) or {0}
+
+OVERHEAD = Target(1.3, "x")  # probed call with the agent ÷ with empty probes; untraced round trips ÷ no agent
+LOST = Target(0, " events", fmt="{:,.0f}")  # at 300 k events/s
+DRAINER = Target(15, " %", fmt="{:.1f}")  # of one core at 100 k events/s
 
 EMPTY_PROGRAMS = b"""
 int enter(struct pt_regs *ctx) { return 0; }
@@ -148,9 +154,11 @@ def bench_overhead(b: dict[str, Path], tmp: Path, rounds: int, reps: int, calls:
         print(
             f"  {what}: empty probes min {min(e):7.1f} ns/call (median {statistics.median(e):7.1f}); agent min {min(a):7.1f} (median {statistics.median(a):7.1f})"
         )
-        print(
-            f"  {what} ratio: {min(a) / min(e):.2f}x (min/min), {statistics.median(a) / statistics.median(e):.2f}x (median/median)"
-            "   target <= 1.30x"
+        verdict(
+            f"probed call, {what}: agent / empty probes (min/min)",
+            min(a) / min(e),
+            OVERHEAD,
+            detail=f"median/median {statistics.median(a) / statistics.median(e):.2f}x",
         )
 
 
@@ -182,10 +190,11 @@ def bench_sockets(b: dict[str, Path], tmp: Path, rounds: int, reps: int, trips: 
         f"  {base} min {min(off):7.1f} ns/round trip (median {statistics.median(off):7.1f}); "
         f"{with_} min {min(on):7.1f} (median {statistics.median(on):7.1f})"
     )
-    print(
-        f"  ratio: {min(on) / min(off):.2f}x (min/min), {statistics.median(on) / statistics.median(off):.2f}x "
-        "(median/median)   " + ("opt-in: no target" if rw else "target <= 1.30x")
-    )
+    medians = f"median/median {statistics.median(on) / statistics.median(off):.2f}x"
+    if rw:
+        print(f"  ratio: {min(on) / min(off):.2f}x (min/min), {medians}   opt-in: no target")
+    else:
+        verdict("socket round trip: agent / no agent (min/min)", min(on) / min(off), OVERHEAD, detail=medians)
 
 
 def paced(b: dict[str, Path], db: Path, rate: int, seconds: float) -> tuple[int, dict[str, Any], int]:
@@ -210,7 +219,7 @@ def main() -> int:
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_tracer: needs root (eBPF); run: sudo .venv/bin/python bench/bench_tracer.py")
-        return 0
+        return 1  # nothing measured: not a pass
     rounds, reps, calls, secs = (1, 3, 50_000, 2.0) if args.quick else (4, 7, 100_000, 5.0)
     os.sched_setaffinity(0, AGENT_CPUS)
     with tempfile.TemporaryDirectory(prefix="ingero-bench-") as d:
@@ -231,11 +240,15 @@ def main() -> int:
         calls_made, info, counted = paced(b, tmp / "r300k.db", 300_000, secs)
         st = info["stats"]
         lost = calls_made - counted
-        print(
-            f"  calls {calls_made:,}, counted {counted:,}, kernel ring drops {st['events_dropped_ring']}, "
-            f"lost {lost}   target 0"
-        )
+        print(f"  calls {calls_made:,}, counted {counted:,}, kernel ring drops {st['events_dropped_ring']}")
         print(f"  (largest drain {st['max_events_per_drain']:,} events; drain deferred {st['drain_deferred']} times)")
+        verdict(
+            "300 k events/s: calls not counted (or over-counted)",
+            abs(lost),
+            LOST,
+            complete=calls_made > 0,
+            detail=f"{calls_made:,} calls, {counted:,} counted",
+        )
 
         print("3. 100 k events/s: agent CPU")
         calls_made, info, counted = paced(b, tmp / "r100k.db", 100_000, secs)
@@ -244,9 +257,15 @@ def main() -> int:
         writer = 100 * st["writer_cpu_us"] / 1e6 / wall
         total = 100 * info["cpu"] / wall
         print(f"  events {counted:,} in {wall:.1f}s ({counted / wall:,.0f}/s), drops {st['events_dropped_ring']}")
-        print(f"  drainer {drain:.1f}% of a core   target <= 15%")
         print(f"  writer thread {writer:.1f}%, whole agent process {total:.1f}% (drainer + writer + trio + snapshots)")
-    return 0
+        verdict(
+            "100 k events/s: drainer CPU, % of one core",
+            drain,
+            DRAINER,
+            complete=counted == calls_made > 0,
+            detail=f"{counted:,} of {calls_made:,} calls counted",
+        )
+    return summary()
 
 
 if __name__ == "__main__":
