@@ -98,8 +98,11 @@ def stall(prob: float, lo_ms: float, hi_ms: float, *, sched: bool, window: tuple
 def test_tail_with_sched_switch_storm_is_cpu_contention(tmp_path: Path) -> None:
     r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=True)))
     c = only(r, "tail/cpu", "cudaStreamSync")
-    assert c.severity == "HIGH" and c.origin == "computed" and c.id == "node-a:tail-cpu-cudaStreamSync"
-    assert "off-CPU" in c.root_cause and "(pid 100, python3 train.py)" in c.root_cause
+    # severity is lost time over wall time (HIGH >= 20 %, MEDIUM >= 5 %): ~8 s of a 30 s run, 30 % of
+    # the syncs 20-40 ms late, lose ~15 %
+    assert 0.05 <= c.evidence["lost_share"] < 0.20 and c.severity == "MEDIUM"
+    assert c.origin == "computed" and c.id == "node-a:tail-cpu-cudaStreamSync"
+    assert "preempted" in c.root_cause and "(pid 100, python3 train.py)" in c.root_cause
     assert any("taskset" in r for r in c.recommendations)
     assert [t.layer for t in c.timeline] == ["HOST", "HOST", "CUDA"]
     assert c.tail_ratio >= 3 and c.cuda_p99_us > 3 * c.cuda_p50_us
@@ -147,22 +150,51 @@ def _io(write: bool, n: int = 400, pid: int = 281, forked: bool = True) -> Calla
     return add
 
 
+def io_stall(write: bool, issued: list[int], pid: int = 281) -> Hook:
+    """A stalled sync every third step or so in the window, with the forked worker's block I/O in
+    flight for the whole stall (the disturbance tied to the slow calls, not scattered near them)."""
+
+    def hook(rec: SyntheticNode, t: float, _i: int) -> float:
+        if in_window(t) and rec.rng.random() < 0.3:
+            off = float(rec.rng.uniform(20, 40)) * NS_PER_MS
+            rec.block_io(t + 1e-4 + off / 1e9, pid, write, off, 256)  # ts = completion, duration = latency
+            issued.append(1)
+            return off
+        return 0.0
+
+    return hook
+
+
+def _fork(rec: SyntheticNode) -> None:
+    rec.ev(0.05, 100, HOST, 7, 0, arg1=281)
+
+
 def test_tail_with_read_heavy_io_advises_dataloader(tmp_path: Path) -> None:
-    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=_io(write=False)))
+    issued: list[int] = []
+    r = report_of(build(tmp_path / "t.db", io_stall(False, issued), extra=_fork))
     c = only(r, "tail/io-read", "cudaStreamSync")
     assert "read-heavy block I/O" in c.root_cause
     assert any("DataLoader" in x for x in c.recommendations)
     assert not any("checkpoint" in x.lower() for x in c.recommendations)
-    assert c.evidence["block_reads"] >= 300 and c.evidence["block_writes"] == 0
+    assert c.evidence["block_reads"] == len(issued) >= 100 and c.evidence["block_writes"] == 0
+    assert c.evidence["root_share"] >= 0.5
     assert "IO" in [t.layer for t in c.timeline]
 
 
 def test_tail_with_write_heavy_io_advises_async_checkpointing(tmp_path: Path) -> None:
-    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=_io(write=True)))
+    issued: list[int] = []
+    r = report_of(build(tmp_path / "t.db", io_stall(True, issued), extra=_fork))
     c = only(r, "tail/io-write", "cudaStreamSync")
     assert "checkpoint" in c.root_cause
     assert any("async checkpointing" in x for x in c.recommendations)
-    assert c.evidence["block_io_mb"] == pytest.approx(400 * 256 * 512 / 2**20, rel=0.01)
+    assert c.evidence["block_io_mb"] == pytest.approx(len(issued) * 256 * 512 / 2**20, rel=0.01)
+
+
+def test_io_scattered_beside_the_slow_calls_is_not_their_root(tmp_path: Path) -> None:
+    """The same stalls with the worker's I/O at random times in the window (in flight for ~30 % of it,
+    so for a minority of the lost time): co-occurrence is not a cause."""
+    r = report_of(build(tmp_path / "t.db", stall(0.3, 20, 40, sched=False), extra=_io(write=True)))
+    assert not [c for c in r.chains if c.family.startswith("tail/io")], [(c.family, c.severity) for c in r.chains]
 
 
 def test_block_io_of_other_processes_is_context_never_a_cause(tmp_path: Path) -> None:
@@ -256,7 +288,8 @@ def test_throughput_drop_with_cpu_contention(tmp_path: Path) -> None:
     rec.write(tmp_path / "d.db")
     r = report_of(tmp_path / "d.db")
     c = only(r, "drop/cpu", "cudaLaunchKernel")
-    assert c.severity == "HIGH" and 55 <= c.evidence["drop_pct"] <= 65
+    # 60 % of the work not done for ~12 s of 30 s: ~20-24 % of wall time, measured a little under
+    assert c.severity != "LOW" and 55 <= c.evidence["drop_pct"] <= 65
     assert c.evidence["baseline_per_s"] == pytest.approx(500, rel=0.1)
     assert any("taskset" in x for x in c.recommendations)
     assert not [x for x in r.chains if x.family.startswith("tail/")]  # latency per call never changed

@@ -50,7 +50,7 @@ def _rec(base_ns: int, seed: int) -> SyntheticNode:
 def incident(base_ns: int, seed: int) -> SyntheticNode:
     """CPU spike + sched_switch storm (stress-ng) → cudaStreamSync tail ~8x."""
     rec = _rec(base_ns, seed)
-    pid, storm = 4242, (12.0, 20.0)
+    pid, storm = 4242, (10.0, 20.0)
     rec.process(pid, "python3 train.py", 0.0, exec_event=False)
     rec.process(5150, "stress-ng --cpu 16", storm[0] - 0.3)
     launch_stack, alloc_stack = rec.stack(TRAIN_STACK), rec.stack(ALLOC_STACK)
@@ -63,7 +63,7 @@ def incident(base_ns: int, seed: int) -> SyntheticNode:
         if i % 50 == 0:
             rec.ev(t + 150e-6, pid, *MALLOC, rec.jitter(MALLOC_NS), arg0=64 << 20, stack=alloc_stack)
         sync = rec.jitter(5 * NS_PER_MS, 0.06)
-        if storm[0] <= t < storm[1] and rng.random() < 0.35:
+        if storm[0] <= t < storm[1] and rng.random() < 0.5:
             off = float(rng.uniform(12, 38)) * NS_PER_MS
             rec.sched(t + 250e-6, pid, off, by=5150)  # preempted while waiting: the sync returns that much later
             sync += off

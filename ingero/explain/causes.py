@@ -30,9 +30,11 @@ STRONG_SHARE = 0.10  # a tenth of the episode lost to the cause → HIGH
 WEAK_SHARE = 0.02
 MIN_OVERLAP = 0.10  # the GPU thread off-CPU (involuntarily) this share of its slow-call time → CPU contention
 STRONG_OVERLAP = 0.30
-# Severity from time lost (excess over the steady baseline): share of wall time AND an absolute floor.
-HIGH_SHARE, HIGH_LOST_NS = 0.03, 500 * NS_PER_MS
-MEDIUM_SHARE, MEDIUM_LOST_NS = 0.01, 100 * NS_PER_MS
+# Severity from time lost (excess over the steady level) as a share of wall time; below LOW_SHARE a
+# loss makes no chain (a note at most).
+HIGH_SHARE, MEDIUM_SHARE, LOW_SHARE = 0.20, 0.05, 0.01
+STARTUP_SHARE = 0.20  # one-off start-up costs (first launches, module loading) are LOW below this
+DOMINANT = 0.5  # a cause is a chain's root only with this share of its lost time, measured
 
 PIN = "Pin the training process to dedicated cores with taskset (e.g. taskset -c 4-15 python train.py) and keep other work off those cores"
 NICE = "Run background jobs at low priority: nice -n 19 / ionice -c3 (logrotate, cron, backups, preprocessing)"
@@ -136,24 +138,86 @@ def assess(ep: Evidence, base: Evidence | None, op_p99_ns: float) -> list[Cause]
 
 
 def severity_of_loss(lost_ns: float, wall_ns: float, family: str = "") -> str:
-    """Severity from time lost: the excess over the op's steady baseline, as a share of wall time, with
-    an absolute floor (ten slow calls of 2 ms are not HIGH). Off-CPU time of unknown kind is never more
-    than LOW: nobody can say whether the thread was preempted or waiting."""
+    """Severity from time lost as a share of wall time: HIGH ≥ 20 %, MEDIUM ≥ 5 %, else LOW (see
+    :func:`worth_a_chain` for the floor). Off-CPU time of unknown kind is never more than LOW: without
+    prev_state nobody can say whether the thread was preempted or waiting, and a healthy job's ranks
+    that sleep in their collectives look the same."""
     share = lost_ns / wall_ns if wall_ns > 0 else 0.0
     if family == "offcpu":
         return "LOW"
-    if lost_ns >= HIGH_LOST_NS and share >= HIGH_SHARE:
+    if share >= HIGH_SHARE:
         return "HIGH"
-    if lost_ns >= MEDIUM_LOST_NS and share >= MEDIUM_SHARE:
+    if share >= MEDIUM_SHARE:
         return "MEDIUM"
     return "LOW"
 
 
-def severity(causes: list[Cause], ep: Evidence, ratio: float) -> str:
-    """Severity of an episode from its measured time lost (``ep.excess_ns``) over its span."""
-    if not causes:
-        return "LOW"
-    return severity_of_loss(ep.excess_ns, ep.span_ns, causes[0].family)
+def startup_severity(lost_ns: float, wall_ns: float) -> str:
+    """One-off start-up costs (first launches, module loading, first allocations): LOW unless they
+    exceed :data:`STARTUP_SHARE` of the run."""
+    return "HIGH" if wall_ns > 0 and lost_ns / wall_ns > STARTUP_SHARE else "LOW"
+
+
+def worth_a_chain(lost_ns: float, wall_ns: float) -> bool:
+    """A loss of at least :data:`LOW_SHARE` of wall time makes a chain."""
+    return wall_ns > 0 and lost_ns / wall_ns >= LOW_SHARE
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Where the time lost in a set of slow calls went, measured per call on the calling thread:
+    each part is ``Σ min(excess, overlap)`` of the call's excess over steady and its overlap with the
+    thread's involuntary, voluntary, unknown off-CPU time, or the traced tree's block I/O in flight."""
+
+    lost_ns: int
+    inv_ns: int = 0
+    vol_ns: int = 0
+    unk_ns: int = 0
+    io_ns: int = 0
+
+    def share(self, ns: int) -> float:
+        return min(1.0, ns / self.lost_ns) if self.lost_ns > 0 else 0.0
+
+    def of(self, family: str) -> float | None:
+        """The measured share of a cause family; None for families with no time measure."""
+        if family == "cpu":
+            return self.share(self.inv_ns)
+        if family == "offcpu":
+            return self.share(self.unk_ns)
+        if family.startswith("io"):
+            return self.share(self.io_ns)
+        return None
+
+    def words(self) -> str:
+        parts = [
+            (self.inv_ns, "preempted or in the run queue"),
+            (self.vol_ns, "asleep by itself (waiting)"),
+            (self.unk_ns, "off-CPU of unknown kind"),
+            (self.io_ns, "with block I/O in flight"),
+        ]
+        said = [f"{100 * self.share(ns):.0f}% {w}" for ns, w in parts if self.share(ns) >= 0.005]
+        rest = 1.0 - min(1.0, sum(self.share(ns) for ns, _ in parts[:3]))
+        if rest >= 0.005:
+            said.append(f"{100 * rest:.0f}% with the thread on-CPU or waiting on the GPU")
+        return ", ".join(said)
+
+
+def dominant(found: list[Cause], shares: Shares) -> list[Cause]:
+    """``found`` with its root first, or [] when no cause holds the dominant share of the lost time.
+
+    A cause with a time measure (CPU contention: involuntary off-CPU; off-CPU of unknown kind; block
+    I/O) is the root only with ≥ :data:`DOMINANT` of the lost time; the others stay as context. A cause
+    with no time measure (memory pressure, the network) is the root only when no measured share says
+    the time went elsewhere (preempted or off-CPU for most of it)."""
+    measured = [c for c in found if (shares.of(c.family) or 0.0) >= DOMINANT]
+    if measured:
+        root = max(measured, key=lambda c: shares.of(c.family) or 0.0)
+    else:
+        rest = [c for c in found if shares.of(c.family) is None]
+        if not rest or max(shares.share(shares.inv_ns), shares.share(shares.unk_ns)) >= DOMINANT:
+            return []
+        root = rest[0]
+    return [root, *(c for c in found if c is not root)]
 
 
 def phrase(c: Cause, ep: Evidence) -> str:
@@ -161,13 +225,13 @@ def phrase(c: Cause, ep: Evidence) -> str:
     if c.family == "cpu":
         if ep.slow_ns:
             return (
-                f"CPU preemption: GPU thread off-CPU {100 * ep.slow_inv_ns / ep.slow_ns:.0f}% of its slow-call time "
-                f"({fmt_duration(round_ms(ep.slow_inv_ns))} involuntary)"
+                f"CPU preemption: GPU thread preempted for {100 * ep.slow_inv_ns / ep.slow_ns:.0f}% of the time its "
+                f"slow calls lost ({fmt_duration(round_ms(ep.slow_inv_ns))} involuntary)"
             )
         return f"CPU preemption: GPU thread involuntarily off-CPU {100 * ep.offcpu_frac:.0f}% of the window"
     if c.family == "offcpu":
         share = ep.slow_unk_ns / ep.slow_ns if ep.slow_ns else ep.frac(ep.unknown_ns)
-        return f"GPU thread off-CPU {100 * share:.0f}% of the time (preempted or waiting: unknown)"
+        return f"GPU thread off-CPU {100 * share:.0f}% of the time lost (preempted or waiting: unknown)"
     if c.family.startswith("io"):
         kind = {"io-write": "write-heavy", "io-read": "read-heavy"}.get(c.family, "heavy")
         return f"{kind} block I/O ({ep.io_n} ops, {ep.io_writes} writes, {ep.io_reads} reads)"
@@ -195,9 +259,9 @@ def root_cause(c: Cause, ep: Evidence, subject: str, culprits: list[Culprit]) ->
             who += f"; {', '.join(started)} started just before"
         if ep.slow_ns:
             return (
-                f"CPU contention — the GPU thread of {subject} was off-CPU {100 * ep.slow_inv_ns / ep.slow_ns:.0f}% "
-                f"of its slow-call time ({fmt_duration(round_ms(ep.slow_inv_ns))} preempted or runnable in the run "
-                f"queue, measured on its own sched_switch rows){who}"
+                f"CPU contention — the GPU thread of {subject} was off-CPU, preempted, for {100 * ep.slow_inv_ns / ep.slow_ns:.0f}% "
+                f"of the time its slow calls lost ({fmt_duration(round_ms(ep.slow_inv_ns))} preempted or runnable in "
+                f"the run queue, measured on its own sched_switch rows){who}"
             )
         return (
             f"CPU contention — the GPU thread of {subject} was involuntarily off-CPU {pct} of the window "
@@ -206,7 +270,7 @@ def root_cause(c: Cause, ep: Evidence, subject: str, culprits: list[Culprit]) ->
     if c.family == "offcpu":
         share = ep.slow_unk_ns / ep.slow_ns if ep.slow_ns else ep.frac(ep.unknown_ns)
         return (
-            f"off-CPU time of unknown kind — the GPU thread of {subject} was off-CPU {100 * share:.0f}% of the time; "
+            f"off-CPU time of unknown kind — the GPU thread of {subject} was off-CPU {100 * share:.0f}% of the time lost; "
             "this recording has no prev_state, so whether it was preempted (CPU contention) or waiting "
             "(sleep, I/O, a lock) is unknown"
         )
@@ -296,7 +360,7 @@ def timeline(causes: list[Cause], ep: Evidence, culprits: list[Culprit]) -> list
                 "HOST",
                 "sched_switch",
                 f"GPU thread involuntarily off-CPU {fmt_duration(round_ms(inv))}"
-                + (f" of {fmt_duration(round_ms(ep.slow_ns))} in slow calls" if ep.slow_ns else "")
+                + (f" of {fmt_duration(round_ms(ep.slow_ns))} lost in slow calls" if ep.slow_ns else "")
                 + (f" (+{fmt_duration(round_ms(ep.slow_vol_ns))} asleep by itself)" if ep.slow_vol_ns else ""),
                 int(inv // 1000),
             )

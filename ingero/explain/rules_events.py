@@ -22,7 +22,6 @@ TCP_CHAIN = 10  # retransmits in the window before they make a chain of their ow
 TCP_HIGH = 100
 BURST_NS = 10 * NS_PER_S
 CONTENTION = 1.5  # median latency while sharing / alone
-CONTENTION_HIGH = 2.5
 COLD_RATIO = 20.0
 COLD_GATE = 10.0
 TRANSFER_SHARE = 0.30
@@ -217,7 +216,10 @@ def contention_chains(ctx: Context) -> list[Chain]:
                     best = (ratio, p, st, dur[shared], dur[~shared], ts)
         procs = ", ".join(ctx.proc(p) for p in members[:4])
         if best is not None and best[0] >= CONTENTION:
-            chains.append(_contention_chain(ctx, gid, members, best))
+            lost = float(np.clip(best[3] - np.median(best[4]), 0, None).sum())  # the victim's calls beyond alone-speed
+            wall = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
+            if cz.worth_a_chain(lost, wall):
+                chains.append(_contention_chain(ctx, gid, members, best, lost, wall))
         elif best is None and always_shared:
             chains.append(
                 ctx.chain(
@@ -256,14 +258,19 @@ def _contention_recs() -> list[str]:
 
 
 def _contention_chain(
-    ctx: Context, gid: int, members: list[int], best: tuple[float, int, OpStats, np.ndarray, np.ndarray, I64]
+    ctx: Context,
+    gid: int,
+    members: list[int],
+    best: tuple[float, int, OpStats, np.ndarray, np.ndarray, I64],
+    lost: float,
+    wall: int,
 ) -> Chain:
     ratio, victim, st, shared, alone, _ts = best
     others = [p for p in members if p != victim]
     gpu = ctx.gpu
     starts = {p: int(gpu.ts_ns[gpu.pid == p].min()) for p in members}
     intruder = max(others, key=lambda p: starts[p])
-    sev = "HIGH" if ratio >= CONTENTION_HIGH else "MEDIUM"
+    sev = cz.severity_of_loss(lost, wall)
     p_sh, p_al = float(np.median(shared)), float(np.median(alone))
     tl = [
         TimelineEntry("CUDA", "context", f"{ctx.proc(intruder)} starts using GPU {gid} at {fmt_ts(starts[intruder])}"),
@@ -287,7 +294,8 @@ def _contention_chain(
         explanation=(
             f"{ctx.proc(victim)} calls {st.name}: p50 {_fmt(p_al)} when it has GPU {gid} to itself, {_fmt(p_sh)} in the "
             f"seconds when {', '.join(ctx.proc(p) for p in others[:3])} also submit work ({len(shared)} vs {len(alone)} "
-            "calls). No host evidence is needed: the slowdown follows the other process's activity on the same GPU."
+            f"calls). No host evidence is needed: the slowdown follows the other process's activity on the same GPU. "
+            f"Time lost: {_short(lost)} ({100 * lost / wall:.1f}% of wall time)."
         ),
         recommendations=_contention_recs(),
         family="gpu-contention",
@@ -301,6 +309,8 @@ def _contention_chain(
             "p50_shared_us": us(p_sh),
             "p50_alone_us": us(p_al),
             "slowdown": round(ratio, 2),
+            "lost_ms": round(lost / 1e6, 1),
+            "lost_share": round(lost / wall, 4),
             "score": round(ratio, 3),
         },
         timeline=tl,
@@ -348,7 +358,7 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
             per_op[name] = max(per_op.get(name, 0.0), r)
     top = ", ".join(f"{n} {r:.0f}x" for n, r in sorted(per_op.items(), key=lambda x: -x[1])[:3])
     share = total / span
-    sev = "MEDIUM" if share >= 0.05 or len(found) > 1 else "LOW"
+    sev = cz.startup_severity(total, span)  # start-up is not an incident unless it takes over a fifth of the run
     starts = len(found)
     tl = [TimelineEntry("HOST", "process_exec", f"{ctx.proc(p)} starts at {fmt_ts(t)}") for p, _, _, t in found[:3]]
     tl += [

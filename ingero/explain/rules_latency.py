@@ -1,9 +1,16 @@
-"""Rules on a GPU op's own timing: tail latency, throughput drop, periodic spikes.
+"""Rules on a GPU op's own timing: slower regimes, throughput drop, periodic spikes.
 
-* **tail** — an op with ≥ 10 calls and p99 ≥ 3x p50. Its slow calls (≥ 3x p50) mark buckets; runs of
-  them (± one bucket) are *episodes*. Each episode's host evidence is weighed against the op's other
-  buckets (:func:`ingero.explain.causes.assess`); an episode with no corroborating evidence makes no
-  chain. Episodes are folded into one chain per (op, primary cause family), keeping the strongest.
+* **tail** — an op's slower regimes (:mod:`ingero.explain.regimes`: stretches of calls ≥ 2x the op's
+  regime-aware steady level, found by run-length; no p99/p50 gate, so a third of the calls running
+  3x slower is found). The buckets of their slow calls make runs (± one bucket): *episodes*. Each
+  episode's host evidence is weighed against the op's other buckets
+  (:func:`ingero.explain.causes.assess`), and where its lost time went is measured per call on the
+  calling thread (involuntary / voluntary / unknown off-CPU time, block I/O in flight:
+  :class:`~ingero.explain.causes.Shares`). The root cause is the one holding the dominant share
+  (≥ 50 %) of the lost time (:func:`~ingero.explain.causes.dominant`); other causes are context. An
+  episode with no dominant cause makes no chain (a note says where the time went). Episodes are
+  folded into one chain per (op, root family); severity is its lost time over wall time. p99/p50
+  stay in the chain as figures (Ingero's columns), not as a gate.
 * **drop** — an op's call rate (moving average over ~5 s) falls ≥ 40 % below its baseline for ≥ 2
   buckets while it keeps running, corroborated the same way.
 (Periodic spikes: :mod:`ingero.explain.rules_periodic`.)
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ingero.explain import causes as cz
+from ingero.explain import regimes
 from ingero.explain.context import Context, Culprit, OpRows, fmt_ns, layer_of, short_ns, us
 from ingero.explain.evidence import Evidence, runs
 from ingero.explain.frame import member
@@ -26,11 +34,10 @@ from ingero.explain.stats import OpStats
 from ingero.store.catalog import IO, NCCL, op_ids
 from ingero.timeutil import NS_PER_S, fmt_ts
 
-TAIL_RATIO = 3.0
 MIN_CALLS = 10
 DROP = 0.40
 MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
-MIN_IO_OVERLAP = 0.05  # share of the slow calls' time during which the traced tree's block I/O was in flight
+MIN_IO_OVERLAP = 0.05  # share of the lost time during which the traced tree's block I/O was in flight
 IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
 COPY_OPS = set(op_ids("cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"))  # arg0 = bytes
 
@@ -80,114 +87,171 @@ def _evidence_dict(ep: Evidence, base: Evidence | None) -> dict[str, object]:
 class _Episode:
     b0: int
     b1: int
-    found: list[cz.Cause]
+    found: list[cz.Cause]  # root first; empty when no cause holds the dominant share
+    seen: list[cz.Cause]  # every corroborated cause, dominant or not
     ep: Evidence
     in_ep: np.ndarray  # the op's slow calls in this episode's window
-    lost_ns: int
+    shares: cz.Shares
 
 
 def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
-    """Chains for corroborated tails, and the ops whose tails nothing on the host explains.
+    """Chains for the slower regimes of every op whose lost time has a dominant, corroborated cause;
+    and the ops with regimes (≥ 1 % of wall time lost) that nothing on the host explains.
 
-    Each slow call is intersected with its own thread's off-CPU intervals (involuntary, voluntary,
-    unknown): CPU contention is named only with measured overlap. Time spent inside an NCCL collective
-    is waiting for peers, never CPU contention. Severity comes from the time lost to the cause across
-    all its episodes (excess over p50, bounded by the measured overlap for CPU contention).
+    Time spent inside an NCCL collective is waiting for peers, never CPU contention. One pass per op:
+    the per-call overlaps are prefix-sum lookups and every episode's figures are one ``bincount``.
     """
     chains: list[Chain] = []
     unexplained: list[OpStats] = []
     wall = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
+    in_flight = _io_in_flight(ctx)
     for st in ctx.ops:
-        if st.count < MIN_CALLS or st.p50_ns <= 0 or st.tail_ratio < TAIL_RATIO:
+        if st.count < MIN_CALLS or st.p50_ns <= 0:
             continue
         rows = ctx.rows(st)
-        end_ns = rows.ts_ns + rows.dur
-        inv = ctx.off.covered(INVOL, rows.tid, rows.ts_ns, end_ns)
-        vol = ctx.off.covered(VOL, rows.tid, rows.ts_ns, end_ns)
-        unk = ctx.off.covered(UNKNOWN, rows.tid, rows.ts_ns, end_ns)
-        excess = np.clip(rows.dur - st.p50_ns, 0, None).astype(np.int64)
-        collective = st.source == NCCL
-        slow = rows.dur >= TAIL_RATIO * st.p50_ns
-        if (st.source, st.op) in LAUNCH_OPS:
-            first = first_launch_mask(ctx, rows)  # a kernel's first launch: loading/JIT, not contention
-            if first is not None:
-                slow &= ~first
-        if (st.source, st.op) in COPY_OPS:
-            # copies are judged in bytes/s: a 16 MB copy is not a slow 256 KB one
-            nbytes = ctx.arg0_of(rows)
-            if nbytes is not None and (nbytes > 0).all():
-                per_byte = rows.dur / nbytes
-                slow = per_byte >= TAIL_RATIO * float(np.median(per_byte))
-                if int(slow.sum()) < max(1, rows.dur.size // 100):
-                    continue  # the latency tail is the size mix, not slow copies
-        episodes = runs(_mask(ctx, rows.ts_ns[slow]), max_gap=2)  # runs ± one bucket that touch merge
-        active = _mask(ctx, rows.ts_ns)
-        dilated = _mask(ctx, rows.ts_ns[slow], dilate=1)
-        base = ctx.series.over_mask(active & ~dilated)
-        g = ctx.grid
-        by_family: dict[str, list[_Episode]] = {}
-        for b0, b1 in episodes:
-            ep = ctx.series.over_range(b0 - 1, b1 + 1)
-            w0, w1 = g.start_of(max(0, b0 - 1)), g.end_of(min(g.n - 1, b1 + 1))
-            in_ep = slow & (rows.ts_ns >= w0) & (rows.ts_ns < w1)
-            ep.slow_ns = int(rows.dur[in_ep].sum())
-            ep.slow_inv_ns = int(inv[in_ep].sum())
-            ep.slow_vol_ns = int(vol[in_ep].sum())
-            ep.slow_unk_ns = int(unk[in_ep].sum())
-            found = cz.assess(ep, base, st.p99_ns)
-            if collective:  # inside a collective the thread waits for its peers
-                found = [c for c in found if c.family not in ("cpu", "offcpu")]
-            if any(c.family.startswith("io") for c in found):
-                # the traced tree's block I/O must overlap the slow calls in time, not just share a bucket
-                # judged on the slow calls that preemption does not explain
-                rest = in_ep & (inv < excess // 2)
-                rest = rest if rest.any() else in_ep
-                ep.io_overlap_ns = io_overlap(ctx, rows.ts_ns[rest], end_ns[rest])
-                if ep.io_overlap_ns < MIN_IO_OVERLAP * max(1, int(rows.dur[rest].sum())):
-                    found = [c for c in found if not c.family.startswith("io")]
-            if not found:
-                continue
-            fam = found[0].family
-            if fam == "cpu":
-                lost = int(np.minimum(excess, inv)[in_ep].sum())
-            elif fam == "offcpu":
-                lost = int(np.minimum(excess, unk)[in_ep].sum())
-            else:
-                lost = int(excess[in_ep].sum())
-            ep.excess_ns = lost
-            by_family.setdefault(fam, []).append(_Episode(b0, b1, found, ep, in_ep, lost))
-        if not by_family:
-            unexplained.append(st)
+        found_eps = _episodes(ctx, st, rows, in_flight)
+        if found_eps is None:
             continue
+        reg, episodes, base = found_eps
+        by_family: dict[str, list[_Episode]] = {}
+        minority: list[_Episode] = []
+        for e in episodes:
+            (by_family.setdefault(e.found[0].family, []) if e.found else minority).append(e)
+        chained = False
         for fam, eps in by_family.items():
-            lost = sum(e.lost_ns for e in eps)
-            best = max(eps, key=lambda e: e.lost_ns)
+            lost = sum(e.shares.lost_ns for e in eps)
+            if not cz.worth_a_chain(lost, wall):
+                continue
+            best = max(eps, key=lambda e: e.shares.lost_ns)
             sev = cz.severity_of_loss(lost, wall, fam)
-            chains.append(_tail_chain(ctx, st, rows, slow, fam, best, sev, len(eps), lost, wall, base))
+            chains.append(_tail_chain(ctx, st, rows, reg, fam, best, sev, eps, lost, wall, base))
+            chained = True
+        minority = [e for e in minority if e.seen]  # causes seen, none dominant: say so, name none
+        unexplained_lost = sum(e.shares.lost_ns for e in minority)
+        if cz.worth_a_chain(unexplained_lost, wall):
+            total = _sum_shares([e.shares for e in minority])
+            names = sorted({c.family for e in minority for c in e.seen})
+            ctx.notes.append(
+                f"{ctx.node}{_who(ctx)}: {st.name} ran slower than its steady {_fmt(reg.steady_ns)} in "
+                f"{len(minority)} window(s), losing {_short(unexplained_lost)} ({100 * unexplained_lost / wall:.1f}% "
+                f"of wall time): {total.words()}; {', '.join(names)} seen but not the dominant share of it, "
+                "so no cause is named"
+            )
+        if not chained and cz.worth_a_chain(reg.lost_total_ns, wall):
+            unexplained.append(st)
     return chains, unexplained
 
 
-def io_overlap(ctx: Context, a: np.ndarray, b: np.ndarray) -> int:
-    """Time during the calls [a, b) when block I/O issued by the traced process tree was in flight."""
+def _who(ctx: Context) -> str:
+    return f" (pid {ctx.pid})" if ctx.pid is not None else ""
+
+
+def _sum_shares(parts: list[cz.Shares]) -> cz.Shares:
+    return cz.Shares(
+        sum(p.lost_ns for p in parts),
+        sum(p.inv_ns for p in parts),
+        sum(p.vol_ns for p in parts),
+        sum(p.unk_ns for p in parts),
+        sum(p.io_ns for p in parts),
+    )
+
+
+def _call_shape(ctx: Context, st: OpStats, rows: OpRows) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(scale, ignore) for :func:`regimes.find`: copies are judged per byte (a call's bytes over the
+    median bytes); a kernel's first launch (loading/JIT, not a regime) is never slow."""
+    scale = ignore = None
+    if (st.source, st.op) in LAUNCH_OPS:
+        ignore = first_launch_mask(ctx, rows)
+    if (st.source, st.op) in COPY_OPS:
+        nbytes = ctx.arg0_of(rows)
+        if nbytes is not None and (nbytes > 0).all():
+            scale = nbytes / float(np.median(nbytes))
+    return scale, ignore
+
+
+def _episodes(
+    ctx: Context, st: OpStats, rows: OpRows, in_flight: Intervals | None
+) -> tuple[regimes.Regimes, list[_Episode], Evidence | None] | None:
+    """The op's regimes, cut into episodes (runs of buckets with slow calls, ± one bucket), each with
+    its host evidence, measured shares and causes (root first; none when no cause dominates)."""
+    scale, ignore = _call_shape(ctx, st, rows)
+    reg = regimes.find(rows.ts_ns, rows.dur, rows.tid, scale=scale, ignore=ignore)
+    if reg.n == 0:
+        return None
+    g = ctx.grid
+    slow = reg.slow
+    spans = runs(_mask(ctx, rows.ts_ns[slow]), max_gap=2)  # runs ± one bucket that touch merge
+    if not spans:
+        return None
+    b0s = np.asarray([a for a, _ in spans], dtype=np.int64)
+    b1s = np.asarray([b for _, b in spans], dtype=np.int64)
+    # each call in a regime → its episode (the run whose window, ± one bucket, holds it)
+    inside = np.flatnonzero(reg.stretch >= 0)
+    bucket = g.index(rows.ts_ns[inside])
+    k = np.searchsorted(b0s - 1, bucket, side="right") - 1
+    ok = (k >= 0) & (bucket <= b1s[np.maximum(k, 0)] + 1)
+    calls, ep_of = inside[ok], k[ok]
+    ts, end = rows.ts_ns[calls], rows.ts_ns[calls] + rows.dur[calls]
+    tid, exc = rows.tid[calls], reg.excess[calls]
+    n_ep = len(spans)
+
+    def per_ep(x: np.ndarray) -> np.ndarray:
+        return np.bincount(ep_of, weights=x, minlength=n_ep).astype(np.int64)
+
+    inv = np.minimum(exc, ctx.off.covered(INVOL, tid, ts, end))
+    vol = np.minimum(exc, ctx.off.covered(VOL, tid, ts, end))
+    unk = np.minimum(exc, ctx.off.covered(UNKNOWN, tid, ts, end))
+    io = np.minimum(exc, in_flight.covered(ts, end)) if in_flight is not None else np.zeros_like(exc)
+    lost, inv_e, vol_e, unk_e, io_e = per_ep(exc), per_ep(inv), per_ep(vol), per_ep(unk), per_ep(io)
+    slow_n = np.bincount(ep_of, weights=slow[calls], minlength=n_ep)
+    active = _mask(ctx, rows.ts_ns)
+    dilated = _mask(ctx, rows.ts_ns[slow], dilate=1)
+    base = ctx.series.over_mask(active & ~dilated)
+    collective = st.source == NCCL
+    slow_ep = np.full(rows.ts_ns.size, -1, dtype=np.int64)
+    slow_ep[calls[slow[calls]]] = ep_of[slow[calls]]
+    out: list[_Episode] = []
+    for i, (b0, b1) in enumerate(spans):
+        if slow_n[i] == 0 or lost[i] <= 0:
+            continue
+        ep = ctx.series.over_range(b0 - 1, b1 + 1)
+        shares = cz.Shares(int(lost[i]), int(inv_e[i]), int(vol_e[i]), int(unk_e[i]), int(io_e[i]))
+        ep.slow_ns, ep.slow_inv_ns, ep.slow_vol_ns, ep.slow_unk_ns = (
+            shares.lost_ns,
+            shares.inv_ns,
+            shares.vol_ns,
+            shares.unk_ns,
+        )
+        ep.io_overlap_ns = shares.io_ns
+        ep.excess_ns = shares.lost_ns
+        found = cz.assess(ep, base, st.p99_ns)
+        if collective:  # inside a collective the thread waits for its peers
+            found = [c for c in found if c.family not in ("cpu", "offcpu")]
+        # block I/O must overlap the lost time itself, not just share a bucket with it
+        found = [c for c in found if not c.family.startswith("io") or shares.share(shares.io_ns) >= MIN_IO_OVERLAP]
+        out.append(_Episode(int(b0), int(b1), cz.dominant(found, shares), found, ep, slow_ep == i, shares))
+    return reg, out, base
+
+
+def _io_in_flight(ctx: Context) -> Intervals | None:
+    """When block I/O issued by the traced process tree was in flight (built once per context)."""
     f = ctx.frame
     m = (f.source == IO) & member(f.pid, ctx.tree if ctx.tree.size else ctx.traced)
-    if not m.any() or a.size == 0:
-        return 0
+    if not m.any():
+        return None
     io_s, io_e = union(f.ts_ns[m] - f.dur[m], f.ts_ns[m])  # ts = completion, duration = device latency
-    in_flight = Intervals.build(io_s, io_e, np.zeros(io_s.size, dtype=np.int64))
-    cs, ce = union(a, b)
-    return int(in_flight.covered(cs, ce).sum())
+    return Intervals.build(io_s, io_e, np.zeros(io_s.size, dtype=np.int64))
 
 
 def _tail_chain(
     ctx: Context,
     st: OpStats,
     rows: OpRows,
-    slow: np.ndarray,
+    reg: regimes.Regimes,
     fam: str,
     e: _Episode,
     sev: str,
-    n_episodes: int,
+    eps: list[_Episode],
     lost: int,
     wall: int,
     base: Evidence | None,
@@ -198,22 +262,31 @@ def _tail_chain(
     end = min(g.end_of(min(g.n - 1, b1 + 1)), ctx.frame.last_ns + 1)
     ep_slow = e.in_ep
     worst = int(rows.dur[ep_slow].max(initial=0))
+    slow_n = int(reg.slow.sum())
     culprits: list[Culprit] = []
     if fam == "cpu":
         culprits = ctx.preemptors(rows.tid[ep_slow], rows.ts_ns[ep_slow], rows.ts_ns[ep_slow] + rows.dur[ep_slow])
         culprits = culprits or ctx.culprits(start, end)
     subject = ctx.subject(rows.pid)
-    words = " + ".join(cz.phrase(c, ep) for c in found[:3])
-    summary = f"{st.name} p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50) — {words}"
+    root, context = found[0], found[1:]
+    words = cz.phrase(root, ep)
+    total = _sum_shares([x.shares for x in eps])
+    summary = (
+        f"{st.name}: {slow_n} calls ran ≥ {regimes.SLOW_FACTOR:.0f}x its steady "
+        f"{_fmt(reg.steady_ns)}, losing {_short(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
+    )
     base_txt = ""
     if base is not None and fam.startswith("io"):
         base_txt = f" (elsewhere: {base.per_s(base.io_n):.1f} I/O ops/s)"
+    also = "; ".join(cz.phrase(c, ep) for c in context[:2])
     explanation = (
-        f"{st.name} ran {st.count} times: p50 {_fmt(st.p50_ns)}, p99 {_fmt(st.p99_ns)}, max {_fmt(st.max_ns)}. "
-        f"{int(slow.sum())} calls took ≥ {TAIL_RATIO:.0f}x p50; {int(ep_slow.sum())} of them (up to {_fmt(worst)}) "
-        f"fell in {fmt_ts(start)} – {fmt_ts(end)}, where the host shows {words}{base_txt}. "
-        + (f"The same cause recurs in {n_episodes} separate windows. " if n_episodes > 1 else "")
-        + f"Time lost to it: {_short(lost)} ({100 * lost / wall:.1f}% of wall time). "
+        f"{st.name} ran {st.count} times at a steady {_fmt(reg.steady_ns)} (p50 {_fmt(st.p50_ns)}, "
+        f"p99 {_fmt(st.p99_ns)}, max {_fmt(st.max_ns)}); in {reg.n} slower stretch(es) {slow_n} calls took "
+        f"≥ {regimes.SLOW_FACTOR:.0f}x steady. {int(ep_slow.sum())} of them (up to {_fmt(worst)}) fell in "
+        f"{fmt_ts(start)} – {fmt_ts(end)}, where the host shows {words}{base_txt}. "
+        + (f"The same cause recurs in {len(eps)} separate windows. " if len(eps) > 1 else "")
+        + f"Time lost: {_short(lost)} ({100 * lost / wall:.1f}% of wall time); of it, {total.words()}. "
+        + (f"Also seen, not the root (a minority of the lost time): {also}. " if also else "")
         + _mechanism(fam, st.name)
     )
     tl = cz.timeline(found, ep, culprits)
@@ -221,31 +294,36 @@ def _tail_chain(
         TimelineEntry(
             layer_of(st.source),
             st.name,
-            f"p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50={_fmt(st.p50_ns)}); {int(ep_slow.sum())} slow calls, worst {_fmt(worst)}",
+            f"steady {_fmt(reg.steady_ns)}; p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50={_fmt(st.p50_ns)}); "
+            f"{int(ep_slow.sum())} slow calls, worst {_fmt(worst)}",
             round(st.p99_ns / 1000),
         )
     )
+    share = total.of(fam)
     evidence = {
         "rule": "tail",
         "op": st.name,
         "count": st.count,
+        "steady_us": us(reg.steady_ns),
         "p50_us": us(st.p50_ns),
         "p99_us": us(st.p99_ns),
         "tail_ratio": round(st.tail_ratio, 2),
-        "slow_calls": int(slow.sum()),
+        "slow_calls": slow_n,
         "slow_calls_in_window": int(ep_slow.sum()),
+        "regimes": reg.n,
         "window_start_ns": start,
         "window_end_ns": end,
-        "episodes": n_episodes,
+        "episodes": len(eps),
         "causes": [c.family for c in found],
+        "root_share": round(share, 3) if share is not None else None,
         "score": round(found[0].score, 4),
         "lost_ms": round(lost / 1e6, 1),
         "lost_share": round(lost / wall, 4),
         "slow_call_ms": round(ep.slow_ns / 1e6, 1),
-        "overlap_involuntary": round(ep.slow_inv_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
-        "overlap_voluntary": round(ep.slow_vol_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
-        "overlap_unknown": round(ep.slow_unk_ns / ep.slow_ns, 3) if ep.slow_ns else 0.0,
-        "io_overlap_ms": round(ep.io_overlap_ns / 1e6, 1),
+        "overlap_involuntary": round(total.share(total.inv_ns), 3),
+        "overlap_voluntary": round(total.share(total.vol_ns), 3),
+        "overlap_unknown": round(total.share(total.unk_ns), 3),
+        "io_overlap_ms": round(total.io_ns / 1e6, 1),
         "prev_state": "recorded" if ctx.off.has_state else ("unknown" if ctx.off.has_rows else "no sched rows"),
         "preempted_by": [c.name for c in culprits if c.ns],
         **_evidence_dict(ep, base),
@@ -255,9 +333,9 @@ def _tail_chain(
         detected_at=end,
         severity=sev,
         summary=summary,
-        root_cause=cz.root_cause(found[0], ep, subject, culprits),
+        root_cause=cz.root_cause(root, ep, subject, culprits),
         explanation=explanation,
-        recommendations=cz.recommendations(found, ep),
+        recommendations=cz.recommendations([root], ep),
         family=f"tail/{fam}",
         evidence=evidence,
         timeline=tl,
@@ -346,6 +424,7 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
     base = ctx.series.over_mask(base_mask)
     best: _Drop | None = None
     n_eps = 0
+    lost_by_family: dict[str, int] = {}
     for a, b in runs(low, max_gap=0):
         if b - a + 1 < 2:
             continue
@@ -354,7 +433,7 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
         if fall < DROP:
             continue
         ep = ctx.series.over_range(lo + a, lo + b)
-        found = cz.assess(ep, base, st.p99_ns)
+        found = _dominant_off_cpu(cz.assess(ep, base, st.p99_ns), ep, base, fall * (b - a + 1) * g.width_ns)
         if not found:
             ctx.notes.append(
                 f"{ctx.node}: {st.name} ops/s fell {100 * fall:.0f}% at {fmt_ts(g.start_of(lo + a))} "
@@ -363,13 +442,25 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
             continue
         n_eps += 1
         ep.excess_ns = round(fall * (b - a + 1) * g.width_ns)  # the window's share of work not done
-        sev = cz.severity_of_loss(ep.excess_ns, max(1, ctx.gpu.last_ns - ctx.gpu.first_ns), found[0].family)
-        cand = _Drop(st, lo + a, lo + b, found, ep, base, sev, fall, base_rate, ep_rate, 0)
-        if best is None or (SEVERITY_RANK[sev], -fall) < (SEVERITY_RANK[best.sev], -best.fall):
+        fam = found[0].family
+        lost_by_family[fam] = lost_by_family.get(fam, 0) + ep.excess_ns
+        cand = _Drop(st, lo + a, lo + b, found, ep, base, "LOW", fall, base_rate, ep_rate, 0)
+        if best is None or (-ep.excess_ns, -fall) < (-best.ep.excess_ns, -best.fall):
             best = cand
     if best is not None:
         best.episodes = n_eps
+        fam = best.found[0].family  # severity from the work not done across the family's windows
+        best.sev = cz.severity_of_loss(lost_by_family[fam], max(1, ctx.gpu.last_ns - ctx.gpu.first_ns), fam)
     return best
+
+
+def _dominant_off_cpu(found: list[cz.Cause], ep: Evidence, base: Evidence | None, lost_ns: float) -> list[cz.Cause]:
+    """A drop's CPU contention (or unknown off-CPU time) is kept only when the GPU threads' off-CPU
+    time above their baseline is the dominant share of the work not done."""
+    above_inv = max(0.0, ep.offcpu_frac - (base.offcpu_frac if base else 0.0)) * ep.span_ns
+    above_unk = max(0.0, ep.frac(ep.unknown_ns) - (base.frac(base.unknown_ns) if base else 0.0)) * ep.span_ns
+    shares = cz.Shares(max(1, round(lost_ns)), inv_ns=round(above_inv), unk_ns=round(above_unk))
+    return [c for c in found if c.family not in ("cpu", "offcpu") or (shares.of(c.family) or 0.0) >= cz.DOMINANT]
 
 
 def _drop_chain(ctx: Context, d: _Drop, others: list[_Drop]) -> Chain:

@@ -8,7 +8,8 @@ Kernels that first appear well into the run mean new code was generated while tr
 (``torch.compile`` on new shapes, CUDA graph capture, a Triton autotune).
 
 A chain is made when the time lost is worth one (severity from time lost, as everywhere); smaller
-costs are a note.
+costs are a note. First launches are start-up, not an incident: LOW (a note) unless they exceed
+:data:`~ingero.explain.causes.STARTUP_SHARE` of the run (:func:`~ingero.explain.causes.startup_severity`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def first_launch_chains(ctx: Context, notes: list[str]) -> list[Chain]:
             if n == 0:
                 continue
             lost = int(excess[mask].sum())
-            sev = cz.severity_of_loss(lost, wall)
+            # first launches are start-up: at most LOW unless they take over a fifth of the run
+            sev = cz.startup_severity(lost, wall) if kind == "first-launch" else cz.severity_of_loss(lost, wall)
             what = (
                 f"{n} kernels' first launches took {_fmt(float(rows.dur[mask].min()))}–{_fmt(float(rows.dur[mask].max()))} "
                 f"(steady launch {_fmt(steady)}), {fmt_duration(round(lost / 1e6) * 10**6)} in all"

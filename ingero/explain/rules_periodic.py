@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ingero.explain import causes as cz
 from ingero.explain.context import Context, fmt_ns, layer_of, short_ns
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.rules_latency import MIN_CALLS
@@ -55,9 +56,15 @@ def periodic_chains(ctx: Context, candidates: list[OpStats]) -> list[Chain]:
         per = float(np.median(between)) if between.size else 0.0
         spikes = dur >= SPIKE_RATIO * st.p50_ns
         excess = float((dur[spikes] - st.p50_ns).sum())
-        span = max(1, int(ts[-1] - ts[0]))
+        span = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)  # wall time, as every rule's share
         share = excess / span
-        sev = "HIGH" if share >= 0.10 else "MEDIUM"
+        if not cz.worth_a_chain(excess, span):
+            ctx.notes.append(
+                f"{ctx.node}: {st.name} spikes {short_ns(mean)} apart ({starts.size} of them) cost "
+                f"{short_ns(excess)}, {100 * share:.2f}% of wall time: too little for a chain"
+            )
+            continue
+        sev = cz.severity_of_loss(excess, span)
         alloc = (st.source, st.op) in ALLOC_OPS
         every = f"every ~{per:.0f} {unit}" if per >= 2 else f"every {short_ns(mean)}"
         summary = (

@@ -1,0 +1,125 @@
+"""The recurring-incident shape for explain's speed (issue #20, item 7): a long recording with hundreds
+of slow windows.
+
+``investigations/sample-gpu-node-01.db`` (90 s of a training rank with CPU contention from t=20 s and
+a checkpoint write every 30 s) is replayed ``copies`` times back to back, each copy's timestamps
+shifted by its index x the recording's span (events and system snapshots; the rest of the database is
+the sample's own). 202 copies make ~1 M events and ~800 windows of slow calls: explain's per-window
+work must not grow with their number.
+
+Measured side by side in one run, as ``bench_explain`` does: ``explain()`` (one connection, the agent
+API; and over the CLI's reading threads) against a cursor fetching the six per-row columns explain
+reads into numpy. Target: explain ≤ 1.2x that fetch.
+
+    .venv/bin/python bench/recurring_incidents.py             # 202 copies, ~1 M events
+    .venv/bin/python bench/recurring_incidents.py --quick     # 40 copies: a smoke run, no verdict
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from verdict import Target, no_verdict, summary, verdict
+
+from ingero.cli.explain import read_threads
+from ingero.explain.engine import explain
+from ingero.store.db import open_readonly
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "investigations" / "sample-gpu-node-01.db"
+COPIES = 202
+RATIO = Target(1.2, "x")
+EVENT_COLUMNS = "id, timestamp, pid, tid, source, op, duration, gpu_id, arg0, arg1, ret_code, stack_hash, node, rank, local_rank, world_size, stack_ips, cgroup_id"
+SNAPSHOT_COLUMNS = "timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, load_avg, node"
+
+
+def build(path: Path, copies: int = COPIES, sample: Path = SAMPLE) -> int:
+    """Write the replayed database at ``path``; returns its event count."""
+    src = sqlite3.connect(f"file:{sample}?mode=ro", uri=True)
+    dst = sqlite3.connect(path)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+    try:
+        lo, hi = dst.execute("SELECT min(timestamp), max(timestamp) FROM events").fetchone()
+        step = int(hi - lo) + 1_000_000_000  # a second between copies
+        shifted = EVENT_COLUMNS.replace("id, timestamp", "id || ':r' || k, timestamp + k * ?")
+        snap = SNAPSHOT_COLUMNS.replace("timestamp", "timestamp + k * ?", 1)
+        with dst:
+            dst.execute("CREATE TEMP TABLE k(k INTEGER PRIMARY KEY)")
+            dst.executemany("INSERT INTO k VALUES (?)", [(k,) for k in range(1, copies)])
+            dst.execute("DELETE FROM causal_chains")
+            dst.execute(
+                f"INSERT INTO events ({EVENT_COLUMNS}) SELECT {shifted} FROM events, temp.k ORDER BY k, events.rowid",
+                (step,),
+            )
+            dst.execute(
+                f"INSERT OR IGNORE INTO system_snapshots ({SNAPSHOT_COLUMNS}) SELECT {snap} FROM system_snapshots, temp.k",
+                (step,),
+            )
+        return int(dst.execute("SELECT count(*) FROM events").fetchone()[0])
+    finally:
+        dst.close()
+
+
+def cursor_fetch(conn: sqlite3.Connection) -> None:
+    """The baseline: the per-row columns explain's frames hold, fetched as row tuples into numpy."""
+    dt = np.dtype([(c, np.int64) for c in ("s", "o", "d", "t", "p", "e")])
+    np.fromiter(conn.execute("SELECT source, op, duration, timestamp, pid, ret_code != 0 FROM events"), dtype=dt)
+
+
+def best_of(fn: object, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="40 copies: a smoke run (no verdict)")
+    ap.add_argument("--copies", type=int, default=None)
+    ap.add_argument("--keep", type=Path, default=None, help="write the database here and keep it")
+    args = ap.parse_args()
+    copies = args.copies or (40 if args.quick else COPIES)
+    repeat = 2 if args.quick else 3
+    with tempfile.TemporaryDirectory() as tmp:
+        db = args.keep or Path(tmp) / "recurring.db"
+        db.unlink(missing_ok=True)
+        t = time.perf_counter()
+        n = build(db, copies)
+        print(f"built {n:,} events ({copies} copies of {SAMPLE.name}) in {time.perf_counter() - t:.1f}s")
+        conn = open_readonly(db)
+        try:
+            t_fetch = best_of(lambda: cursor_fetch(conn), repeat)
+            report = explain(conn)
+            t_serial = best_of(lambda: explain(conn), repeat)
+            threads = read_threads()
+            t_threads = best_of(lambda: explain(conn, threads=threads), repeat)
+        finally:
+            conn.close()
+    print(f"cursor fetch of 6 columns (baseline)     {t_fetch:6.2f} s")
+    print(f"explain, one connection (the agent API)  {t_serial:6.2f} s")
+    print(f"explain, {threads} reading threads (the CLI)    {t_threads:6.2f} s")
+    print(f"chains: {[(c.severity, c.family, c.cuda_op) for c in report.chains]}")
+    full = copies == COPIES and not args.quick
+    for name, t_ex in (("explain (one connection) / fetch", t_serial), ("explain (CLI threads) / fetch", t_threads)):
+        ratio = t_ex / t_fetch
+        if full:
+            verdict(name, ratio, RATIO, detail=f"{n:,} events")
+        else:
+            no_verdict(name, ratio, RATIO, f"{copies} copies, not {COPIES}", detail=f"{n:,} events")
+    return summary()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
