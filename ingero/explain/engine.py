@@ -22,10 +22,10 @@ from ingero.errors import StoreError
 from ingero.explain import (
     rules_events,
     rules_graphs,
-    rules_idle,
     rules_latency,
     rules_launch,
     rules_leak,
+    rules_ledger,
     rules_memory,
     rules_periodic,
 )
@@ -33,6 +33,7 @@ from ingero.explain.cgroups import pid_cgroups, with_cgroups
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
+from ingero.explain.ledger import LedgerRow, Unstored, aggregate, build_ledger, load_unstored
 from ingero.explain.model import Chain, sort_chains
 from ingero.explain.offcpu import OffCpu
 from ingero.explain.stats import HostSummary, OpStats, host_summary_from_columns, stats_from_columns
@@ -57,6 +58,7 @@ class ExplainReport:
     first_ns: int | None = None
     last_ns: int | None = None
     elapsed_ms: float = 0.0
+    ledger: list[LedgerRow] = field(default_factory=list)  # per GPU thread (ingero.explain.ledger)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +72,9 @@ class ExplainReport:
             "host": self.host.as_dict(),
             "hosts": {k: v.as_dict() for k, v in self.hosts.items()},
             "notes": list(self.notes),
+            "ledger": [r.as_dict() for r in self.ledger],
+            "ledger_processes": [r.as_dict() for r in aggregate(self.ledger, by_process=True)],
+            "ledger_nodes": [r.as_dict() for r in aggregate(self.ledger, by_process=False)],
             "elapsed_ms": round(self.elapsed_ms, 1),
         }
 
@@ -96,19 +101,29 @@ def explain(
         snap_rows = _snapshot_rows(conn, frames)
         # event_aggregates carry no node: they describe the database's only node, or nobody
         storage = load_storage(conn, window, pid) if len(frames) == 1 else Storage()
+        unstored = load_unstored(conn, window, pid) if len(frames) == 1 else Unstored()
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
     notes: list[str] = [window.note] if window.note else []
     chains: list[Chain] = []
     ops: list[OpStats] = []
     hosts: dict[str, HostSummary] = {}
+    ledger: list[LedgerRow] = []
     for name, fr in frames.items():
         rows, snap_note = snap_rows.get(name, ([], None))
         if snap_note:
             notes.append(snap_note)
-        c, o, h, n = _explain_node(
-            fr, names, rows, pid=pid, per_process=per_process, cores=_cores_of(cores, name), storage=storage
+        c, o, h, n, led = _explain_node(
+            fr,
+            names,
+            rows,
+            pid=pid,
+            per_process=per_process,
+            cores=_cores_of(cores, name),
+            storage=storage,
+            unstored=unstored,
         )
+        ledger += led
         chains += c
         ops += o
         hosts[name] = h
@@ -130,6 +145,7 @@ def explain(
         events=sum(f.size for f in frames.values()),
         first_ns=min((f.first_ns for f in frames.values()), default=None),
         last_ns=max((f.last_ns for f in frames.values()), default=None),
+        ledger=ledger,
     )
     report.elapsed_ms = (time.perf_counter() - t_start) * 1000
     return report
@@ -144,7 +160,8 @@ def _explain_node(
     per_process: bool,
     cores: int | None = None,
     storage: Storage | None = None,
-) -> tuple[list[Chain], list[OpStats], HostSummary, list[str]]:
+    unstored: Unstored | None = None,
+) -> tuple[list[Chain], list[OpStats], HostSummary, list[str], list[LedgerRow]]:
     storage = storage or Storage()
     grid = Grid.for_span(fr.first_ns, fr.last_ns)
     snaps = Snapshots.from_rows(grid, snap_rows)
@@ -165,6 +182,7 @@ def _explain_node(
     traced = np.asarray([pid], dtype=np.int64) if pid is not None else gpu_pids
     off = OffCpu(fr.args)
     tree = process_tree(fr, traced)
+    ledger = build_ledger(fr, gpu, off, holes=storage.holes, unstored=unstored)
     node_ctx = Context(
         node=fr.node,
         frame=fr,
@@ -213,9 +231,10 @@ def _explain_node(
         periodic = rules_periodic.periodic_chains(ctx, [o for o in ctx.ops if o.name not in explained])
         chains += tail + periodic + rules_latency.drop_chains(ctx) + rules_memory.churn_chains(ctx, periodic)
         cold = rules_events.cold_start_chains(ctx)
-        chains += cold + rules_events.transfer_chains(ctx) + rules_idle.starvation_chains(ctx)
+        chains += cold + rules_events.transfer_chains(ctx)
         chains += rules_launch.first_launch_chains(ctx, ctx.notes)
         chains += rules_leak.leak_chains(ctx) + rules_graphs.graph_chains(ctx)
+        chains += rules_ledger.ledger_chains(ctx, ledger, chains)
         explained |= {c.cuda_op for c in periodic} | {op for c in cold for op in c.evidence.get("ops", {})}
         for st in unexplained:
             if st.name not in explained:
@@ -232,8 +251,8 @@ def _explain_node(
                     "it in the same windows (a GPU-side or in-process cause)"
                 )
         notes += ctx.notes
-    notes += context_notes(node_ctx) + storage.notes(fr.node)
-    return chains, ops, host, notes
+    notes += context_notes(node_ctx) + storage.notes(fr.node) + ledger.notes
+    return chains, ops, host, notes, ledger.rows
 
 
 def process_tree(fr: Frame, roots: np.ndarray) -> np.ndarray:

@@ -113,6 +113,8 @@ class OffCpu:
                 order = mine[np.argsort(start[mine], kind="stable")]
                 ws = w_ts[w_tid == t]
                 k = np.searchsorted(start[order], ws, side="left") - 1  # the sleep that began before it
+                earlier = order[np.maximum(k - 1, 0)]  # sleeps overlapping by jitter: the one that ended first
+                k = np.where((k >= 1) & (ws <= end[earlier]), k - 1, k)
                 ok = (k >= 0) & (ws <= end[order[np.maximum(k, 0)]])
                 hit = order[k[ok]]
                 wake_at[hit] = ws[ok]

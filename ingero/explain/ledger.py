@@ -1,0 +1,617 @@
+"""The wall-time ledger: where every nanosecond of each GPU thread's wall time went.
+
+For each thread that drives a GPU (a tid with CUDA, driver or NCCL calls), its wall time — from its
+first GPU call's start to its last GPU call's end — is split into buckets that add up to it exactly
+(integer nanoseconds). Overlapping calls of one thread (asynchronous APIs, clock jitter) are merged
+first, so no time is counted twice. The buckets:
+
+============== =====================================================================================
+gpu_steady     inside a GPU call, up to its op's steady level (:func:`steady_ns`); time inside an NCCL
+               collective counts here whole (a rank waiting for its peers is judged across nodes)
+gpu_slow       inside a GPU call beyond its op's steady level: time lost to a slower regime
+host_code      in a gap between GPU calls, on-CPU: the thread's own host code (Python, detokenising...)
+preempted      in a gap, runnable but off-CPU: preempted, or in the run queue after a wakeup
+asleep_workers in a gap, asleep until a process the GPU process forked woke it (DataLoader workers)
+asleep_disk    in a gap, asleep in uninterruptible state (D: disk I/O)
+asleep_network in a gap, asleep around the thread's own socket calls (waiting on a peer)
+asleep_timer   in a gap, asleep until a wakeup from no process (a timer, an interrupt): a chosen sleep
+asleep_unknown in a gap, asleep and woken by another process or thread, or no wakeup recorded
+offcpu_unknown in a gap, off-CPU of unknown kind: the recording has no prev_state (Ingero's layout)
+not_recorded   nothing was recorded (a hole in ``event_aggregates``), or the time of GPU calls that
+               were counted but not stored (selective storage), taken out of the gaps
+============== =====================================================================================
+
+Where the thread's intervals overlap, the first bucket in this order wins: gpu_slow, gpu_steady,
+not_recorded (holes), preempted, asleep_disk, asleep_workers, asleep_network, asleep_timer,
+asleep_unknown, offcpu_unknown, host_code (what is left of a gap is on-CPU).
+
+Without prev_state, an off-CPU interval that ends with a recorded ``sched_wakeup`` was asleep until the
+wakeup (a runnable task is not woken): that part is classified by its waker; the rest stays
+``offcpu_unknown`` — CPU contention is never guessed.
+
+Selective storage: ``event_aggregates`` count every call per minute, stored or not. The duration of
+the calls counted but not stored is moved, per minute, from the thread's gaps (its own host code
+first) into ``not_recorded``: which gap each unstored call fell in cannot be told at that resolution,
+so the idle figures of such minutes are upper bounds — but a busy GPU is never reported idle.
+
+``steady_ns`` is the one definition of an op's steady level (the median of the op's calls on the node
+plus their noise band); a regime-aware level can replace it there.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ingero.explain.frame import I64, ArgRows, Frame
+from ingero.explain.offcpu import INVOL, IOWAIT, SCHED_WAKEUP, UNKNOWN, VOL, OffCpu, union
+from ingero.store.catalog import IO, NCCL, NET, op_id, op_ids, op_name
+from ingero.store.window import Window
+from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration
+
+BUCKETS = (
+    "gpu_steady",
+    "gpu_slow",
+    "host_code",
+    "preempted",
+    "asleep_workers",
+    "asleep_disk",
+    "asleep_network",
+    "asleep_timer",
+    "asleep_unknown",
+    "offcpu_unknown",
+    "not_recorded",
+)
+(
+    GPU_STEADY,
+    GPU_SLOW,
+    HOST_CODE,
+    PREEMPTED,
+    ASLEEP_WORKERS,
+    ASLEEP_DISK,
+    ASLEEP_NETWORK,
+    ASLEEP_TIMER,
+    ASLEEP_UNKNOWN,
+    OFFCPU_UNKNOWN,
+    NOT_RECORDED,
+) = BUCKETS
+GAP_BUCKETS = BUCKETS[2:]
+_IDX = {b: i for i, b in enumerate(BUCKETS)}
+# gap classes, strongest first (host_code is what no class covers)
+_GAP_ORDER = (
+    NOT_RECORDED,
+    PREEMPTED,
+    ASLEEP_DISK,
+    ASLEEP_WORKERS,
+    ASLEEP_NETWORK,
+    ASLEEP_TIMER,
+    ASLEEP_UNKNOWN,
+    OFFCPU_UNKNOWN,
+)
+# where the time of unstored GPU calls is taken from: the thread is on-CPU when it makes a call
+_TAKE_ORDER = (
+    HOST_CODE,
+    ASLEEP_UNKNOWN,
+    ASLEEP_TIMER,
+    OFFCPU_UNKNOWN,
+    ASLEEP_NETWORK,
+    ASLEEP_WORKERS,
+    ASLEEP_DISK,
+    PREEMPTED,
+)
+
+GAP_NS = NS_PER_MS  # shorter gaps, and this much of each bucket in a gap (turnaround), are not idle to the chains
+TURNAROUND_X = 2.0  # own host code in a gap beyond this many times the loop's median per gap is idle
+NET_NEAR_NS = NS_PER_MS  # a sleep this close to the thread's own socket call is a wait on the network
+NOISE_SIGMAS = 3.0  # a call is slow beyond its op's median plus this many robust sigmas (1.4826 MAD)
+MINUTE_NS = 60 * NS_PER_S  # event_aggregates' resolution
+PROCESS_FORK = op_id("process_fork")  # pid = parent, arg1 = child
+# calls that return only once the GPU's queue (a stream, the device) is drained: after them, a gap is GPU idle
+DRAINING = op_ids(
+    "cudaStreamSync",
+    "cudaDeviceSync",
+    "cudaEventSynchronize",
+    "cuCtxSynchronize",
+    "cudaMemcpy",
+    "cuMemcpy",
+    "cudaMemcpy2D",
+    "cudaMemcpyPeer",
+    "cudaMemset",
+    "cudaFree",
+    "cuMemFree",
+)
+_DRAIN_KEYS = np.asarray([(s << 16) | o for s, o in DRAINING], dtype=np.int64)
+
+
+def steady_ns(source: I64, op: I64, dur: I64) -> I64:
+    """Per call, the steady level of its op on this node: the median of the op's calls plus their
+    noise band (``NOISE_SIGMAS`` robust sigmas); an NCCL collective's own duration (its excess is
+    waiting for the other ranks, judged across nodes)."""
+    out = dur.copy()
+    if dur.size == 0:
+        return out
+    key = (source << 16) | op
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    bounds = np.flatnonzero(np.diff(ks)) + 1
+    for lo, hi in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [ks.size])), strict=True):
+        if int(ks[lo]) >> 16 == NCCL:
+            continue
+        idx = order[lo:hi]
+        d = dur[idx]
+        med = float(np.median(d))
+        mad = float(np.median(np.abs(d - med)))
+        out[idx] = round(med + NOISE_SIGMAS * 1.4826 * mad)
+    return out
+
+
+def children(args: ArgRows, pid: int) -> dict[int, int]:
+    """Processes forked by ``pid``, transitively (process_fork: pid = parent, arg1 = child), with the
+    time each was forked."""
+    m = args.is_op(PROCESS_FORK)
+    parent, child, ts = args.pid[m].tolist(), args.arg1[m].tolist(), args.ts_ns[m].tolist()
+    kids: dict[int, int] = {}
+    frontier = {pid}
+    while frontier:
+        new = {c: t for p, c, t in zip(parent, child, ts, strict=True) if p in frontier and c not in kids and c != pid}
+        kids.update(new)
+        frontier = set(new)
+    return kids
+
+
+@dataclass
+class Unstored:
+    """GPU calls counted in ``event_aggregates`` but not stored: per (minute, pid, source, op), how
+    many and their total duration (from the aggregates' sum minus the stored rows' durations)."""
+
+    minute: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pid: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    source: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    op: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    count: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sum_ns: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def load_unstored(conn: sqlite3.Connection, window: Window, pid: int | None = None) -> Unstored:
+    """The aggregates' rows of GPU ops with calls not stored (none for an older or foreign recording)."""
+    where, params = window.clause("bucket")
+    if window.start_ns is not None:
+        where, params = Window(window.start_ns - window.start_ns % MINUTE_NS, window.end_ns).clause("bucket")
+    sql_params = list(params)
+    if pid is not None:
+        where += " AND pid = ?"
+        sql_params.append(pid)
+    try:
+        rows = conn.execute(
+            "SELECT bucket, pid, source, op, count - stored, sum_dur FROM event_aggregates "
+            f"WHERE {where} AND stored < count AND source IN (1, 4, 9)",
+            sql_params,
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return Unstored()
+    if not rows:
+        return Unstored()
+    a = np.asarray(rows, dtype=np.int64).reshape(-1, 6)
+    return Unstored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5])
+
+
+@dataclass
+class LedgerRow:
+    """One GPU thread's wall time, bucket by bucket (``sum(buckets) == wall_ns``)."""
+
+    node: str
+    pid: int | None
+    tid: int | None
+    start_ns: int
+    end_ns: int
+    buckets: dict[str, int]
+    calls: int = 0
+    idle_ns: dict[str, int] = field(default_factory=dict)  # gap buckets in gaps the GPU certainly idled
+    slow_by_op: dict[tuple[int, int], int] = field(default_factory=dict)  # per-call excess, per op
+    gap_start: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)  # those gaps
+    gap_end: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+
+    @property
+    def wall_ns(self) -> int:
+        return self.end_ns - self.start_ns if self.tid is not None else sum(self.buckets.values())
+
+    @property
+    def gpu_ns(self) -> int:
+        return self.buckets[GPU_STEADY] + self.buckets[GPU_SLOW]
+
+    def share(self, bucket: str) -> float:
+        w = self.wall_ns
+        return self.buckets.get(bucket, 0) / w if w > 0 else 0.0
+
+    def slow_ops(self) -> list[tuple[str, int]]:
+        """The slow calls' excess per op name, largest first."""
+        return sorted(((op_name(s, o), ns) for (s, o), ns in self.slow_by_op.items()), key=lambda x: -x[1])
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"node": self.node, "pid": self.pid}
+        if self.tid is not None:
+            d |= {"tid": self.tid, "start_ns": self.start_ns, "end_ns": self.end_ns, "calls": self.calls}
+        d |= {"wall_ns": self.wall_ns, "buckets": dict(self.buckets)}
+        return d | ({"gpu_idle": dict(self.idle_ns)} if self.tid is not None else {})
+
+
+def aggregate(rows: list[LedgerRow], *, by_process: bool) -> list[LedgerRow]:
+    """Rows summed per (node, pid) or per node: their wall time is the sum of their threads' (thread-time,
+    so the buckets still add up to it)."""
+    out: dict[tuple[str, int | None], LedgerRow] = {}
+    for r in rows:
+        key = (r.node, r.pid if by_process else None)
+        cur = out.get(key)
+        if cur is None:
+            out[key] = LedgerRow(r.node, key[1], None, r.start_ns, r.end_ns, dict(r.buckets), r.calls)
+            continue
+        for b, ns in r.buckets.items():
+            cur.buckets[b] += ns
+        cur.calls += r.calls
+        cur.start_ns, cur.end_ns = min(cur.start_ns, r.start_ns), max(cur.end_ns, r.end_ns)
+    return list(out.values())
+
+
+def _covered(starts: I64, ends: I64, points: I64) -> npt.NDArray[np.bool_]:
+    """Which ``points`` fall inside the sorted, disjoint intervals [starts, ends)."""
+    k = np.searchsorted(starts, points, side="right") - 1
+    kk = np.maximum(k, 0)
+    out: npt.NDArray[np.bool_] = (k >= 0) & (points < ends[kk]) if starts.size else np.zeros(points.size, bool)
+    return out
+
+
+def _near(ts: I64, end: I64, s: I64, e: I64, slack: int) -> npt.NDArray[np.bool_]:
+    """Which intervals [s, e) lie within ``slack`` of one of the calls [ts, end) (ts sorted)."""
+    if ts.size == 0:
+        return np.zeros(s.size, dtype=bool)
+    k = np.searchsorted(ts, e + slack, side="right") - 1
+    reach = np.maximum.accumulate(end)
+    out: npt.NDArray[np.bool_] = (k >= 0) & (reach[np.maximum(k, 0)] >= s - slack)
+    return out
+
+
+@dataclass
+class _ThreadEvidence:
+    """The rows of one node the ledger reads beside the GPU calls: per kind (wakeups: ts, waker; the
+    thread's own socket calls and block I/O: ts, end), with their tids."""
+
+    off: OffCpu
+    rows: dict[str, tuple[I64, I64, I64]]
+    holes: tuple[I64, I64]
+
+    def of(self, kind: str, tid: int) -> tuple[I64, I64]:
+        """The ``kind`` rows of thread ``tid``, in time order."""
+        tids, ts, other = self.rows[kind]
+        m = tids == tid
+        order = np.argsort(ts[m], kind="stable")
+        return ts[m][order], other[m][order]
+
+
+def _gap_classes(ev: _ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tuple[I64, I64]]:
+    """The thread's off-CPU intervals by gap bucket (each class sorted and disjoint)."""
+    off = ev.off
+    wts, wby = ev.of("wakeup", tid)
+    (nts, nend), (dts, dend) = ev.of("net", tid), ev.of("disk", tid)
+    kid_arr = np.asarray(sorted(kids), dtype=np.int64)
+    parts: dict[str, list[tuple[I64, I64]]] = {b: [] for b in _GAP_ORDER}
+    parts[NOT_RECORDED].append(ev.holes)
+    for kind, bucket in ((INVOL, PREEMPTED), (IOWAIT, ASLEEP_DISK)):
+        th = off.threads[kind].get(tid)
+        if th is not None:
+            parts[bucket].append((th.start, th.end))
+
+    def asleep(s: I64, e: I64, who: I64 | None, woken: npt.NDArray[np.bool_]) -> None:
+        """Sleeps by what ended them: a forked child, the thread's own block I/O or socket call in
+        flight, a wakeup from no process (a timer); the rest ``unknown`` (``who`` None: no sleep known)."""
+        workers = np.isin(who, kid_arr) if who is not None else np.zeros(s.size, dtype=bool)
+        disk = ~workers & _near(dts, dend, s, e, 0)
+        net = ~workers & ~disk & _near(nts, nend, s, e, NET_NEAR_NS)
+        timer = ~workers & ~disk & ~net & woken & ((who == 0) if who is not None else woken)
+        other = ~workers & ~disk & ~net & ~timer
+        for m, bucket in ((workers, ASLEEP_WORKERS), (disk, ASLEEP_DISK), (net, ASLEEP_NETWORK), (timer, ASLEEP_TIMER)):
+            parts[bucket].append((s[m], e[m]))
+        parts[ASLEEP_UNKNOWN if who is not None else OFFCPU_UNKNOWN].append((s[other], e[other]))
+
+    # a wakeup ends the sleep it follows (a little after its end: sleeps clipped where rows overlap)
+    vol = off.threads[VOL].get(tid)
+    if vol is not None:
+        k = np.minimum(np.searchsorted(wts, vol.start, side="left"), max(0, wts.size - 1))
+        woken = (wts[k] >= vol.start) & (wts[k] <= vol.end + NET_NEAR_NS) if wts.size else vol.start < 0
+        asleep(vol.start, vol.end, vol.who, woken)
+    unk = off.threads[UNKNOWN].get(tid)
+    if unk is not None:  # no prev_state: asleep only until a recorded wakeup; the rest stays unknown
+        s, e = unk.start, unk.end
+        k = np.maximum(np.searchsorted(wts, e, side="right") - 1, 0)  # the last wakeup before it ran again
+        woke = (wts[k] > s) & (wts[k] <= e) if wts.size else s < 0
+        w = np.minimum(np.where(woke, wts[k] if wts.size else s, s), e)
+        asleep(s[woke], w[woke], wby[k][woke] if wts.size else w[woke], woke[woke])
+        parts[OFFCPU_UNKNOWN].append((w[woke], e[woke]))
+        asleep(s[~woke], e[~woke], None, woke[~woke])
+    out = {}
+    for b, ps in parts.items():
+        s = np.concatenate([p[0] for p in ps]) if ps else np.zeros(0, dtype=np.int64)
+        e = np.concatenate([p[1] for p in ps]) if ps else np.zeros(0, dtype=np.int64)
+        keep = e > s
+        out[b] = union(s[keep], e[keep])
+    return out
+
+
+def _paint(
+    g0: I64, g1: I64, idle: npt.NDArray[np.bool_], classes: dict[str, tuple[I64, I64]], minutes: I64 | None
+) -> tuple[I64, I64, npt.NDArray[np.float64] | None]:
+    """Split the gaps [g0, g1) by class: per gap bucket its time, its time in gaps >= GAP_NS, and (with
+    ``minutes``, the minute edges inside the wall) its time per minute (rows) — exact integer sums."""
+    lo, hi = int(g0[0]), int(g1[-1])
+    edges = [g0, g1]
+    for s, e in classes.values():
+        edges += [np.clip(s, lo, hi), np.clip(e, lo, hi)]
+    if minutes is not None:
+        edges.append(minutes)
+    b = np.unique(np.concatenate(edges))
+    left, length = b[:-1], np.diff(b)
+    k = np.searchsorted(g0, left, side="right") - 1
+    in_gap = (k >= 0) & (left < g1[np.maximum(k, 0)])
+    left, length, k = left[in_gap], length[in_gap], k[in_gap]
+    label = np.full(left.size, _IDX[HOST_CODE], dtype=np.int64)
+    for bucket in reversed(_GAP_ORDER):
+        s, e = classes[bucket]
+        if s.size:
+            label[_covered(s, e, left)] = _IDX[bucket]
+    n = len(BUCKETS)
+    w = length.astype(np.float64)
+    total = np.rint(np.bincount(label, weights=w, minlength=n)).astype(np.int64)
+    # in each gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
+    # (dispatching the next step, a handoff from a ready queue, an ordinary preemption): only what
+    # lasts longer counts as idle
+    sure = idle[k]
+    rank = np.cumsum(idle) - 1  # the gap's row among the sure ones
+    per_gap = np.bincount(rank[k[sure]] * n + label[sure], weights=w[sure], minlength=int(idle.sum()) * n)
+    per_gap = per_gap.reshape(-1, n)
+    allowance = np.full(n, float(GAP_NS))
+    host = per_gap[:, _IDX[HOST_CODE]]
+    if host.size:  # own host code: beyond twice the loop's typical turnaround (a steady loop's own pace)
+        allowance[_IDX[HOST_CODE]] = max(float(GAP_NS), TURNAROUND_X * float(np.median(host)))
+    in_idle: I64 = np.rint(np.maximum(per_gap - allowance, 0).sum(axis=0)).astype(np.int64)
+    per_minute: npt.NDArray[np.float64] | None = None
+    if minutes is not None:
+        m = np.searchsorted(minutes, left, side="right")
+        per_minute = (
+            np.bincount(m * n + label, weights=w, minlength=(minutes.size + 1) * n).reshape(-1, n).astype(np.float64)
+        )
+    return total, in_idle, per_minute
+
+
+def _take_unstored(row: LedgerRow, per_minute: npt.NDArray[np.float64], amounts: npt.NDArray[np.float64]) -> int:
+    """Move each minute's unstored call time out of the thread's gaps (host code first) into
+    not_recorded; returns the time that found no gap to come from."""
+    left = 0
+    for i in np.flatnonzero(amounts > 0).tolist():
+        want = int(amounts[i])
+        for b in _TAKE_ORDER:
+            have = int(per_minute[i, _IDX[b]])
+            take = min(want, have, row.buckets[b])
+            if take <= 0:
+                continue
+            row.buckets[b] -= take
+            row.buckets[NOT_RECORDED] += take
+            row.idle_ns[b] = max(0, row.idle_ns.get(b, 0) - take)
+            want -= take
+            if want == 0:
+                break
+        left += want
+    return left
+
+
+@dataclass
+class Ledger:
+    """The ledger of one node: a row per GPU thread, and what could not be placed."""
+
+    rows: list[LedgerRow]
+    notes: list[str] = field(default_factory=list)
+    steady: dict[tuple[int, int], int] = field(default_factory=dict)  # per op: steady_ns's level
+
+
+def build_ledger(
+    fr: Frame,
+    gpu: Frame,
+    off: OffCpu,
+    *,
+    holes: list[tuple[int, int]] | None = None,
+    unstored: Unstored | None = None,
+) -> Ledger:
+    """The ledger of every GPU thread of one node (``gpu``: its GPU API rows; ``fr``: all its rows)."""
+    if gpu.size == 0:
+        return Ledger([])
+    a = fr.args
+    wk = a.is_op(SCHED_WAKEUP)
+    net = fr.source == NET
+    h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
+    io = fr.source == IO
+    ev = _ThreadEvidence(
+        off,
+        {
+            "wakeup": (a.tid[wk], a.ts_ns[wk], a.arg0[wk]),
+            "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
+            "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
+        },
+        (h[:, 0], h[:, 1]),
+    )
+    steady = steady_ns(gpu.source, gpu.op, gpu.dur)
+    order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
+    pid, tid, ts = gpu.pid[order], gpu.tid[order], gpu.ts_ns[order]
+    end, st, src, op = ts + gpu.dur[order], ts + steady[order], gpu.source[order], gpu.op[order]
+    cut = np.flatnonzero((np.diff(pid) != 0) | (np.diff(tid) != 0)) + 1
+    kids_of: dict[int, set[int]] = {}
+    un = _less_stored(unstored or Unstored(), gpu)
+    owner = _unstored_owner(pid, tid, src, op, un)
+    ledger = Ledger([])
+    keys, first = np.unique((gpu.source << 16) | gpu.op, return_index=True)
+    ledger.steady = {(k >> 16, k & 0xFFFF): int(steady[i]) for k, i in zip(keys.tolist(), first.tolist(), strict=True)}
+    for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [ts.size])), strict=True):
+        p, t = int(pid[lo]), int(tid[lo])
+        if p not in kids_of:
+            kids_of[p] = set(children(a, p))
+        mine = owner == t
+        row = _thread_row(
+            fr.node,
+            p,
+            t,
+            ts[lo:hi],
+            end[lo:hi],
+            st[lo:hi],
+            src[lo:hi],
+            op[lo:hi],
+            ev,
+            kids_of[p],
+            un.minute[mine],
+            un.sum_ns[mine] if mine.any() else None,
+        )
+        if row is None:
+            continue
+        if isinstance(row, tuple):
+            row, left = row
+            if left:
+                ledger.notes.append(
+                    f"{fr.node}: {left / 1e6:.1f} ms of unstored GPU calls of tid {t} found no gap in their minute "
+                    "(calls overlapping stored ones, or a window cutting a minute)"
+                )
+        ledger.rows.append(row)
+    if un.count.size:
+        ledger.notes.append(
+            f"{fr.node}: {int(un.count.sum()):,} GPU calls were counted but not stored (selective storage): their "
+            f"{int(un.sum_ns.sum()) / 1e6:.1f} ms are in the ledger's not_recorded, taken out of the gaps of the "
+            "minute they were counted in — event_aggregates are per minute, so which gap each fell in cannot be "
+            "told: idle figures in those minutes are upper bounds"
+        )
+    return ledger
+
+
+def _less_stored(un: Unstored, gpu: Frame) -> Unstored:
+    """``un`` with each row's duration less that of its stored rows (the aggregates' sum counts both)."""
+    if un.count.size == 0:
+        return un
+    m0 = int(un.minute.min()) // MINUTE_NS
+
+    def key(minute: I64, pid: I64, src: I64, op: I64) -> I64:
+        k: I64 = ((minute // MINUTE_NS - m0) << 40) | ((pid & 0xFFFFFFF) << 12) | ((src & 0xF) << 8) | (op & 0xFF)
+        return k
+
+    gk = key(gpu.ts_ns, gpu.pid, gpu.source, gpu.op)
+    uk, inv = np.unique(gk, return_inverse=True)
+    sums = np.bincount(inv, weights=gpu.dur.astype(np.float64))
+    ak = key(un.minute, un.pid, un.source, un.op)
+    i = np.minimum(np.searchsorted(uk, ak), max(0, uk.size - 1))
+    stored = np.where((uk.size > 0) & (uk[i] == ak), sums[i] if uk.size else 0.0, 0.0)
+    left = np.maximum(0, un.sum_ns - np.rint(stored).astype(np.int64))
+    return Unstored(un.minute, un.pid, un.source, un.op, un.count, left)
+
+
+def _unstored_owner(pid: I64, tid: I64, src: I64, op: I64, un: Unstored) -> I64:
+    """For each aggregates row, the thread its unstored calls are charged to: the pid's thread with the
+    most stored calls of that op (else of any GPU op); -1 when the pid has no stored GPU call here."""
+    out = np.full(un.count.size, -1, dtype=np.int64)
+    for i, (p, s, o) in enumerate(zip(un.pid.tolist(), un.source.tolist(), un.op.tolist(), strict=True)):
+        m = pid == p
+        if not m.any():
+            continue
+        same = m & (src == s) & (op == o)
+        cand = tid[same] if same.any() else tid[m]
+        vals, counts = np.unique(cand, return_counts=True)
+        out[i] = int(vals[np.argmax(counts)])
+    return out
+
+
+def _thread_row(
+    node: str,
+    pid: int,
+    tid: int,
+    ts: I64,
+    end: I64,
+    steady_end: I64,
+    src: I64,
+    op: I64,
+    ev: _ThreadEvidence,
+    kids: set[int],
+    un_minute: I64,
+    un_ns: I64 | None,
+) -> LedgerRow | tuple[LedgerRow, int] | None:
+    reach = np.maximum.accumulate(end)
+    w0, w1 = int(ts[0]), int(reach[-1])
+    if w1 <= w0:
+        return None
+    new = np.concatenate(([True], ts[1:] > reach[:-1]))
+    b_start = ts[new]
+    b_end = reach[np.concatenate((np.flatnonzero(new)[1:] - 1, [ts.size - 1]))]
+    busy = int((b_end - b_start).sum())
+    busy_of = np.cumsum(new) - 1
+    drains = np.isin((src << 16) | op, _DRAIN_KEYS) & (end == b_end[busy_of])  # ends its busy stretch
+    drained = np.bincount(busy_of[drains], minlength=b_start.size) > 0
+    slow = steady_end < end
+    ss, se = union(np.maximum(steady_end[slow], ts[slow]), end[slow])
+    slow_ns = int((se - ss).sum())
+    buckets = dict.fromkeys(BUCKETS, 0)
+    buckets[GPU_STEADY], buckets[GPU_SLOW] = busy - slow_ns, slow_ns
+    excess = end[slow] - np.maximum(steady_end[slow], ts[slow])
+    key = (src[slow] << 16) | op[slow]
+    by_op: dict[tuple[int, int], int] = {}
+    if key.size:
+        uk, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=excess.astype(np.float64))
+        excess_ns = float(sums.sum())
+        for k, v in zip(uk.tolist(), sums.tolist(), strict=True):  # scaled to the merged slow time
+            by_op[(k >> 16, k & 0xFFFF)] = round(v / excess_ns * slow_ns) if excess_ns > 0 else 0
+    row = LedgerRow(node, pid, tid, w0, w1, buckets, int(ts.size), dict.fromkeys(GAP_BUCKETS, 0), by_op)
+    g0, g1 = b_end[:-1], b_start[1:]
+    if g0.size == 0:
+        return row
+    minutes = None
+    if un_ns is not None:
+        first = (w0 // MINUTE_NS + 1) * MINUTE_NS
+        minutes = np.arange(first, w1, MINUTE_NS, dtype=np.int64)
+    idle = ((g1 - g0) >= GAP_NS) & drained[:-1]
+    total, in_idle, per_minute = _paint(g0, g1, idle, _gap_classes(ev, tid, kids), minutes)
+    for b in GAP_BUCKETS:
+        row.buckets[b] = int(total[_IDX[b]])
+        row.idle_ns[b] = int(in_idle[_IDX[b]])
+    row.gap_start, row.gap_end = g0[idle], g1[idle]
+    if un_ns is None or per_minute is None or minutes is None:
+        return row
+    amounts = np.zeros(per_minute.shape[0], dtype=np.float64)
+    idx = np.searchsorted(minutes, un_minute, side="right")  # the minute's row in per_minute
+    inside = (un_minute + MINUTE_NS > w0) & (un_minute < w1)
+    np.add.at(amounts, idx[inside], un_ns[inside].astype(np.float64))
+    return row, _take_unstored(row, per_minute, amounts)
+
+
+WORDS = {
+    HOST_CODE: "own host code",
+    PREEMPTED: "preempted",
+    ASLEEP_WORKERS: "asleep (workers)",
+    ASLEEP_DISK: "asleep (disk)",
+    ASLEEP_NETWORK: "asleep (network)",
+    ASLEEP_TIMER: "asleep (timer)",
+    ASLEEP_UNKNOWN: "asleep (woken by another task)",
+    OFFCPU_UNKNOWN: "off-CPU (kind unknown)",
+    NOT_RECORDED: "not recorded",
+}
+
+
+def _pct(ns: int, wall: int) -> str:
+    p = 100 * ns / wall
+    return f"{p:.0f} %" if p >= 1 or p == 0 else f"{p:.1f} %"
+
+
+def describe(row: LedgerRow) -> str:
+    """'90 s = 62 % GPU calls (3 % slower than steady) + 30 % own host code + 5 % preempted': the buckets
+    of at least 0.5 % of the wall time, largest first."""
+    wall = max(1, row.wall_ns)
+    gpu = f"{_pct(row.gpu_ns, wall)} GPU calls"
+    if row.buckets[GPU_SLOW] >= 0.005 * wall:
+        gpu += f" ({_pct(row.buckets[GPU_SLOW], wall)} slower than steady)"
+    rest = sorted(((ns, b) for b, ns in row.buckets.items() if b in WORDS and ns >= 0.005 * wall), reverse=True)
+    shown = [gpu] + [f"{_pct(ns, wall)} {WORDS[b]}" for ns, b in rest]
+    return f"{fmt_duration(round(row.wall_ns / NS_PER_MS) * NS_PER_MS)} = " + " + ".join(shown)
