@@ -119,6 +119,18 @@ GPU_FUNCTIONS: dict[str, list[tuple[tuple[str, ...], str, str]]] = {
     ],
 }
 
+# libc's socket calls -> the entry program (net_probes.c); each has net_return at its return. Attached
+# to the traced processes only (attach_sockets), never host-wide.
+SOCKET_FUNCTIONS = (
+    ("send", "net_enter_send"),
+    ("sendto", "net_enter_send"),
+    ("sendmsg", "net_enter_send"),
+    ("recv", "net_enter_recv"),
+    ("recvfrom", "net_enter_recv"),
+    ("recvmsg", "net_enter_recv"),
+)
+SOCKET_RETURN = "net_return"
+
 # The kernel counters, in CNT_* slot order (ingero_common.h).
 COUNTER_NAMES = ("events_dropped_ring", "nest_overflow", "orphan_returns", "stack_errors", "frames_discarded")
 STACK_MODES = {"off": 0, "site": 1, "full": 2}
@@ -132,6 +144,11 @@ class ProbeOptions:
     host: bool = True  # scheduler / process / memory tracepoints
     io: bool = True  # block I/O and TCP tracepoints
     socket_rw: bool = False  # read/write on sockets too (with io; every process's read/write pays a lookup)
+
+    @property
+    def socket_uprobes(self) -> bool:
+        """Socket calls through per-process libc uprobes (attach_sockets); else --socket-rw's tracepoints."""
+        return self.io and not self.socket_rw
 
 
 @dataclass
@@ -149,6 +166,20 @@ class LibraryAttach:
     path: str
     probes: list[AttachedProbe] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+
+
+def libc_of(pid: int) -> str | None:
+    """The libc file ``pid`` maps, through its root (a container's own libc), or None."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.split(None, 5)[-1].strip()
+                base = path.rsplit("/", 1)[-1]
+                if path.startswith("/") and (base.startswith("libc.so") or base.startswith("libc-")):
+                    return f"/proc/{pid}/root{path}"
+    except OSError:
+        pass
+    return None
 
 
 def bcc_status() -> tuple[bool, str]:
@@ -253,6 +284,7 @@ class BpfProbes:
         self._lock = threading.Lock()
         self._closed = False
         self._attached: dict[tuple[int, int, int], AttachedProbe] = {}  # (dev, ino, offset)
+        self._sockets: dict[int, list[tuple[bytes, int, bool]]] = {}  # pid -> its socket uprobes (path, addr, ret)
         self.libraries: list[LibraryAttach] = []
         self.bpf: Any = _compile(BPF, program_text(options), _cflags(options))
         if not _loads(self.bpf, BPF):
@@ -315,6 +347,64 @@ class BpfProbes:
                 f"cannot attach a uprobe to {probe.symbol} in {probe.path}: {e}",
                 hint="the kernel needs CONFIG_UPROBES; run 'ingero check'",
             ) from None
+
+    def attach_sockets(self, pid: int) -> int:
+        """Uprobes on the socket calls of the libc ``pid`` maps, for that process alone (its perf
+        events carry the pid: no other process gets a breakpoint). Returns how many; 0 when the process
+        is gone or maps no libc. Idempotent per pid; :meth:`detach_sockets` undoes it."""
+        path = libc_of(pid)
+        if path is None or not self.options.socket_uprobes:
+            return 0
+        try:
+            image = elfsyms.load(path)
+        except (elfsyms.ElfError, OSError):
+            return 0
+        addrs: dict[int, str] = {}  # vaddr -> entry program (aliases at one address probed once)
+        for name, fn in SOCKET_FUNCTIONS:
+            where = elfsyms.probe_offset(image, name) if name in image.symbols else None
+            vaddr = image.offset_to_vaddr(where[0]) if where is not None else None
+            if vaddr is not None:
+                addrs.setdefault(vaddr, fn)
+        done: list[tuple[bytes, int, bool]] = []
+        name = path.encode()
+        with self._lock:
+            if self._closed or pid in self._sockets:
+                return len(self._sockets.get(pid, []))
+            self._sockets[pid] = done
+            # bcc raises plain Exception; the process may have exited meanwhile (ESRCH): keep what went on
+            with contextlib.suppress(Exception):
+                for vaddr, fn in addrs.items():  # the return first (see attach_library)
+                    self.bpf.attach_uretprobe(name=name, addr=vaddr, fn_name=SOCKET_RETURN.encode(), pid=pid)
+                    done.append((name, vaddr, True))
+                    self.bpf.attach_uprobe(name=name, addr=vaddr, fn_name=fn.encode(), pid=pid)
+                    done.append((name, vaddr, False))
+        return len(done)
+
+    def detach_sockets(self, pid: int) -> None:
+        """Remove ``pid``'s socket uprobes (the kernel takes ~0.1 s per probe: one at a time, so
+        readers of the maps are not held up)."""
+        with self._lock:
+            probes = self._sockets.pop(pid, [])
+        for name, vaddr, ret in probes:
+            with self._lock:
+                if self._closed:
+                    return
+                detach = self.bpf.detach_uretprobe if ret else self.bpf.detach_uprobe
+                with contextlib.suppress(Exception):  # already gone with its process
+                    detach(name=name, addr=vaddr, pid=pid)
+
+    def socket_pids(self) -> set[int]:
+        """The processes whose socket calls are probed now."""
+        with self._lock:
+            return set(self._sockets)
+
+    def target_pids(self) -> set[int]:
+        """The traced processes (``targets``: --pid targets, processes that called a probed GPU
+        function, their children), as the kernel holds them now."""
+        with self._lock:
+            if self._closed:
+                return set()
+            return {int(k.value) for k in self.bpf[b"targets"]}
 
     def attached_probes(self) -> list[AttachedProbe]:
         with self._lock:

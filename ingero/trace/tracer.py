@@ -95,6 +95,7 @@ class TraceReady:
     server: Any  # what ``TraceOptions.serve`` reported when started (the CLI's BoundServer); None without one
     control: TraceControl
     annotate_socket: Path | None = None  # where --annotate listens
+    socket_pids: Callable[[], set[int]] = set  # the processes whose socket calls are probed now
 
 
 @dataclass
@@ -191,6 +192,18 @@ class _Follower:
         if exits.size:
             self.exited.extend(int(x) for x in exits["pid"])
 
+    def sync_sockets(self) -> None:
+        """Socket-call uprobes on every traced process and on no other: attach for new targets, detach
+        for gone ones (net_probes.c). A process the kernel enrols (its first GPU call, a fork) has
+        its socket calls recorded from this sync on (RESCAN_INTERVAL_S, or TraceControl.rescan)."""
+        if not self.probes.options.socket_uprobes:
+            return
+        now, had = self.probes.target_pids(), self.probes.socket_pids()
+        for pid in sorted(now - had):
+            self.probes.attach_sockets(pid)
+        for pid in sorted(had - now):
+            self.probes.detach_sockets(pid)
+
     def attach(self, libs: list[discovery.LibraryFile]) -> list[LibraryAttach]:
         return [self.probes.attach_library(lib.kind, lib.path) for lib in libs]
 
@@ -257,6 +270,7 @@ async def run_trace(
             probes.add_target_uids(opts.uids)
         follower = _Follower(probes, opts)
         attached = await trio.to_thread.run_sync(follower.attach, found.libraries)
+        await trio.to_thread.run_sync(follower.sync_sockets)
         follower.pyframes = PyFrames() if opts.python_frames and opts.stack_mode != "off" else None
         recorder = Recorder(
             StoragePolicy(opts.store_mode, opts.budget_per_s, opts.stack_samples),
@@ -288,7 +302,9 @@ async def run_trace(
             nursery.start_soon(_maintenance_loop, follower, probes, pipeline, view, control)
             if view is not None:
                 nursery.start_soon(tick_loop, view, live, pipeline)
-            ready = TraceReady(session_id, attached, len(probes.attached_probes()), bound, control, annotate)
+            ready = TraceReady(
+                session_id, attached, len(probes.attached_probes()), bound, control, annotate, probes.socket_pids
+            )
             task_status.started(ready)  # the one readiness report (the caller announces it)
             await control.wait()
             # Shutdown: the programs stop emitting (a flag, instant), a last drain, the writer commits,
@@ -393,8 +409,9 @@ async def _stop_after(control: TraceControl, seconds: float) -> None:
 async def _maintenance_loop(
     follower: _Follower, probes: BpfProbes, pipeline: Pipeline, view: LiveView | None, control: TraceControl
 ) -> None:
-    """Every RESCAN_INTERVAL_S (or on request): probe new GPU libraries (follow mode), and drop what
-    is kept per process (kernel page-allocation counters, the recorder's state) once it exited."""
+    """Every RESCAN_INTERVAL_S (or on request): probe new GPU libraries (follow mode), keep the
+    socket-call uprobes on the traced processes, and drop what is kept per process (kernel
+    page-allocation counters, the recorder's state) once it exited."""
     while True:
         await control._next_rescan(RESCAN_INTERVAL_S)
         if follower.opts.follow:
@@ -402,6 +419,7 @@ async def _maintenance_loop(
             for lib in new:
                 if view is not None:
                     view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
+        await trio.to_thread.run_sync(follower.sync_sockets)
         await trio.to_thread.run_sync(follower.cgroups.flush, follower.opts.db_path)
         if follower.pyframes is not None and view is not None:
             for pid, problem in list(follower.pyframes.problems.items()):

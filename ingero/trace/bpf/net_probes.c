@@ -1,13 +1,21 @@
-// net_probes.c — socket send/receive of the traced processes, from the syscall tracepoints (no
-// kprobes needed). Events (source NET, as Ingero stores them):
-//   net_send (sendto, sendmsg), net_recv (recvfrom, recvmsg): ts = syscall entry, duration = the
-//   syscall's latency, arg0 = bytes moved (0 on error), arg1 = the socket's file descriptor (one
-//   connection of the process), ret = the error (negative errno) or 0.
-// Only processes in `targets` (the traced GPU processes and their children) are recorded.
-// With INGERO_SOCKET_RW (`ingero trace --socket-rw`), read(2)/write(2) on a socket count too (TLS
-// libraries and plain socket streams use them): after the `targets` check, the fd is looked up in the
-// task's file table and kept only when its inode is a socket. Off by default: those tracepoints fire
-// on every read and write of every process on the host (each pays one map lookup).
+// net_probes.c — socket send/receive of the traced processes. Events (source NET, as Ingero stores them):
+//   net_send (send, sendto, sendmsg), net_recv (recv, recvfrom, recvmsg): ts = the call's entry,
+//   duration = its latency, arg0 = bytes moved (0 on error), arg1 = the socket's file descriptor (one
+//   connection of the process), ret = the error or 0.
+// Only processes in `targets` (the traced GPU processes and their children) are recorded, and no other
+// process may pay for it (bench/bench_overhead.py measures the mechanisms):
+//   * by default, uprobes on libc's socket functions, attached by probes.py to each traced process only
+//     (a perf event per process: the kernel plants the breakpoint in that process's memory alone, so
+//     every other process runs its socket calls untouched). ret = -1 on error (libc's return; errno
+//     stays in the thread's TLS). A target's calls are seen from the agent's next sync (tracer.py).
+//     The syscall tracepoints this replaced put every syscall of every process on the kernel's slow
+//     path (+40 % on an untraced socket round trip); fentry/BTF programs are refused by kernels in
+//     lockdown, like this one.
+//   * with INGERO_SOCKET_RW (`ingero trace --socket-rw`, opt-in, its own cost), the syscall tracepoints:
+//     sendto/sendmsg/recvfrom/recvmsg, and read(2)/write(2) on a socket (TLS libraries and plain socket
+//     streams use them): after the `targets` check, the fd is looked up in the task's file table and
+//     kept only when its inode is a socket. Those fire on every read and write of every process on
+//     the host. ret = negative errno there.
 
 struct net_start {
     u64 ts;
@@ -16,18 +24,21 @@ struct net_start {
     u32 _pad;
 };
 
-BPF_HASH(net_inflight, u32, struct net_start, 16384);  // tid -> its socket syscall in flight
+BPF_TABLE("lru_hash", u32, struct net_start, net_inflight, 16384);  // tid -> its socket call in flight
 
-static __always_inline void net_enter(u64 fd, u32 op) {
+// A socket call of a traced process begins (the caller checked it is one).
+static __always_inline void net_enter_traced(u64 fd, u32 op) {
     if (stopping())
         return;
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    if (!targets.lookup(&tgid))
-        return;
-    u32 tid = id;
+    u32 tid = bpf_get_current_pid_tgid();
     struct net_start st = {.ts = bpf_ktime_get_ns(), .fd = fd, .op = op};
     net_inflight.update(&tid, &st);
+}
+
+static __always_inline void net_enter(u64 fd, u32 op) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (targets.lookup(&tgid))
+        net_enter_traced(fd, op);
 }
 
 static __always_inline void net_exit(long ret) {
@@ -42,6 +53,22 @@ static __always_inline void net_exit(long ret) {
     emit_host(SRC_NET, s.op, s.ts, now - s.ts, id >> 32, tid, ret > 0 ? (u64)ret : 0, s.fd, ret < 0 ? (s32)ret : 0);
 }
 
+#if !INGERO_SOCKET_RW
+// libc's send/sendto/sendmsg (net_enter_send), recv/recvfrom/recvmsg (net_enter_recv): the fd is the
+// first argument of each; net_return at their return. Attached per traced process (probes.py).
+int net_enter_send(struct pt_regs *ctx) {
+    net_enter_traced(PT_REGS_PARM1(ctx), OP_net_send);
+    return 0;
+}
+int net_enter_recv(struct pt_regs *ctx) {
+    net_enter_traced(PT_REGS_PARM1(ctx), OP_net_recv);
+    return 0;
+}
+int net_return(struct pt_regs *ctx) {
+    net_exit(PT_REGS_RC(ctx));
+    return 0;
+}
+#else
 TRACEPOINT_PROBE(syscalls, sys_enter_sendto) {
     net_enter(args->fd, OP_net_send);
     return 0;
@@ -75,7 +102,6 @@ TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) {
     return 0;
 }
 
-#if INGERO_SOCKET_RW
 // 1 when `fd` of the current task is a socket: task->files->fdt->fd[fd]->f_inode->i_mode, each read
 // with bpf_probe_read_kernel at the running kernel's offsets (KOFF_*, from its BTF: ingero/trace/btf.py;
 // the installed headers may describe another kernel).
@@ -117,7 +143,7 @@ static __always_inline void net_enter_rw(u64 fd, u32 op) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!targets.lookup(&tgid) || !fd_is_socket(fd))
         return;
-    net_enter(fd, op);
+    net_enter_traced(fd, op);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_write) {
