@@ -360,8 +360,8 @@ class BpfProbes:
         except (elfsyms.ElfError, OSError):
             return 0
         addrs: dict[int, str] = {}  # vaddr -> entry program (aliases at one address probed once)
-        for name, fn in SOCKET_FUNCTIONS:
-            where = elfsyms.probe_offset(image, name) if name in image.symbols else None
+        for symbol, fn in SOCKET_FUNCTIONS:
+            where = elfsyms.probe_offset(image, symbol) if symbol in image.symbols else None
             vaddr = image.offset_to_vaddr(where[0]) if where is not None else None
             if vaddr is not None:
                 addrs.setdefault(vaddr, fn)
