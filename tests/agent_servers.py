@@ -19,6 +19,7 @@ from ingero.asgi import ASGIApp
 from ingero.identity import Identity
 from ingero.tls.context import client_ssl_context
 from ingero.tls.pki import create_ca, issue_cert, split_sans
+from ingero.tools.http import node_tools
 
 RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"  # never ends
 
@@ -85,8 +86,11 @@ async def running(
     """Start one agent in a nursery, yield it with a client; stop it on exit."""
     seen: list[Any] = []
 
+    tools = node_tools(s)
+
     def capture(app: ASGIApp) -> ASGIApp:
         seen.append(app)
+        app = tools(app)  # the node's server as the CLI composes it
         return wrapper(app) if wrapper else app
 
     async with trio.open_nursery() as nursery:

@@ -24,6 +24,7 @@ from ingero.config import NodeSpec
 from ingero.fleet.settings import ClientSettings
 from ingero.identity import Identity
 from ingero.store.writer import EventRow
+from ingero.tools.http import node_tools
 from tests import agent_servers
 
 Pki = agent_servers.Pki  # the agent tests' PKI; test modules import both from here too
@@ -101,9 +102,13 @@ def server_settings(spec: AgentSpec, pki: Pki) -> ServerSettings:
 
 async def start_agents(nursery: trio.Nursery, pki: Pki, specs: list[AgentSpec]) -> list[BoundServer]:
     """Start every agent; returns once each reported its bound port (task_status), in order."""
-    return [
-        await nursery.start(partial(serve_api, server_settings(spec, pki), app_wrapper=spec.wrapper)) for spec in specs
-    ]
+    started = []
+    for spec in specs:
+        settings = server_settings(spec, pki)
+        tools, extra = node_tools(settings), spec.wrapper
+        wrap: Wrapper = tools if extra is None else (lambda app, t=tools, w=extra: w(t(app)))  # type: ignore[misc]
+        started.append(await nursery.start(partial(serve_api, settings, app_wrapper=wrap)))
+    return started
 
 
 def node_specs(servers: list[BoundServer]) -> list[NodeSpec]:

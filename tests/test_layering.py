@@ -1,4 +1,4 @@
-"""Imports flow one way: cli → mcp/dashboard → api → tools → export → fleet → metrics/demo → explain/trace → store.
+"""Imports flow one way: cli → mcp/dashboard → tools → export → fleet → metrics/demo/api → explain/trace → store.
 
 Each package has a layer; a module may import its own package or any package of a lower layer, never a
 higher one (so no cycles between packages). Imports under ``if TYPE_CHECKING:`` count too: a type
@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
     "fleet": 5,
     "export": 6,
     "tools": 7,
-    "api": 8,
+    "api": 4,  # the agent's server: composed with the tools routes at the edge (cli), never importing them
     "mcp": 9,
     "dashboard": 9,
     "cli": 10,

@@ -60,6 +60,11 @@ class ServerSettings:
     tls_dir: Path | None = None  # where the self-signed certificate lives (default ~/.ingero/tls)
     backlog: int = 128
 
+    @property
+    def tls_mode(self) -> str:
+        """``plaintext`` (--no-tls), ``mtls`` (a client CA) or ``tls``."""
+        return "plaintext" if self.no_tls else "mtls" if self.client_ca else "tls"
+
 
 @dataclass
 class BoundServer:
@@ -158,7 +163,7 @@ def prepare_tls(settings: ServerSettings) -> TLSSetup:
     fingerprint, created = (auto.fingerprint_sha256, auto.created) if auto else (None, False)
     ctx = context.server_ssl_context(cert, key, s.client_ca.expanduser() if s.client_ca else None)
     ctx.sslobject_class = PeerRecordingSSLObject  # client certificate subject → fair admission per client
-    return TLSSetup(ctx, "mtls" if s.client_ca else "tls", fingerprint or context.cert_fingerprint(cert), cert, created)
+    return TLSSetup(ctx, s.tls_mode, fingerprint or context.cert_fingerprint(cert), cert, created)
 
 
 def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
@@ -229,16 +234,6 @@ def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
     return AgentAPI(ctx)
 
 
-def _with_tools(app: ASGIApp, settings: ServerSettings, tls_mode: str) -> ASGIApp:
-    """The tool registry's HTTP API (``/api/versions``, ``/api/v1/tools/...``, ``/api/v1/openapi.json``) in
-    front of the agent's endpoints, behind authentication → audit → rate limit (:mod:`ingero.tools.http`)."""
-    from ingero.tools.http import agent_tools_app
-    from ingero.tools.registry import ToolEnv
-
-    env = ToolEnv(db=settings.db_path.expanduser())
-    return agent_tools_app(app, env=env, token=settings.token or None, mtls=tls_mode == "mtls")
-
-
 async def serve_api(
     settings: ServerSettings,
     *,
@@ -247,10 +242,12 @@ async def serve_api(
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until cancelled. Raises IngeroError (before ``started``) on bad settings. ``tls_setup``:
-    what the caller's own :func:`preflight` returned (then it is not run again)."""
+    what the caller's own :func:`preflight` returned (then it is not run again). ``app_wrapper`` puts
+    routes in front of the agent's endpoints: the node's server is composed at the edge (``ingero serve``
+    and ``trace --listen`` mount the tools API with :func:`ingero.tools.http.node_tools`), so the agent
+    imports nothing above it."""
     setup = tls_setup if tls_setup is not None else preflight(settings)
     app: ASGIApp = build_app(settings, setup.mode)
-    app = _with_tools(app, settings, setup.mode)
     if app_wrapper is not None:
         app = app_wrapper(app)
     sock = bind_socket(settings.host, settings.port, settings.backlog)

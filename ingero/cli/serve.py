@@ -290,10 +290,13 @@ async def _serve(settings: ServerSettings, setup: TLSSetup, ready: Path | None) 
     import trio
 
     from ingero.api.server import serve_api
+    from ingero.tools.http import node_tools
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            bound: BoundServer = await nursery.start(partial(serve_api, settings, tls_setup=setup))
+            bound: BoundServer = await nursery.start(
+                partial(serve_api, settings, tls_setup=setup, app_wrapper=node_tools(settings))
+            )
             if ready is not None:  # before the line on stderr: a reader of either finds both
                 write_ready_file(ready, bound, settings.identity.node)
             fp = f" fingerprint=SHA256:{bound.fingerprint_sha256}" if bound.fingerprint_sha256 else ""

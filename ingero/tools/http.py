@@ -30,6 +30,7 @@ from typing import Any
 import trio
 
 from ingero import API_VERSION, __version__
+from ingero.api.server import ServerSettings
 from ingero.asgi import ASGIApp, Message, Receive, Scope, Send, lifespan, read_body
 from ingero.errors import (
     AuthError,
@@ -283,6 +284,13 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise RequestError("the body must be a JSON object of arguments", hint='e.g. {"query": "SELECT 1"}')
     return doc
+
+
+def node_tools(settings: ServerSettings) -> Callable[[ASGIApp], ASGIApp]:
+    """The wrapper that mounts the tools routes on an agent (``serve_api(..., app_wrapper=...)``)."""
+    env = ToolEnv(db=settings.db_path.expanduser())
+    mtls = settings.tls_mode == "mtls"
+    return lambda inner: agent_tools_app(inner, env=env, token=settings.token or None, mtls=mtls)
 
 
 def agent_tools_app(
