@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from verdict import Target, no_verdict, summary, verdict
+from bench_fleet import make_pki, tls_flags
+from verdict import Runs, Target, no_verdict, summary, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -162,16 +163,16 @@ def bench_shape(shape: str, db: Path, work: Path, pki: Path, repeat: int, full: 
     """Explain against the sqlite3 fetch on ``db``, then ``explain --nodes`` against an agent serving it."""
     m = measure(db, repeat)
     report_shape(shape, m, full)
-    times, problem = explain_nodes(db, work, pki, repeat)
+    runs = explain_nodes(db, work, pki, repeat)
     judge(
         f"{shape}: explain --nodes, slowest run",
-        max(times, default=float("inf")),
+        runs.worst,
         NODES,
         full,
         m.events,
-        complete=bool(times) and not problem,
-        detail=f"runs {', '.join(f'{x:.2f}' for x in times)} s; default timeout {FleetConfig().timeout_s:g} s"
-        + (f"; {problem}" if problem else ""),
+        complete=runs.complete,
+        detail=f"{', '.join(f'{x:.2f}' for x in runs.times)} s; default timeout {FleetConfig().timeout_s:g} s; "
+        + runs.detail,
     )
     return m
 
@@ -208,19 +209,9 @@ def recurring_db(path: Path, quick: bool) -> Path | None:
 # --- explain --nodes against a real agent ----------------------------------------------------------
 
 
-def make_pki(work: Path) -> Path:
-    from ingero.tls.pki import create_ca, issue_cert, split_sans
-
-    pki = work / "pki"
-    create_ca(pki)
-    issue_cert(pki, "node", "bench", split_sans(["127.0.0.1"]))
-    issue_cert(pki, "client", "bench")
-    return pki
-
-
-def explain_nodes(db: Path, work: Path, pki: Path, runs: int) -> tuple[list[float], str]:
-    """Wall times of ``ingero explain --nodes`` (default timeout) against ``ingero serve`` on ``db``;
-    the first run that did not answer with the node's report, if any."""
+def explain_nodes(db: Path, work: Path, pki: Path, runs: int) -> Runs:
+    """``ingero explain --nodes`` (default timeout) against ``ingero serve`` on ``db``, each run checked:
+    exit 0 and the node's report in the answer."""
     from ingero.fleet import local_agents
 
     env = {k: v for k, v in os.environ.items() if k != "INGERO_CONFIG"} | {"HOME": str(work)}
@@ -231,23 +222,18 @@ def explain_nodes(db: Path, work: Path, pki: Path, runs: int) -> tuple[list[floa
         "--client-ca", str(pki / "ca.pem"), "--ready-file", str(ready),
     ]  # fmt: skip
     agent = subprocess.Popen(serve, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    times: list[float] = []
-    problem = ""
+    timed = Runs()
     try:
         _, info = local_agents.wait_ready(agent, ready, db.stem)
-        argv = [
-            sys.executable, "-m", "ingero", "explain", "--json", "--nodes", f"{info['host']}:{info['port']}",
-            "--ca-cert", str(pki / "ca.pem"), "--client-cert", str(pki / "client-bench.pem"),
-            "--client-key", str(pki / "client-bench-key.pem"),
-        ]  # fmt: skip
+        argv = [sys.executable, "-m", "ingero", "explain", "--json", "--nodes", f"{info['host']}:{info['port']}"]
+        argv += tls_flags(pki)
         for _ in range(runs):
             t0 = time.perf_counter()
             r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-            times.append(time.perf_counter() - t0)
-            problem = problem or answer_problem(r)
+            timed.add(time.perf_counter() - t0, answer_problem(r))
     finally:
         local_agents.stop([agent])
-    return times, problem
+    return timed
 
 
 def answer_problem(r: subprocess.CompletedProcess[str]) -> str:
@@ -280,7 +266,8 @@ def main() -> int:
         t = time.perf_counter()
         make_db(db, n)
         print(f"built the {n:,}-event trainer in {time.perf_counter() - t:.1f}s")
-        pki = make_pki(work)
+        pki = work / "pki"
+        make_pki(pki)
         trainer = bench_shape("trainer", db, work, pki, repeat, full)
         judge("trainer: explain (reading threads)", trainer.threads, ABSOLUTE, full, n)
 

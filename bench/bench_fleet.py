@@ -164,11 +164,20 @@ def start_agents(total: int, procs: int, db: Path, pki: Path) -> AgentPool:
 
 
 def make_pki(d: Path) -> None:
+    """A CA, the agents' certificate (node-bench) and the client's (client-bench) in ``d``."""
     from ingero.tls.pki import create_ca, issue_cert, split_sans
 
     create_ca(d)
     issue_cert(d, "node", "bench", split_sans(["127.0.0.1", "localhost"]))
     issue_cert(d, "client", "bench")
+
+
+CLIENT_TLS = {"--ca-cert": "ca.pem", "--client-cert": "client-bench.pem", "--client-key": "client-bench-key.pem"}
+
+
+def tls_flags(pki: Path) -> list[str]:
+    """The CLI's mTLS flags for :func:`make_pki`'s client."""
+    return [x for flag, name in CLIENT_TLS.items() for x in (flag, str(pki / name))]
 
 
 # --- the two clients ------------------------------------------------------------------------------
@@ -188,9 +197,9 @@ def fleet_settings(pki: Path, samples: int = SAMPLES) -> Any:
     from ingero.fleet.settings import ClientSettings
 
     return ClientSettings(
-        ca_cert=str(pki / "ca.pem"),
-        client_cert=str(pki / "client-bench.pem"),
-        client_key=str(pki / "client-bench-key.pem"),
+        ca_cert=str(pki / CLIENT_TLS["--ca-cert"]),
+        client_cert=str(pki / CLIENT_TLS["--client-cert"]),
+        client_key=str(pki / CLIENT_TLS["--client-key"]),
         timeout_s=NODE_TIMEOUT_S,
         fanout=WIDTH,
         skew_samples=samples,
@@ -254,9 +263,9 @@ def run_raw(nodes: list[NodeSpec], pki: Path, samples: int) -> Run:
                 failures.append(f"{node.host}:{node.port}: {type(e).__name__} {e}")
 
     async def main() -> None:
-        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        ctx = ssl.create_default_context(cafile=str(pki / CLIENT_TLS["--ca-cert"]))
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-        ctx.load_cert_chain(str(pki / "client-bench.pem"), str(pki / "client-bench-key.pem"))
+        ctx.load_cert_chain(str(pki / CLIENT_TLS["--client-cert"]), str(pki / CLIENT_TLS["--client-key"]))
         ctx.set_alpn_protocols(["http/1.1"])
         limiter = trio.CapacityLimiter(WIDTH)
         body = json.dumps({"sql": SQL}).encode()

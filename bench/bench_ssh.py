@@ -29,7 +29,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -37,8 +36,8 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
-from bench_fleet import SAMPLE_DB, SQL, expected_rows, make_pki, raise_fd_limit, start_agents  # noqa: E402
-from verdict import Target, summary, verdict  # noqa: E402
+from bench_fleet import SAMPLE_DB, SQL, expected_rows, make_pki, raise_fd_limit, start_agents, tls_flags  # noqa: E402
+from verdict import Runs, Target, summary, verdict  # noqa: E402
 
 TARGET = Target(0.5, "x")
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -133,44 +132,33 @@ def ingero_rows(out: str) -> dict[str, int]:
     return counts
 
 
-@dataclass
-class Timed:
-    """Best wall time over the runs, and how many runs had every node's rows."""
-
-    best: float = float("inf")
-    complete_runs: int = 0
-    runs: int = 0
-    problem: str = ""
-
-
 def best_of(argv: list[str], repeat: int, env: dict[str, str], rows: Callable[[str], dict[str, int]], want: int,
-            rows_each: int) -> Timed:  # fmt: skip
-    """Best of ``repeat`` runs of ``argv``; a run counts as complete when it exits 0 and ``rows`` of its
-    output finds ``want`` nodes with ``rows_each`` rows each."""
-    timed = Timed()
+            rows_each: int) -> Runs:  # fmt: skip
+    """``repeat`` runs of ``argv``; a run goes as expected when it exits 0 and ``rows`` of its output finds
+    ``want`` nodes with ``rows_each`` rows each."""
+    timed = Runs()
     for _ in range(repeat):
         t0 = time.perf_counter()
         r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
-        dt = time.perf_counter() - t0
-        timed.runs += 1
-        timed.best = min(timed.best, dt)
-        if r.returncode != 0:
-            timed.problem = timed.problem or f"{argv[0]} exit {r.returncode}: {r.stderr.strip()[-200:]}"
-            continue
-        try:
-            per_node = rows(r.stdout)
-        except (ValueError, KeyError) as e:
-            timed.problem = timed.problem or f"{argv[0]}: unreadable output ({e})"
-            continue
-        full = sum(1 for k in per_node.values() if k == rows_each)
-        if full == want == len(per_node):
-            timed.complete_runs += 1
-        else:
-            err = r.stderr.strip().splitlines()
-            timed.problem = timed.problem or (
-                f"{argv[0]}: {full}/{want} nodes with their {rows_each} rows" + (f" ({err[-1][:200]})" if err else "")
-            )
+        timed.add(time.perf_counter() - t0, run_problem(r, rows, want, rows_each))
     return timed
+
+
+def run_problem(r: subprocess.CompletedProcess[str], rows: Callable[[str], dict[str, int]], want: int,
+                rows_each: int) -> str:  # fmt: skip
+    """ "" when the run exited 0 with every node's rows; else what was wrong."""
+    err = r.stderr.strip().splitlines()
+    last = f" ({err[-1][:200]})" if err else ""
+    if r.returncode != 0:
+        return f"{r.args[0]} exit {r.returncode}{last}"
+    try:
+        per_node = rows(r.stdout)
+    except (ValueError, KeyError) as e:
+        return f"{r.args[0]}: unreadable output ({e})"
+    full = sum(1 for k in per_node.values() if k == rows_each)
+    return (
+        "" if full == want == len(per_node) else f"{r.args[0]}: {full}/{want} nodes with their {rows_each} rows{last}"
+    )
 
 
 def main() -> int:
@@ -196,11 +184,7 @@ def main() -> int:
         (d / "pki").mkdir()
         make_pki(d / "pki")
         pki = d / "pki"
-        tls = [
-            "--ca-cert", str(pki / "ca.pem"),
-            "--client-cert", str(pki / "client-bench.pem"),
-            "--client-key", str(pki / "client-bench-key.pem"),
-        ]  # fmt: skip
+        tls = tls_flags(pki)
         (d / "ssh").mkdir(mode=0o700)
         env = {k: v for k, v in os.environ.items() if k != "INGERO_CONFIG"}
         env["HOME"] = tmp  # no user config file
@@ -220,14 +204,13 @@ def main() -> int:
                     ingero = [sys.executable, "-m", "ingero", "query", "--json", "--nodes", nodes, *tls]
                     ingero += ["--fanout", str(n), SQL]
                     t_ingero = best_of(ingero, repeat, env, ingero_rows, n, rows_each)
-                    runs = f"{t_ingero.complete_runs}/{repeat} ingero and {t_pdsh.complete_runs}/{repeat} pdsh runs"
                     verdict(
                         f"{n} nodes: ingero / pdsh+ssh",
                         t_ingero.best / t_pdsh.best,
                         TARGET,
-                        complete=t_ingero.complete_runs == t_pdsh.complete_runs == repeat,
-                        detail=f"{t_ingero.best:.2f} s vs {t_pdsh.best:.2f} s; {runs} with every node's rows"
-                        + (f"; {t_ingero.problem or t_pdsh.problem}" if t_ingero.problem or t_pdsh.problem else ""),
+                        complete=t_ingero.complete and t_pdsh.complete,
+                        detail=f"{t_ingero.best:.2f} s vs {t_pdsh.best:.2f} s; ingero {t_ingero.detail}; "
+                        f"pdsh {t_pdsh.detail}",
                     )
             finally:
                 pool.close()

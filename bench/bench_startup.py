@@ -28,11 +28,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from verdict import Target, summary, verdict
+from bench_fleet import make_pki, tls_flags
+from verdict import Runs, Target, summary, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,32 +49,6 @@ ERROR_PREFIX = "ingero: error: "
 
 Check = Callable[[subprocess.CompletedProcess[str]], str]  # "" when the outcome is the expected one
 ENV = {k: v for k, v in os.environ.items() if k != "INGERO_CONFIG"}  # HOME is set to a temp dir in main()
-
-
-@dataclass
-class Timing:
-    """Best wall time of the runs whose outcome was the expected one; the first unexpected outcome."""
-
-    best: float = float("inf")
-    runs: int = 0
-    good: int = 0
-    problem: str = ""
-
-    def add(self, seconds: float, problem: str) -> None:
-        self.runs += 1
-        if problem:
-            self.problem = self.problem or problem[:240]
-        else:
-            self.good += 1
-            self.best = min(self.best, seconds)
-
-    @property
-    def complete(self) -> bool:
-        return self.good == self.runs > 0
-
-    @property
-    def detail(self) -> str:
-        return f"{self.good}/{self.runs} runs as expected" + (f"; {self.problem}" if self.problem else "")
 
 
 def expect_ok(proc: subprocess.CompletedProcess[str], needle: str = "") -> str:
@@ -98,8 +72,8 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def best_wall(argv: list[str], runs: int, check: Check = expect_ok) -> Timing:
-    timing = Timing()
+def best_wall(argv: list[str], runs: int, check: Check = expect_ok) -> Runs:
+    timing = Runs()
     for _ in range(runs):
         t0 = time.perf_counter()
         proc = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, check=False)
@@ -107,9 +81,9 @@ def best_wall(argv: list[str], runs: int, check: Check = expect_ok) -> Timing:
     return timing
 
 
-def first_byte(argv_for_port: list[str], listener: socket.socket, runs: int) -> Timing:
+def first_byte(argv_for_port: list[str], listener: socket.socket, runs: int) -> Runs:
     """Popen → the first byte the client sends arrives at ``listener`` (a client that dies first: a problem)."""
-    timing = Timing()
+    timing = Runs()
     listener.settimeout(0.2)
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -135,15 +109,6 @@ def first_byte(argv_for_port: list[str], listener: socket.socket, runs: int) -> 
     return timing
 
 
-def make_pki(d: Path) -> list[str]:
-    from ingero.tls.pki import create_ca, issue_cert, split_sans
-
-    create_ca(d / "ca")
-    issue_cert(d / "ca", "node", "bench", split_sans(["127.0.0.1"]))
-    client = issue_cert(d / "ca", "client", "bench-client")
-    return ["--ca-cert", str(d / "ca" / "ca.pem"), "--client-cert", str(client.cert), "--client-key", str(client.key)]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=7, help="fresh processes per figure (best taken)")
@@ -151,7 +116,8 @@ def main() -> int:
     args = ap.parse_args()
     runs = 3 if args.quick else args.runs
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as listener:
-        tls = make_pki(Path(tmp))
+        make_pki(Path(tmp) / "pki")
+        tls = tls_flags(Path(tmp) / "pki")
         ENV["HOME"] = tmp  # no user config file: nodes and TLS from the flags only
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)

@@ -18,7 +18,7 @@ Any other non-zero status (a traceback's 1, argparse's 2) means the benchmark cr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 EXIT_MISS = 3  # the benchmark ran to its end and at least one verdict is MISS
 
@@ -47,6 +47,40 @@ class Target:
     def __str__(self) -> str:
         op = ">=" if self.at_least else "<" if self.strict else "<="
         return f"{op} {self.show(self.limit)}"
+
+
+@dataclass
+class Runs:
+    """Wall times of repeated runs, each checked by its benchmark: a run whose outcome was not the expected
+    one (an exit status, a missing answer) is counted and its time never used; ``complete`` only when every
+    run went as expected."""
+
+    times: list[float] = field(default_factory=list)  # of the runs that went as expected
+    runs: int = 0
+    problem: str = ""  # the first unexpected outcome
+
+    def add(self, seconds: float, problem: str = "") -> None:
+        self.runs += 1
+        if problem:
+            self.problem = self.problem or problem[:240]
+        else:
+            self.times.append(seconds)
+
+    @property
+    def best(self) -> float:
+        return min(self.times, default=math.inf)
+
+    @property
+    def worst(self) -> float:
+        return max(self.times, default=math.inf)
+
+    @property
+    def complete(self) -> bool:
+        return self.runs > 0 and len(self.times) == self.runs
+
+    @property
+    def detail(self) -> str:
+        return f"{len(self.times)}/{self.runs} runs as expected" + (f"; {self.problem}" if self.problem else "")
 
 
 def verdict(name: str, measured: float, target: Target, *, complete: bool = True, detail: str = "") -> str:
