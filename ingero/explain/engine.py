@@ -182,7 +182,7 @@ def _explain_node(
     traced = np.asarray([pid], dtype=np.int64) if pid is not None else gpu_pids
     off = OffCpu(fr.args)
     tree = process_tree(fr, traced)
-    ledger = build_ledger(fr, gpu, off, holes=storage.holes, unstored=unstored)
+    ledger = build_ledger(fr, gpu, off, holes=storage.holes, unstored=unstored, names=names)
     node_ctx = Context(
         node=fr.node,
         frame=fr,

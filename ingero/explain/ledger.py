@@ -214,6 +214,7 @@ class LedgerRow:
     slow_by_op: dict[tuple[int, int], int] = field(default_factory=dict)  # per-call excess, per op
     gap_start: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)  # those gaps
     gap_end: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+    name: str = ""  # the process's name (command line), when recorded
 
     @property
     def wall_ns(self) -> int:
@@ -232,7 +233,7 @@ class LedgerRow:
         return sorted(((op_name(s, o), ns) for (s, o), ns in self.slow_by_op.items()), key=lambda x: -x[1])
 
     def as_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"node": self.node, "pid": self.pid}
+        d: dict[str, Any] = {"node": self.node, "pid": self.pid, "name": self.name}
         if self.tid is not None:
             d |= {"tid": self.tid, "start_ns": self.start_ns, "end_ns": self.end_ns, "calls": self.calls}
         d |= {"wall_ns": self.wall_ns, "buckets": dict(self.buckets)}
@@ -248,6 +249,7 @@ def aggregate(rows: list[LedgerRow], *, by_process: bool) -> list[LedgerRow]:
         cur = out.get(key)
         if cur is None:
             out[key] = LedgerRow(r.node, key[1], None, r.start_ns, r.end_ns, dict(r.buckets), r.calls)
+            out[key].name = r.name if by_process else ""
             continue
         for b, ns in r.buckets.items():
             cur.buckets[b] += ns
@@ -422,6 +424,7 @@ def build_ledger(
     *,
     holes: list[tuple[int, int]] | None = None,
     unstored: Unstored | None = None,
+    names: dict[int, str] | None = None,
 ) -> Ledger:
     """The ledger of every GPU thread of one node (``gpu``: its GPU API rows; ``fr``: all its rows)."""
     if gpu.size == 0:
@@ -479,6 +482,7 @@ def build_ledger(
                     f"{fr.node}: {left / 1e6:.1f} ms of unstored GPU calls of tid {t} found no gap in their minute "
                     "(calls overlapping stored ones, or a window cutting a minute)"
                 )
+        row.name = (names or {}).get(p, "")
         ledger.rows.append(row)
     if un.count.size:
         ledger.notes.append(

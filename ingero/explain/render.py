@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from ingero.explain.engine import ExplainReport
+from ingero.explain.ledger import LedgerRow, describe
 from ingero.explain.model import Chain
 from ingero.explain.stats import HostSummary, OpStats
 from ingero.texttable import render_table
@@ -45,6 +46,18 @@ def _host_line(h: HostSummary) -> str:
         parts.append(f"{h.tcp_retransmits} TCP retransmits")
     parts.append(f"host events avg {fmt_latency(h.host_avg_ns)}")
     return "  host: " + ", ".join(parts)
+
+
+def _ledger_lines(rows: list[LedgerRow], limit: int = 8) -> list[str]:
+    """One line per GPU thread, the longest first: where its wall time went (the ledger's buckets)."""
+    rows = sorted(rows, key=lambda r: -r.wall_ns)
+    out = []
+    for r in rows[:limit]:
+        who = f"GPU thread {r.tid}" + (f" ({r.name})" if r.name else f" (pid {r.pid})")
+        out += _wrap(f"{who}: {describe(r)}", "  ")
+    if len(rows) > limit:
+        out.append(f"  ... {len(rows) - limit} more GPU thread(s) (--json shows the whole ledger)")
+    return out
 
 
 def _wrap(text: str, indent: str) -> list[str]:
@@ -94,6 +107,7 @@ def render_report(report: ExplainReport, *, source: str = "", op_limit: int = 12
         host = report.hosts.get(node)
         if host is not None:
             out.append(_host_line(host))
+        out += _ledger_lines([r for r in report.ledger if r.node == node])
     out.append("")
     if report.chains:
         out.append(f"causal chains ({len(report.chains)})")
