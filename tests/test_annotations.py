@@ -272,3 +272,28 @@ def test_annotate_help_warns_that_labels_leak_through_cmdline(capsys: pytest.Cap
     with pytest.raises(SystemExit):
         main(["annotate", "--help"])
     assert "/proc/<pid>/cmdline" in capsys.readouterr().out
+
+
+def test_query_annotations_across_the_fleet(labelled: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two real mTLS agents: each node's events get that node's labels only (pid 50 is on both)."""
+    from tests.fleet_agents import AgentSpec, agents_in_thread, make_pki
+
+    other = tmp_path / "b.db"
+    with StoreWriter(other, Identity("node-b")) as w:
+        w.write_batch(
+            [ev(T0, 1, HOST, FORK, arg1=50), ev(T0 + S, 50)], annotations=[label_row(T0, {"step": "77"}, pid=50)]
+        )
+    pki = make_pki(tmp_path / "pki")
+    tls = ["--ca-cert", str(pki.ca), "--client-cert", str(pki.client_cert), "--client-key", str(pki.client_key)]
+    with agents_in_thread(pki, [AgentSpec(labelled, "node-a"), AgentSpec(other, "node-b")]) as servers:
+        nodes = ",".join(f"{s.host}:{s.port}" for s in servers)
+        sql = f"SELECT timestamp, pid FROM events WHERE source = 1 AND pid = 50 AND timestamp < {T0 + 2 * S}"
+        assert main(["query", "--nodes", nodes, *tls, "--annotations", "--json", sql]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    cols = doc["columns"]
+    got = sorted((r[cols.index("node")], r[cols.index("timestamp")] - T0, r[-1]) for r in doc["rows"])
+    assert got == [
+        ("node-a", S // 2, "run_id=r1"),
+        ("node-a", S + S // 2, "run_id=r1 step=1"),
+        ("node-b", S, "step=77"),
+    ]

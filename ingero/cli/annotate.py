@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ingero.cli import common
 
@@ -229,3 +229,32 @@ def _send(args: argparse.Namespace, lines: list[AnnotationLine]) -> int:
         for n, msg in refused:
             note(f"line {n} refused: {msg}")
     return 1 if refused else 0
+
+
+def fleet_labels(nodes: Any, settings: Any, columns: list[str], rows: list[list[Any]]) -> list[list[Any]]:
+    """``query --annotations --nodes``: the merged rows plus their labels. Every node's annotations and
+    process lifecycle events come through the same fan-out (so their ``node`` is the rows') and are
+    joined here in memory, exactly as on one database. Nodes that cannot answer add no labels."""
+    import sqlite3
+
+    from ingero.fleet.operations import query_sync
+    from ingero.store.annotation_join import lifecycle_sql, with_labels
+    from ingero.store.annotations import ROW_COLUMNS
+    from ingero.store.guard import MAX_LIMIT
+    from ingero.store.schema import ANNOTATIONS_TABLE
+
+    mem = sqlite3.connect(":memory:")
+    try:
+        mem.executescript(ANNOTATIONS_TABLE)
+        mem.execute("CREATE TABLE events(timestamp, pid, source, op, arg1, node)")
+        for table, sql in (
+            ("annotations", f"SELECT {', '.join(ROW_COLUMNS)} FROM annotations ORDER BY id"),
+            ("events", lifecycle_sql()),
+        ):
+            got = query_sync(nodes, settings, sql, limit=MAX_LIMIT)
+            if got.columns:
+                marks = ", ".join("?" * len(got.columns))
+                mem.executemany(f"INSERT INTO {table}({', '.join(got.columns)}) VALUES ({marks})", got.rows)
+        return with_labels(mem, columns, rows)
+    finally:
+        mem.close()

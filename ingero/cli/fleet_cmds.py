@@ -145,6 +145,11 @@ def run_query(args: argparse.Namespace, sql: str) -> int:
             note(f"not asked: {line}")
         raise bad_sql
     fmt = getattr(args, "format", "table")
+    if getattr(args, "annotations", False) and result.answered and result.columns:
+        from ingero.cli.annotate import fleet_labels
+
+        result.rows = fleet_labels(nodes, settings, result.columns, result.rows)
+        result.columns = [*result.columns, "labels"]
     if result.answered and result.columns:
         emit_rows(result.columns, result.rows, fmt, meta=result.meta(), headers=getattr(args, "headers", True))
     elif fmt == "json":

@@ -63,11 +63,6 @@ def run(args: argparse.Namespace) -> int:
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 
-        if args.annotations:
-            from ingero.errors import UsageError
-
-            raise UsageError("--annotations is local for now", hint="run it on a merged database (ingero merge)")
-
         return fleet_cmds.run_query(args, sql_from(args))
     return run_local(args)
 

@@ -41,6 +41,13 @@ class EventKey:
     node: str = ""
 
 
+def lifecycle_sql(node: str | None = None) -> str:
+    """The process lifecycle rows a join needs (timestamp, pid, source, op, arg1[, node])."""
+    ops = ", ".join(str(op) for _, op in (_FORK, _EXEC, _EXIT))
+    cols = "timestamp, pid, source, op, arg1" + (f", {node} AS node" if node else "")
+    return f"SELECT {cols} FROM events WHERE source = {_FORK[0]} AND op IN ({ops})"
+
+
 class Lifetimes:
     """Each (node, pid)'s lifetimes [start, end) from the recording's lifecycle events."""
 
@@ -49,13 +56,8 @@ class Lifetimes:
         self._ends: dict[tuple[str, int], list[int]] = {}
         self._nodes: dict[int, set[str]] = {}  # pid -> the nodes it had lifetimes on
         cols = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
-        node = "node" if "node" in cols else "''"
-        rows = conn.execute(
-            f"SELECT timestamp, pid, op, arg1, {node} FROM events WHERE source = ? AND op IN (?, ?, ?) "
-            "ORDER BY timestamp",
-            (_FORK[0], _FORK[1], _EXEC[1], _EXIT[1]),
-        ).fetchall()
-        for ts, pid, op, arg1, nd in rows:
+        rows = conn.execute(lifecycle_sql("node" if "node" in cols else "''") + " ORDER BY timestamp").fetchall()
+        for ts, pid, _source, op, arg1, nd in rows:
             if op == _FORK[1]:
                 self._open((str(nd), int(arg1)), int(ts), fork=True)
             elif op == _EXEC[1]:
@@ -205,4 +207,12 @@ def render_label_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EventKey", "Lifetimes", "label_summary", "labels_in_force", "render_label_summary", "with_labels"]
+__all__ = [
+    "EventKey",
+    "Lifetimes",
+    "label_summary",
+    "labels_in_force",
+    "lifecycle_sql",
+    "render_label_summary",
+    "with_labels",
+]
