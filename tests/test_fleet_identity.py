@@ -223,3 +223,28 @@ def test_export_of_twins_keeps_one_track_per_instance(
         if e.get("ph") == "M" and e.get("name") == "process_name" and "vm@" in str(e.get("args", {}).get("name"))
     }
     assert {next(a for a in twin_fleet if a in n) for n in names} == set(twin_fleet)
+
+
+# --- offline merge of twins ------------------------------------------------------------------
+
+
+def test_merge_keeps_twin_recordings_apart_and_still_refuses_a_copy(tmp_path: Path) -> None:
+    from ingero.errors import StoreError
+    from ingero.store.merge import merge_databases
+
+    a = write_db(tmp_path / "a.db", straggler_events(200, 2.0, 2), node="vm")
+    b = write_db(tmp_path / "b.db", straggler_events(210, 2.1, 3), node="vm")
+    counts = [sqlite3.connect(p).execute("SELECT count(*) FROM events").fetchone()[0] for p in (a, b)]
+    report = merge_databases([a, b], tmp_path / "m.db")
+    conn = sqlite3.connect(tmp_path / "m.db")
+    by_node = dict(conn.execute("SELECT node, count(*) FROM events GROUP BY node").fetchall())
+    assert by_node == {"vm": counts[0], "vm@b": counts[1]}  # no row lost, each under its own name
+    assert conn.execute("SELECT count(*) FROM events WHERE id NOT LIKE node || ':%'").fetchone()[0] == 0
+    assert {r[0] for r in conn.execute("SELECT node FROM sessions")} == {"vm", "vm@b"}
+    assert [i["path"] for i in report.as_dict()["inputs"]] == [str(a), str(b)]  # the user's files, not copies
+    assert sum("kept as node 'vm@b'" in w for w in report.warnings) == 1
+    assert not list(tmp_path.glob(".m.db.twins-*"))  # the renamed copy is gone
+    # the same database twice is a copy, not a twin: refused as before (or --dedupe keeps one copy)
+    with pytest.raises(StoreError, match="duplicate its events"):
+        merge_databases([a, a], tmp_path / "m2.db")
+    assert merge_databases([a, a], tmp_path / "m3.db", dedupe=True).events == counts[0]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ from ingero.store import merge_inputs as mi
 from ingero.store import merge_tables as mt
 from ingero.store.db import open_writable, translate
 from ingero.store.merge_tables import lit
+from ingero.store.rename import renamed_copy
 from ingero.timeutil import NS_PER_S, now_ns
 
 DEFAULT_SKEW_THRESHOLD_NS = NS_PER_S
@@ -96,7 +98,7 @@ class MergeReport:
         return {
             "output": str(self.output),
             "inputs": [
-                {"path": str(i.path), "layout": i.layout, "events": i.events, "nodes": i.node_names, "live": i.live}
+                {"path": str(i.shown), "layout": i.layout, "events": i.events, "nodes": i.node_names, "live": i.live}
                 for i in self.inputs
             ],
             "nodes": [vars(n) for n in sorted(self.nodes.values(), key=lambda n: n.node)],
@@ -154,6 +156,54 @@ def merge_databases(
         raise UsageError(f"output {out} already exists", hint="pass --force to replace it")
     default_node, per_file = mi.parse_force_node(force_node, paths)
     infos = [mi.inspect_input(p, per_file.get(p.resolve(), default_node)) for p in paths]
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.twins-", dir=out.parent) as twin_dir:
+        renames = twin_renames(infos)
+        for i, (old, new) in renames.items():
+            info = infos[i]
+            copy = renamed_copy(info.path, Path(twin_dir) / f"{i}-{info.path.name}", old, new)
+            infos[i] = mi.inspect_input(copy, info.force_node)
+            infos[i].origin = info.path
+        report = _merge(infos, out, force=force, dedupe=dedupe, skew_threshold_ns=skew_threshold_ns, progress=progress)
+        report.warnings[:0] = [
+            f"{infos[i].shown}: node {old!r} was also recorded by another database (a distinct instance: cloned "
+            f"hosts, or recordings made without --node); its rows are kept as node {new!r}"
+            for i, (old, new) in renames.items()
+        ]
+    report.elapsed_s = time.perf_counter() - t0
+    return report
+
+
+def twin_renames(infos: list[mi.InputInfo]) -> dict[int, tuple[str, str]]:
+    """Inputs whose node another *distinct* database also recorded with colliding ids (two instance ids
+    that differ, id ranges that overlap: two hosts that share a name, not a rotated database, whose ids
+    continue): the first keeps the name, each later one's node becomes ``name@file-stem``. Databases
+    without an instance id (Ingero's) cannot be told from a copy: they merge as before."""
+    first: dict[str, tuple[str, mi.NodeStats]] = {}  # node -> the first database's instance id and ids
+    taken = {n.node for info in infos for n in info.nodes}
+    renames: dict[int, tuple[str, str]] = {}
+    for i, info in enumerate(infos):
+        for n in info.nodes:
+            if not n.node or info.instance is None:
+                continue
+            owner, seen = first.setdefault(n.node, (info.instance, n))
+            if owner != info.instance and n.min_seq <= seen.max_seq and seen.min_seq <= n.max_seq:
+                new, k = f"{n.node}@{info.path.stem}", 2
+                while new in taken:
+                    new, k = f"{n.node}@{info.path.stem}-{k}", k + 1
+                taken.add(new)
+                renames[i] = (n.node, new)  # one shared name per input: a merged input is renamed once
+    return renames
+
+
+def _merge(
+    infos: list[mi.InputInfo],
+    out: Path,
+    *,
+    force: bool,
+    dedupe: bool,
+    skew_threshold_ns: int,
+    progress: Callable[[str], None] | None,
+) -> MergeReport:
     report = MergeReport(out, infos, {})
     for info in infos:
         for n in info.nodes:
@@ -194,7 +244,6 @@ def merge_databases(
         conn.close()
         _remove(tmp)
         raise
-    report.elapsed_s = time.perf_counter() - t0
     return report
 
 
@@ -231,7 +280,7 @@ class _Merger:
             c.execute("CREATE UNIQUE INDEX merge_tmp_event_ids ON events(id)")
         for info in self.report.inputs:
             if self.progress:
-                self.progress(f"merging {info.path} ({info.layout}, {info.events} events)")
+                self.progress(f"merging {info.shown} ({info.layout}, {info.events} events)")
             c.execute("ATTACH DATABASE ? AS src", (_ro_uri(info.path),))
             try:
                 c.execute("BEGIN")
@@ -296,7 +345,7 @@ class _Merger:
         for n in info.nodes:
             nr = self.report.nodes.setdefault(n.node, NodeReport(n.node))
             nr.events += n.events
-            nr.inputs.append(str(info.path))
+            nr.inputs.append(str(info.shown))
             if n.first_ns is not None:
                 nr.first_ns = n.first_ns if nr.first_ns is None else min(nr.first_ns, n.first_ns)
             if n.last_ns is not None:
@@ -346,7 +395,7 @@ class _Merger:
                 "SELECT id FROM main.events WHERE node = ? GROUP BY id HAVING count(*) > 1 LIMIT 1", (node,)
             ).fetchone()
             if dup is not None:
-                where = [i.path.name for i in self.report.inputs if node in i.node_names]
+                where = [i.shown.name for i in self.report.inputs if node in i.node_names]
                 raise StoreError(
                     f"node {node!r} is in {', '.join(where)} with the same event ids (e.g. {dup[0]}): "
                     "merging it twice would duplicate its events",
@@ -384,7 +433,10 @@ class _Merger:
             "merged_at": str(now_ns()),
             "merged_by": f"ingero-py {__version__}",
             "merge_inputs": json.dumps(
-                [{"file": i.path.name, "layout": i.layout, "nodes": i.node_names, "events": i.events} for i in r.inputs]
+                [
+                    {"file": i.shown.name, "layout": i.layout, "nodes": i.node_names, "events": i.events}
+                    for i in r.inputs
+                ]
             ),
             "merge_note": "process_names keeps one row per pid (first input); node_process_names has every node's. "
             "system_snapshots.node says which node sampled each snapshot.",

@@ -16,6 +16,7 @@ from pathlib import Path
 from ingero.errors import UsageError
 from ingero.identity import validate_node_name
 from ingero.store.db import open_readonly, translate
+from ingero.store.instance import stored_instance_id
 from ingero.store.schema import inspect_layout
 from ingero.timeutil import fmt_duration
 
@@ -46,6 +47,7 @@ class NodeStats:
     first_ns: int | None
     last_ns: int | None
     max_seq: int  # highest {seq} among its ids (0 when none)
+    min_seq: int = 0  # lowest {seq} (0 when unknown): with max_seq, whether two inputs' ids collide
 
 
 @dataclass
@@ -58,6 +60,13 @@ class InputInfo:
     force_node: str | None
     columns: dict[str, set[str]] = field(default_factory=dict)  # table -> columns
     nodes: list[NodeStats] = field(default_factory=list)
+    instance: str | None = None  # the database's stored instance id (ingero.store.instance), if any
+    origin: Path | None = None  # the user's file, when ``path`` is a renamed copy of it (twins)
+
+    @property
+    def shown(self) -> Path:
+        """The input as the user named it."""
+        return self.origin or self.path
 
     @property
     def events(self) -> int:
@@ -125,6 +134,7 @@ def inspect_input(path: Path, force_node: str | None) -> InputInfo:
                 hint=f"pass --force-node NAME (or --force-node {path}=NAME); its ids become NAME:<old id>",
             )
         info.nodes = _node_stats(conn, info)
+        info.instance = stored_instance_id(conn)
     except sqlite3.Error as e:
         raise translate(e, path) from None
     finally:
@@ -145,22 +155,31 @@ def _node_stats(conn: sqlite3.Connection, info: InputInfo) -> list[NodeStats]:
     others = conn.execute(f"SELECT 1 FROM {ev} WHERE node != ? LIMIT 1", (first_node,)).fetchone()
     if others is None:
         first, last = _range(conn)
-        rows = [(first_node, total, first, last, _max_seq(conn, info, first_node))]
+        # the first row written holds the lowest sequence number (ids are {node}:{seq}, seq counting up)
+        first_id = conn.execute(f"SELECT id FROM {ev} ORDER BY rowid LIMIT 1").fetchone()[0]
+        rows = [(first_node, total, first, last, _max_seq(conn, info, first_node), _seq_of(first_id))]
     else:
         rows = conn.execute(
             f"SELECT node, count(*), min(timestamp), max(timestamp), "
-            f"max(CAST(substr(id, length(node) + 2) AS INTEGER)) FROM {ev} GROUP BY node"
+            f"max(CAST(substr(id, length(node) + 2) AS INTEGER)), "
+            f"min(CAST(substr(id, length(node) + 2) AS INTEGER)) FROM {ev} GROUP BY node"
         ).fetchall()
     out = []
-    for node, count, first, last, max_seq in rows:
+    for node, count, first, last, max_seq, min_seq in rows:
         final = node or info.force_node or ""
         if not node and info.force_node:
             # ids of rows without a node are re-namespaced as {forced}:{old id without ':'}
             max_seq = conn.execute(f"SELECT max(CAST(ltrim(id, ':') AS INTEGER)) FROM {ev} WHERE node = ''").fetchone()[
                 0
             ]
-        out.append(NodeStats(final, node, int(count), first, last, int(max_seq or 0)))
+        out.append(NodeStats(final, node, int(count), first, last, int(max_seq or 0), int(min_seq or 0)))
     return out
+
+
+def _seq_of(event_id: object) -> int:
+    """The ``{seq}`` of an id ``{node}:{seq}`` (0 when it has none)."""
+    tail = str(event_id).rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 def _range(conn: sqlite3.Connection) -> tuple[int | None, int | None]:
