@@ -36,7 +36,7 @@ from verdict import Target, no_verdict, summary, verdict
 from ingero.api.server import BoundServer, ServerSettings, serve_api
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget
-from ingero.store.writer import StoreWriter
+from ingero.store.writer import EventRow, StoreWriter
 from ingero.tls.context import client_ssl_context
 
 SEED_QUERY = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
@@ -65,7 +65,7 @@ def build_db(path: Path, n: int) -> Path:
     t = 1_775_218_723_000_000_000
     with StoreWriter(path, Identity("bench-node", rank=0, local_rank=0, world_size=1)) as w:
         sid = w.start_session({"flags": "bench"})
-        batch: list[tuple[int, ...]] = []
+        batch: list[EventRow] = []
         for i in range(n):
             t += rng.randint(500, 5000)
             source, op = kinds[i % len(kinds)]

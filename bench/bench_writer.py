@@ -33,13 +33,13 @@ from verdict import Target, no_verdict, summary, verdict
 
 from ingero.identity import Identity
 from ingero.store.db import open_writable
-from ingero.store.writer import EVENT_FIELDS, StoreWriter
+from ingero.store.writer import EVENT_FIELDS, EventRow, StoreWriter
 
 TARGET = Target(300_000, " events/s", at_least=True, fmt="{:,.0f}")
 TARGET_EVENTS = 1_000_000  # the database size the target is set on
 
 
-def make_events(n: int) -> list[tuple[int, ...]]:
+def make_events(n: int) -> list[EventRow]:
     """A realistic mix: CUDA/driver calls, sched_switch, block I/O, a few pids."""
     rng = random.Random(7)
     t = 1_775_218_723_000_000_000
@@ -60,7 +60,7 @@ def fresh(path: Path) -> None:
         Path(str(path) + suffix).unlink(missing_ok=True)
 
 
-def bench_writer(path: Path, rows: list[tuple[int, ...]], batch: int, *, fresh_db: bool = True) -> float:
+def bench_writer(path: Path, rows: list[EventRow], batch: int, *, fresh_db: bool = True) -> float:
     if fresh_db:
         fresh(path)
     w = StoreWriter(path, Identity("bench-node", rank=0, local_rank=0, world_size=1))
@@ -88,7 +88,7 @@ def ingero_ddl() -> list[str]:
     return ddl
 
 
-def bench_ingero_indexes(path: Path, rows: list[tuple[int, ...]], batch: int, ddl: list[str]) -> float:
+def bench_ingero_indexes(path: Path, rows: list[EventRow], batch: int, ddl: list[str]) -> float:
     fresh(path)
     conn = sqlite3.connect(path)
     for stmt in ddl:
@@ -98,7 +98,7 @@ def bench_ingero_indexes(path: Path, rows: list[tuple[int, ...]], batch: int, dd
     return bench_writer(path, rows, batch, fresh_db=False)
 
 
-def bench_floor(path: Path, rows: list[tuple[int, ...]]) -> float:
+def bench_floor(path: Path, rows: list[EventRow]) -> float:
     fresh(path)
     conn = open_writable(path)
     conn.execute(f"CREATE TEMP TABLE stage(seq, {', '.join(EVENT_FIELDS)})")
@@ -117,7 +117,7 @@ def bench_floor(path: Path, rows: list[tuple[int, ...]]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_naive(path: Path, rows: list[tuple[int, ...]], batch: int) -> float:
+def bench_naive(path: Path, rows: list[EventRow], batch: int) -> float:
     fresh(path)
     conn = open_writable(path)
     conn.execute("PRAGMA wal_autocheckpoint = 1000")
