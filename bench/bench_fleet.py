@@ -281,14 +281,15 @@ def run_raw(nodes: list[NodeSpec], pki: Path, samples: int) -> Run:
     return Run(wall, cpu, counts, failures[:3])
 
 
-def completeness(n: int, runs: list[Run]) -> tuple[bool, str]:
-    """Whether every node did every part of every run; the counts (the lowest of the runs) as detail."""
+def completeness(n: int, runs: dict[str, list[Run]]) -> tuple[bool, str]:
+    """Whether every node did every part of every run of every client; the lowest counts as detail."""
     low: dict[str, int] = {}
     failures: list[str] = []
-    for name, r in zip(("fleet", "raw", "raw-query"), runs, strict=False):
-        for k, v in r.counts.items():
-            low[f"{name} {k}"] = min(low.get(f"{name} {k}", n), v)
-        failures += r.failures
+    for client, client_runs in runs.items():
+        for r in client_runs:
+            for k, v in r.counts.items():
+                low[f"{client} {k}"] = min(low.get(f"{client} {k}", n), v)
+            failures += r.failures
     detail = ", ".join(f"{k} {v}/{n}" for k, v in low.items())
     complete = all(v == n for v in low.values())
     return complete, detail + (f"; e.g. {failures[0]}" if failures else "")
@@ -313,7 +314,7 @@ def bench_sizes(pool: AgentPool, sizes: list[int], repeat: int, pki: Path, rows_
         f, r, q = (statistics.median(x.wall for x in runs) * 1000 for runs in (fleet, raw, rawq))
         fc, rc = (statistics.median(x.cpu for x in runs) / n * 1000 for runs in (fleet, raw))
         print(f"{n:>7} {f:>9.1f} {r:>8.1f} {q:>13.1f} {fc:>12.2f} ms {rc:>5.2f} ms")
-        complete, detail = completeness(n, [*fleet, *raw, *rawq])
+        complete, detail = completeness(n, {"fleet": fleet, "raw": raw, "raw-query": rawq})
         verdict(f"{n} agents: fleet / raw wall (median of {repeat})", f / r, RATIO, complete=complete, detail=detail)
         if n == CPU_AT:
             verdict(f"{n} agents: fleet client CPU per node", fc, CPU_PER_NODE, complete=complete)
@@ -337,7 +338,7 @@ def bench_big(big: int, procs: int, db: Path, pki: Path, rows_each: int, quick: 
         f"raw {raw.wall:.2f} s, raw-query {rawq.wall:.2f} s — the agents share this machine's {os.cpu_count()} "
         "CPUs with the client, so their TLS handshakes and queries set the floor"
     )
-    complete, detail = completeness(big, [fleet, raw, rawq])
+    complete, detail = completeness(big, {"fleet": [fleet], "raw": [raw], "raw-query": [rawq]})
     verdict(f"{big} agents: fleet / raw wall", fleet.wall / raw.wall, RATIO, complete=complete, detail=detail)
     cpu_name, rss_name = f"{big} agents: fleet client CPU", f"{big} agents: client peak RSS"
     if quick:
