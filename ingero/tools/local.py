@@ -175,8 +175,11 @@ def get_causal_chains(
     env: ToolEnv, since: Since = None, severity: Severity | None = None, node: Node = None, limit: Items = 20
 ) -> dict[str, Any]:
     """Causal chains (GPU symptom -> host cause -> fix), most severe first: computed by the explain engine
-    over the window, plus those stored in the database. severity: only HIGH, MEDIUM or LOW."""
+    over the window, plus those stored in the database, and the wall-time ledger of every GPU thread
+    (its time in GPU calls, own host code, preempted, asleep by waker, not recorded). severity: only
+    HIGH, MEDIUM or LOW."""
     from ingero.explain.engine import explain
+    from ingero.explain.ledger import describe
 
     db = env.need_db()
     sev = check_severity(severity)
@@ -197,6 +200,8 @@ def get_causal_chains(
         "limit": limit,
         "chains": [chain_dict(c) for c in picked[:limit]],
         "truncated": len(picked) > limit,
+        # where each GPU thread's wall time went (buckets add up to wall_ns: see ingero.explain.ledger)
+        "ledger": [{**r.as_dict(), "summary": describe(r)} for r in report.ledger if not node or r.node == node],
         "notes": report.notes,
     }
 
