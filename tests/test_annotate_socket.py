@@ -300,3 +300,16 @@ def test_the_helper_imports_nothing_heavy() -> None:
     code = "import sys, ingero.annotate; print(sorted(m for m in ('numpy', 'trio', 'sqlite3', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_rate_limit_refuses_lines_past_it_and_keeps_the_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All lines inside one window (the agent's clock held still): the first RATE_PER_CONNECTION are taken."""
+    import ingero.trace.annotate_socket as server
+
+    monkeypatch.setattr(server, "_clock", lambda: 1000.0)
+    n = ann.RATE_PER_CONNECTION + 5
+    replies, rows, _ = serve_and(tmp_path, lambda p: exchange(p, [good()] * n))
+    assert [r["ok"] for r in replies] == [True] * ann.RATE_PER_CONNECTION + [False] * 5
+    assert "rate limit" in replies[-1]["error"] and len(rows) == ann.RATE_PER_CONNECTION

@@ -51,6 +51,7 @@ from ingero.store.annotations import AnnotationRow, row_of
 MAX_CONNECTIONS = 64
 RECV_BYTES = 64 * 1024
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_clock = time.monotonic  # the rate limit's clock
 
 Sink = Callable[[list[AnnotationRow]], bool]  # False: the recording is closing, the rows were not taken
 
@@ -217,6 +218,10 @@ async def _accept_loop(listener: socket.socket, sink: Sink, stats: AnnotateStats
             conn, _ = listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             continue
+        except OSError:  # out of descriptors (EMFILE, ENFILE): the recording goes on, accepting later
+            stats.refused_connections += 1
+            await trio.sleep(0.1)
+            continue
         conn.setblocking(False)
         if stats.live >= MAX_CONNECTIONS:
             stats.refused_connections += 1
@@ -324,11 +329,11 @@ class _Rate:
     """Ingero's per-connection limit: :data:`RATE_PER_CONNECTION` lines per fixed window."""
 
     def __init__(self) -> None:
-        self.window = time.monotonic()
+        self.window = _clock()
         self.count = 0
 
     def allow(self) -> bool:
-        now = time.monotonic()
+        now = _clock()
         if now - self.window >= RATE_WINDOW_S:
             self.window, self.count = now, 0
         self.count += 1
