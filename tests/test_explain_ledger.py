@@ -501,3 +501,28 @@ def test_copy_sizes_are_not_slow_calls(tmp_path: Path) -> None:
     assert_conserved(r)
     assert r.ledger[0].buckets[GPU_SLOW] / r.ledger[0].wall_ns < 0.01
     assert not named(r, ("slow/",)), _shown(r)
+
+
+def test_fleet_explain_carries_every_nodes_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """explain --nodes over real agents (TLS on loopback): each node's GPU-thread rows, node column filled."""
+    import json
+
+    from tests.fleet_agents import AgentSpec, agents_in_thread, make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    specs = []
+    for i in range(2):
+        lp = Loop(200 + i).run(host_code, 0.26) if i == 1 else Loop(200 + i).run()
+        lp.rec.node = f"gpu-node-0{i}"
+        specs.append(AgentSpec(lp.write(tmp_path / f"n{i}.db"), lp.rec.node))
+    with agents_in_thread(pki, specs) as servers:
+        nodes = ",".join(f"{s.host}:{s.port}" for s in servers)
+        flags = ["--ca-cert", str(pki.ca), "--client-cert", str(pki.client_cert), "--client-key", str(pki.client_key)]
+        assert main(["explain", "--nodes", nodes, *flags, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["node"]: r for r in doc["ledger"]}
+    assert set(rows) == {"gpu-node-00", "gpu-node-01"}
+    for r in rows.values():
+        assert r["tid"] == PID and sum(r["buckets"].values()) == r["wall_ns"]
+    assert rows["gpu-node-01"]["buckets"]["host_code"] / rows["gpu-node-01"]["wall_ns"] > 0.2
+    assert any(c["family"] == "idle/host_code" and c["node"] == "gpu-node-01" for c in doc["chains"])

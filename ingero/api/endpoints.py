@@ -216,6 +216,7 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
             # the same figures /ops gives, from the one explain run: a fleet explain asks once per node
             ops=[o.as_dict() for o in computed.ops],
             host=computed.host.as_dict(),
+            ledger=[r.as_dict() for r in computed.ledger],  # where each GPU thread's wall time went
         )
     )
 

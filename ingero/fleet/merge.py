@@ -120,10 +120,12 @@ class FleetChains(Outcomes):
     verdict: StragglerVerdict
     windows: dict[str, Any] = field(default_factory=dict)  # node -> the window it used
     elapsed_ms: float = 0.0
+    ledger: list[dict[str, Any]] = field(default_factory=list)  # every node's GPU-thread ledger rows
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "chains": [c.as_dict() for c in self.chains],
+            "ledger": list(self.ledger),
             "straggler": self.verdict.as_dict(),
             "answered": len(self.answered),
             "failed": len(self.failed),
@@ -169,6 +171,7 @@ def merge_chains(
     chains: list[Chain] = []
     figures: list[NodeFigures] = []
     windows: dict[str, Any] = {}
+    ledger: list[dict[str, Any]] = []
     for o in _order(outcomes):
         if not o.answered or not isinstance(o.data, dict):
             continue
@@ -185,4 +188,9 @@ def merge_chains(
         body = o.data.get("chains")
         if isinstance(body, dict) and body.get("window") is not None:
             windows[o.label] = body.get("window")
-    return FleetChains(sort_chains(chains), outcomes, verdict(figures), windows, elapsed_ms)
+        rows = body.get("ledger") if isinstance(body, dict) else None
+        for r in rows if isinstance(rows, list) else []:  # node column filled as for chains
+            if isinstance(r, dict) and (node is None or r.get("node") in (node, None)):
+                twin = not r.get("node") or (o.twin and r.get("node") == o.node)
+                ledger.append({**r, "node": o.label if twin else r["node"]})
+    return FleetChains(sort_chains(chains), outcomes, verdict(figures), windows, elapsed_ms, ledger)
