@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from ingero.explain.engine import explain
 from ingero.identity import Identity
@@ -73,10 +74,17 @@ def _phases(exe: Path, built: Built, ready: TraceReady) -> tuple[dict[str, int],
         ("net", NET_ROUNDS),
     )
     for mode, n in phases:
-        p = subprocess.Popen([str(exe), mode, str(built.dir), str(n)], stdout=subprocess.PIPE, text=True)
-        stdout, _ = p.communicate(timeout=120)
+        p = subprocess.Popen(
+            [str(exe), mode, str(built.dir), str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        first = ""
+        if mode == "net":  # enrolled by its cudaMalloc; its socket calls are probed from the agent's next sync
+            assert p.stdout is not None
+            first = p.stdout.readline()
+            trio.from_thread.run(ready.control.rescan)
+        stdout, _ = p.communicate("go\n", timeout=120)
         assert p.returncode == 0, stdout
-        pids[mode], outs[mode] = p.pid, stdout
+        pids[mode], outs[mode] = p.pid, first + stdout
     # socket traffic of a process that never calls the GPU: not traced, must not be recorded
     untraced = subprocess.run([sys.executable, "-c", UNTRACED_SOCKETS], capture_output=True, text=True, timeout=60)
     assert untraced.returncode == 0, untraced.stderr

@@ -5,8 +5,10 @@
  *   breadth leak DIR N       N cudaMalloc of 1 MiB, every 4th freed: live memory grows steadily
  *   breadth healthy DIR N    N cudaMalloc of 1 MiB, each freed at once
  *   breadth asyncleak DIR N  the leak with the stream-ordered cudaMallocAsync / cudaFreeAsync
- *   breadth net DIR N        one cudaMalloc (the process becomes a traced target), then N sendto/recvfrom
- *                            of 1000 bytes and N sendmsg/recvmsg of 300 bytes on a socketpair
+ *   breadth net DIR N        one cudaMalloc (the process becomes a traced target), prints the fds and
+ *                            waits for a line on stdin (the agent probes a new target's socket calls
+ *                            from its next sync), then N sendto/recvfrom of 1000 bytes and N
+ *                            sendmsg/recvmsg of 300 bytes on a socketpair
  *   breadth netrw DIR N      one cudaMalloc, then N write/read of 700 bytes on a socketpair, and the same
  *                            on a pipe and a regular file (not sockets); prints the fds */
 #include <dlfcn.h>
@@ -131,6 +133,10 @@ static int net(int n) {
     if (malloc_(&p, 4096) || socketpair(AF_UNIX, SOCK_STREAM, 0, sv))
         return 1;
     printf("fds %d %d\n", sv[0], sv[1]);
+    fflush(stdout);
+    char line[16];
+    if (!fgets(line, sizeof line, stdin))
+        return 1;
     for (int i = 0; i < n; i++) {
         if (sendto(sv[0], buf, 1000, 0, NULL, 0) != 1000 || recvfrom(sv[1], buf, 1000, MSG_WAITALL, NULL, NULL) != 1000)
             return 1;
