@@ -31,8 +31,8 @@ from ingero.store import catalog
 from ingero.store.cgroups import CgroupInfo, write_cgroups
 
 PROC = Path("/proc")
-MAX_ATTEMPTS = 8  # batches in which an unresolved cgroup id is tried before it is left unnamed
-PIDS_PER_TRY = 4  # processes of one cgroup id tried per batch
+MAX_ATTEMPTS = 8  # syncs (take) in which an unresolved cgroup id is tried before it is left unnamed
+PIDS_PER_TRY = 4  # processes of one cgroup id tried per sync
 MAX_WALK = 20_000  # cgroup directories looked at to find an id whose processes are gone
 _HEX64 = re.compile(r"(?:^|[-/:_])([0-9a-f]{64})(?:\.scope)?$")
 _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
@@ -139,7 +139,8 @@ def resolve(pid: int, cgroup_id: int, mount: Path | None) -> CgroupInfo | None:
 
 
 class CgroupTracker:
-    """Sees drained events (any thread), resolves each new cgroup id once, writes rows on flush."""
+    """Sees drained events (any thread: only notes new cgroup ids), resolves each once on :meth:`take`
+    / :meth:`flush` (the maintenance thread), writes rows on flush."""
 
     def __init__(self, mount: Path | None = None) -> None:
         self.mount = mount if mount is not None else cgroup2_mount()
@@ -147,10 +148,13 @@ class CgroupTracker:
         self._done: set[int] = set()
         self._attempts: dict[int, int] = {}
         self._pending: list[CgroupInfo] = []
+        self._todo: dict[int, list[int]] = {}  # cgroup id -> a few of its processes, to resolve
         self.known: dict[int, CgroupInfo] = {}
         self.write_errors = 0
 
     def on_events(self, ev: np.ndarray) -> None:
+        """Note the cgroup ids not resolved yet, with a few of their processes (the drain calls this on
+        the trio loop: no /proc reads here; :meth:`take` resolves, in the maintenance thread)."""
         if ev.size == 0:
             return
         ids = ev["cgroup_id"]
@@ -158,30 +162,41 @@ class CgroupTracker:
         if first in self._done and bool((ids == first).all()):  # the common case: one known cgroup
             return
         real = (ids != 0) & (ev["op"] < catalog.NCCL_COMM_INIT_OP)  # control records carry other ids there
-        fresh = np.unique(ids[real])
+        fresh = [cid for cid in np.unique(ids[real]).tolist() if cid not in self._done]
+        if not fresh:
+            return
         with self._lock:
-            for cid in fresh.tolist():
-                if cid in self._done:
-                    continue
-                info = None
-                for pid in np.unique(ev["pid"][real & (ids == cid)])[:PIDS_PER_TRY].tolist():
-                    info = resolve(int(pid), int(cid), self.mount) if pid > 0 else None
-                    if info is not None:
-                        break
-                if info is None and self.mount is not None:  # its processes are gone: find the directory
-                    path = find_cgroup_path(self.mount, int(cid))
-                    info = describe(int(cid), path, {}) if path is not None else None
-                tries = self._attempts.get(cid, 0) + 1
-                self._attempts[cid] = tries
+            for cid in fresh:
+                pids = np.unique(ev["pid"][real & (ids == cid)])[:PIDS_PER_TRY].tolist()
+                self._todo[int(cid)] = [int(p) for p in pids]
+
+    def _resolve(self) -> None:
+        """Name each noted cgroup id from its processes' /proc entries, else from its directory."""
+        with self._lock:
+            todo, self._todo = self._todo, {}
+        for cid, pids in todo.items():
+            info = None
+            for pid in pids:
+                info = resolve(pid, cid, self.mount) if pid > 0 else None
+                if info is not None:
+                    break
+            if info is None and self.mount is not None:  # its processes are gone: find the directory
+                path = find_cgroup_path(self.mount, cid)
+                info = describe(cid, path, {}) if path is not None else None
+            tries = self._attempts.get(cid, 0) + 1
+            self._attempts[cid] = tries
+            with self._lock:
                 if info is None:
                     if tries >= MAX_ATTEMPTS:  # its processes are gone or moved: leave it unnamed
                         self._done.add(cid)
                     continue
                 self._done.add(cid)
-                self.known[int(cid)] = info
+                self.known[cid] = info
                 self._pending.append(info)
 
     def take(self) -> list[CgroupInfo]:
+        """The cgroups resolved since the last take (resolving what was noted first: reads /proc)."""
+        self._resolve()
         with self._lock:
             out, self._pending = self._pending, []
         return out
