@@ -12,14 +12,11 @@ way ingero's tracer writes it:
 * host-wide noise that is nobody's fault here: softirq TCP retransmits (pid 0), a kworker's writeback,
   the ingero agent's own database writes, short ordinary preemptions, an idle pause (evaluation).
 
-Each builder returns a :class:`SyntheticNode` for one node; :data:`REALISTIC` maps a name to the builder and
-to what explain must and must not say about it (checked by ``tests/test_explain_scenarios.py``).
+Each builder returns a :class:`SyntheticNode` for one node. What explain must and must not say about
+each lives with the tests (``tests/scenarios/expectations.py``, checked by ``tests/test_explain_scenarios.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from ingero.demo.synth import (
     ALL_REDUCE,
@@ -38,14 +35,6 @@ from ingero.timeutil import NS_PER_MS, NS_PER_US
 KERNELS = tuple(0x7F3A_2000_0000 + 0x1C0 * k for k in range(6))  # kernel function pointers
 AGENT, KWORKER = 999, 281
 PINNED_BPS = 11e9
-
-
-@dataclass(frozen=True)
-class Expectation:
-    builder: Callable[[int, int], SyntheticNode]
-    must_name: tuple[tuple[str, str], ...]  # (chain family, minimum severity)
-    must_not_name: tuple[str, ...]  # family prefixes that must not appear at HIGH/MEDIUM
-    no_high_or_medium: bool = False
 
 
 def _rec(node: str, base_ns: int, seed: int, pid: int, cmd: str) -> SyntheticNode:
@@ -246,13 +235,3 @@ def runqueue_contention(base_ns: int, seed: int) -> SyntheticNode:
         t += 1.6e-3
     _noise(rec, pid, seconds)
     return rec
-
-
-REALISTIC: dict[str, Expectation] = {
-    "runqueue-contention": Expectation(runqueue_contention, (("tail/cpu", "HIGH"),), ("idle/", "tail/io")),
-    "disk-bound": Expectation(disk_bound, (("idle/io", "HIGH"),), ("tail/cpu", "drop/cpu", "idle/input")),
-    "recompiling": Expectation(recompiling, (("recompile", "MEDIUM"),), ("tail/", "drop/", "cold-start")),
-    "healthy": Expectation(healthy, (), ("tail/", "drop/", "idle/", "network", "cold-start"), no_high_or_medium=True),
-    "dataloader-starved": Expectation(dataloader_starved, (("idle/input", "HIGH"),), ("tail/cpu", "drop/cpu")),
-    "collective-wait": Expectation(collective_wait, (), ("tail/cpu", "drop/cpu", "tail/offcpu", "network")),
-}

@@ -1,0 +1,84 @@
+"""Rewrite a database as ingero records it into what Ingero's Go tracer (schema_info 0.9) would have
+written for the same run — the layout users bring first.
+
+What differs, read off Ingero's own databases (``tests/data/ingero-samples``, whose DDL this copies
+verbatim) and its BPF sources:
+
+* ``sched_switch``: no ``prev_state`` and no preemptor — ``arg0`` = 0, ``arg1`` = the thread itself,
+  and ``pid`` = ``tid`` = the thread (Ingero emits the switched-in task's id for both). Off-CPU time
+  (``duration``) and the back-on-CPU timestamp are kept.
+* ``sched_wakeup``: dropped. Ingero emits it as the *waker's* event (pid = the waker, duration 0);
+  none of the 1,000 host rows in its sample databases is one, and no column there names the wakee.
+* NCCL (our source 9), ``nccl_comms``/``nccl_calls``, ``node_seq``, ``session_stats``: absent (Ingero
+  0.9 has no such source or tables); ``rank``/``local_rank``/``world_size`` are NULL as in its
+  samples; ``system_snapshots`` has no ``node`` column; ``cgroup_metadata`` no ``job_id``.
+* ``sources``/``ops``/``schema_info``: Ingero's rows; ``PRAGMA user_version`` 0.
+
+Events keep their ``{node}:{seq}`` ids, timestamps, durations and every other column.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from ingero.store.catalog import NCCL, op_id
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "ingero-samples" / "sample-gpu-node-02.db"
+SCHED_SWITCH, SCHED_WAKEUP = op_id("sched_switch"), op_id("sched_wakeup")
+COPIED_FROM_TEMPLATE = ("sources", "ops", "schema_info")
+EVENT_COLUMNS = (
+    "id, timestamp, pid, tid, source, op, duration, gpu_id, arg0, arg1, ret_code, stack_hash, node, "
+    "rank, local_rank, world_size, stack_ips, cgroup_id"
+)
+
+
+def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
+    return [r[1] for r in conn.execute(f"PRAGMA {schema}.table_info({table})")]
+
+
+def rewrite(src: Path, dst: Path, template: Path = TEMPLATE) -> Path:
+    """Write ``dst`` (which must not exist): ``src`` in Ingero's layout."""
+    if dst.exists():
+        raise FileExistsError(dst)
+    tpl = sqlite3.connect(f"file:{template}?mode=ro", uri=True)
+    try:
+        ddl = [
+            (name, sql)
+            for kind, name, sql in tpl.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type DESC, rowid")
+            if sql and name != "sqlite_sequence" and kind in ("table", "index")
+        ]
+        fixed = {t: tpl.execute(f"SELECT * FROM {t}").fetchall() for t in COPIED_FROM_TEMPLATE}
+    finally:
+        tpl.close()
+    conn = sqlite3.connect(dst, isolation_level=None)
+    try:
+        conn.execute("BEGIN")
+        for _, sql in ddl:
+            conn.execute(sql)
+        for table, rows in fixed.items():
+            if rows:
+                conn.executemany(f"INSERT INTO {table} VALUES ({','.join('?' * len(rows[0]))})", rows)
+        conn.execute("ATTACH DATABASE ? AS rec", (f"file:{src}?mode=ro",))
+        conn.execute(
+            f"INSERT INTO events({EVENT_COLUMNS}) SELECT id, timestamp, "
+            "CASE WHEN is_switch THEN tid ELSE pid END, tid, source, op, duration, gpu_id, "
+            "CASE WHEN is_switch THEN 0 ELSE arg0 END, CASE WHEN is_switch THEN tid ELSE arg1 END, "
+            "ret_code, stack_hash, node, NULL, NULL, NULL, '', cgroup_id "
+            "FROM (SELECT *, (source = ? AND op = ?) AS is_switch FROM rec.events) "
+            "WHERE source != ? AND NOT (source = ? AND op = ?) ORDER BY timestamp",
+            (*SCHED_SWITCH, NCCL, *SCHED_WAKEUP),
+        )
+        tables = [n for n, sql in ddl if sql.startswith("CREATE TABLE")]
+        for table in tables:
+            if table in (*COPIED_FROM_TEMPLATE, "events"):
+                continue
+            ours = set(_columns(conn, "rec", table))
+            cols = ",".join(c for c in _columns(conn, "main", table) if c in ours)
+            if cols:
+                conn.execute(f"INSERT OR IGNORE INTO {table}({cols}) SELECT {cols} FROM rec.{table}")
+        conn.execute("COMMIT")
+        conn.execute("DETACH DATABASE rec")
+    finally:
+        conn.close()
+    return dst
