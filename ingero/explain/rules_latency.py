@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -257,7 +257,12 @@ def _tail_chain(
     base: Evidence | None,
 ) -> Chain:
     g = ctx.grid
-    b0, b1, found, ep = e.b0, e.b1, e.found, e.ep
+    total = _sum_shares([x.shares for x in eps])
+    # the words and figures of the chain are its whole lost time's (every episode), the host evidence
+    # its strongest window's
+    ep = replace(e.ep, slow_ns=total.lost_ns, slow_inv_ns=total.inv_ns, slow_vol_ns=total.vol_ns,
+                 slow_unk_ns=total.unk_ns, io_overlap_ns=total.io_ns, excess_ns=total.lost_ns)  # fmt: skip
+    b0, b1, found = e.b0, e.b1, e.found
     start = max(g.start_of(max(0, b0 - 1)), ctx.frame.first_ns)
     end = min(g.end_of(min(g.n - 1, b1 + 1)), ctx.frame.last_ns + 1)
     ep_slow = e.in_ep
@@ -270,7 +275,6 @@ def _tail_chain(
     subject = ctx.subject(rows.pid)
     root, context = found[0], found[1:]
     words = cz.phrase(root, ep)
-    total = _sum_shares([x.shares for x in eps])
     summary = (
         f"{st.name}: {slow_n} calls ran ≥ {regimes.SLOW_FACTOR:.0f}x its steady "
         f"{_fmt(reg.steady_ns)}, losing {_short(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
