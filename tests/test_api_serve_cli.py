@@ -212,3 +212,23 @@ def test_trace_listen_shares_the_refusals_before_attaching_anything(
     with pytest.raises(UsageError, match=words):
         trace_cli.options_from(args)
     assert not (tmp_path / "t.db").exists()
+
+
+def test_preflight_keeps_the_port_it_checked(tmp_path: Path) -> None:
+    """The port is bound once and held from the check to the serving: no other process can take it."""
+    import errno
+    import socket
+
+    from ingero.api.server import ServerSettings, preflight
+    from ingero.identity import Identity
+    from ingero.store.db import open_writable
+
+    db = tmp_path / "t.db"
+    open_writable(db).close()
+    setup = preflight(ServerSettings(db_path=db, identity=Identity("n"), port=0, no_tls=True))
+    assert setup.sock is not None
+    port = setup.sock.getsockname()[1]
+    with socket.socket() as rival, pytest.raises(OSError) as taken:
+        rival.bind(("127.0.0.1", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    setup.sock.close()

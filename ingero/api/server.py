@@ -11,6 +11,7 @@ hands it ours instead (TLS 1.3 minimum, client CA and ``CERT_REQUIRED`` for mTLS
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import socket
@@ -77,14 +78,16 @@ class BoundServer:
 
 @dataclass(frozen=True)
 class TLSSetup:
-    """What :func:`preflight` settled: the SSL context (None: plaintext) and, for ``ingero serve``'s
-    note, the certificate and whether it was just made."""
+    """What :func:`preflight` settled: the SSL context (None: plaintext), for ``ingero serve``'s note the
+    certificate and whether it was just made, and the listening socket it bound (kept: never closed and
+    bound again, so no other process can take the port in between)."""
 
     context: ssl.SSLContext | None
     mode: str
     fingerprint: str | None
     cert: Path | None
     created: bool = False
+    sock: socket.socket | None = None
 
 
 class _HypercornConfig(HypercornConfig):
@@ -207,9 +210,13 @@ def preflight(settings: ServerSettings) -> TLSSetup:
     """Every check that can fail before listening: the database, then the TLS settings (this makes the
     self-signed certificate when one is needed). Raises IngeroError."""
     check_database(settings.db_path.expanduser())
-    if settings.port:  # a busy port fails here, before the self-signed certificate is made or renewed
-        bind_socket(settings.host, settings.port, 1).close()
-    return prepare_tls(settings)
+    # bound (and kept) first: a busy port fails here, before the self-signed certificate is made or renewed
+    sock = bind_socket(settings.host, settings.port, settings.backlog)
+    try:
+        return dataclasses.replace(prepare_tls(settings), sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def database_instance(path: Path, node: str) -> str:
@@ -239,19 +246,23 @@ async def serve_api(
     *,
     tls_setup: TLSSetup | None = None,
     app_wrapper: Callable[[ASGIApp], ASGIApp] | None = None,
+    sock: socket.socket | None = None,
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until cancelled. Raises IngeroError (before ``started``) on bad settings. ``tls_setup``:
     what the caller's own :func:`preflight` returned (then it is not run again). ``app_wrapper`` puts
     routes in front of the agent's endpoints: the node's server is composed at the edge (``ingero serve``
     and ``trace --listen`` mount the tools API with :func:`ingero.tools.http.node_tools`), so the agent
-    imports nothing above it."""
+    imports nothing above it. ``sock``: a listening socket the caller bound early (``trace --listen``
+    binds before attaching probes); else :func:`preflight`'s."""
+    if sock is not None and tls_setup is None:
+        tls_setup = prepare_tls(settings)
     setup = tls_setup if tls_setup is not None else preflight(settings)
-    app: ASGIApp = build_app(settings, setup.mode)
-    if app_wrapper is not None:
-        app = app_wrapper(app)
-    sock = bind_socket(settings.host, settings.port, settings.backlog)
+    sock = sock or setup.sock or bind_socket(settings.host, settings.port, settings.backlog)
     try:
+        app: ASGIApp = build_app(settings, setup.mode)
+        if app_wrapper is not None:
+            app = app_wrapper(app)
         host, port = sock.getsockname()[:2]
         shown = settings.host.strip("[]") or host
         bound = BoundServer(

@@ -190,14 +190,14 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
     listen = None
     if args.listen:
         from ingero.api.server import bind_socket, serve_api
-
-        settings = serve.settings_from(args, recording=False)
-        if settings.port:  # a busy port fails now, in one line, before any probe is attached
-            bind_socket(settings.host, settings.port, 1).close()
-        serve.warn_about_exposure(settings)
         from ingero.tools.http import node_tools
 
-        listen = functools.partial(serve_api, settings, app_wrapper=node_tools(settings))
+        settings = serve.settings_from(args, recording=False)
+        # bound now and kept: a busy port fails in one line before any probe is attached, and nobody can
+        # take the port while the probes compile
+        sock = bind_socket(settings.host, settings.port, settings.backlog)
+        serve.warn_about_exposure(settings)
+        listen = functools.partial(serve_api, settings, app_wrapper=node_tools(settings), sock=sock)
     elif args.no_tls or args.tls_cert or args.client_ca or args.token or args.token_file or args.insecure_no_auth:
         raise UsageError("TLS/token flags need --listen", hint="add --listen HOST:PORT to serve while tracing")
     if args.socket_rw and not args.io:
