@@ -299,10 +299,10 @@ def test_fleet_client_import_does_not_import_numpy() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_numpy_loads_after_the_first_request_and_only_when_a_sample_came(tmp_path: Path, samples: Path) -> None:
+def test_numpy_loads_once_the_answers_are_in_and_only_when_a_sample_came(tmp_path: Path, samples: Path) -> None:
     """In a process of its own (the agent too, so nothing else brings numpy in): a fan-out to a refused
-    node never imports numpy; one to a live agent has sent its request before numpy is imported, and its
-    estimates come from the numpy fleet pass."""
+    node never imports numpy; one to a live agent has neither sent its request nor received its answers
+    (the node's outcome is complete) with numpy imported, and its estimates come from the numpy pass."""
     ready = tmp_path / "ready.json"
     agent = subprocess.Popen(
         [sys.executable, "-m", "ingero", "serve", "--db", str(samples / "sample-gpu-node-02.db"), "--node", "live",
@@ -325,9 +325,12 @@ async def job(conn):
     seen.append("numpy" in sys.modules)  # before this node's first request
     return await conn.get("/api/v1/info")
 
+def done(outcome):
+    seen.append("numpy" in sys.modules)  # this node's answers and samples are all in
+
 async def run(nodes):
     async with FleetClient(nodes, settings) as fc:
-        return await fc.fan_out(job)
+        return await fc.fan_out(job, on_outcome=done)
 
 refused = trio.run(run, [NodeSpec("127.0.0.1", dead)])
 print("refused", refused[0].kind, "numpy" in sys.modules)
@@ -341,7 +344,7 @@ print("live", live[0].kind, seen, "numpy" in sys.modules, est.samples, est.as_di
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "refused refused False"
-    assert lines[1] == "live ok [False, False] True 2 None True"
+    assert lines[1] == "live ok [False, False, False, False] True 2 None True"
 
 
 # --- fleet status end to end ----------------------------------------------------------------------------

@@ -36,6 +36,8 @@ Pieces, one job per module:
   unreachable, tls, auth, http, schema, protocol, error); transport errors → kinds.
 * :mod:`ingero.fleet.skew` — NTP four-timestamp offset/delay (samples ride every answer's headers plus
   one light /time round trip), lowest-delay sample wins, ±delay/2 uncertainty, the warning line.
+* :mod:`ingero.fleet.fleet_skew` — numpy over every node's t1..t4 at once: lowest-delay sample, drift
+  in ppm (≥ 3 samples), fleet median and MAD outliers; imported once a fan-out's answers are in.
 * :mod:`ingero.fleet.budget` — the per-answer cap and the byte budget one fan-out's answers share.
 * :mod:`ingero.fleet.merge` — rows under ``node`` with column checks (:class:`FleetResult`), chains
   across nodes (:class:`FleetChains`).

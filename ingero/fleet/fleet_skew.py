@@ -25,7 +25,8 @@ than its own uncertainty plus the fleet's typical one — near-identical clocks 
 noise. Fewer than 3 nodes have no median to speak of: no z, no outlier.
 
 :func:`fleet_estimates` runs both over the fan-out's :class:`~ingero.fleet.skew.SkewEstimate` list.
-This module imports numpy: the fan-out loads it in a worker thread (:func:`ingero.fleet.skew.refine`).
+This module imports numpy: the fan-out loads it in a worker thread once its answers are in
+(:func:`ingero.fleet.skew.refine`).
 """
 
 from __future__ import annotations
