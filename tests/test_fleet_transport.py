@@ -138,12 +138,16 @@ def test_connection_close_and_eof_delimited_bodies() -> None:
 
 def test_a_kept_alive_connection_the_agent_closed_is_retried_not_an_outcome() -> None:
     wire = Wire([
-        Answer((b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",)),  # no "Connection: close", closes anyway
-        Answer((b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]",)),
+        Answer((b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",), keep=True),
+        Answer(()),  # the second request, on the kept-alive connection: closed unanswered (an idle timeout)
+        Answer((b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]",)),  # ... its retry, on a new connection
+        Answer(()),  # a fresh connection closed unanswered is the node's outcome
     ])  # fmt: skip
-    (a, b), _ = exchange(wire, 2)
+    (a, b, c), transport = exchange(wire, 3)
     assert (ok(a).content, ok(b).content) == (b"{}", b"[]")
-    assert wire.connections == 2
+    assert isinstance(c, tr.ClosedBeforeAnswer)
+    assert wire.connections == transport.connections_opened == 3
+    assert len(wire.requests) == 4
 
 
 @pytest.mark.parametrize(

@@ -199,14 +199,25 @@ class _Exchange:
 
 
 class _Node:
-    """One node's ``AsyncClient`` and its requests in flight."""
+    """One node's ``AsyncClient``, its requests in flight and the URLs of its few paths."""
 
-    __slots__ = ("busy", "client", "idle")
+    __slots__ = ("busy", "client", "idle", "origin", "urls")
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: httpx.AsyncClient, origin: Origin) -> None:
         self.client = client
+        self.origin = origin
         self.busy = 0
         self.idle = trio.Event()
+        self.urls: dict[str, httpx.URL] = {}
+
+    def url(self, target: str) -> httpx.URL:
+        url = self.urls.get(target)
+        if url is None:
+            import httpx
+
+            scheme, host, port = self.origin
+            url = self.urls[target] = httpx.URL(scheme=scheme, host=host, port=port, raw_path=target.encode("ascii"))
+        return url
 
     async def turn(self, patience: float) -> None:
         """Wait up to ``patience`` for the node's requests in flight to end, then go."""
@@ -259,7 +270,6 @@ class NodeTransport:
         self._timeout = httpx.Timeout(timeout_s)
         self._limits = httpx.Limits(max_connections=self.per_node, max_keepalive_connections=self.per_node)
         self._nodes: dict[Origin, _Node] = {}
-        self._urls: dict[tuple[Origin, str], httpx.URL] = {}
 
     def _node(self, origin: Origin) -> _Node:
         node = self._nodes.get(origin)
@@ -276,19 +286,8 @@ class NodeTransport:
                 trust_env=False,
                 follow_redirects=False,
             )
-            node = self._nodes[origin] = _Node(client)
+            node = self._nodes[origin] = _Node(client, origin)
         return node
-
-    def _url(self, origin: Origin, target: str) -> httpx.URL:
-        url = self._urls.get((origin, target))
-        if url is None:
-            import httpx
-
-            scheme, host, port = origin
-            url = httpx.URL(scheme=scheme, host=host, port=port, raw_path=target.encode("ascii"))
-            if len(self._urls) < 4096:  # the fan-out's few paths, per node
-                self._urls[(origin, target)] = url
-        return url
 
     async def request(self, request: Request) -> Response:
         """Send ``request`` on its node's client, after that node's requests in flight (up to ``patience``)."""
@@ -297,23 +296,23 @@ class NodeTransport:
         await node.turn(self.patience)
         try:
             try:
-                return await self._exchange(node.client, request)
+                return await self._exchange(node, request)
             except _StaleConnectionError:
                 # A kept-alive connection the agent had closed meanwhile: nothing was answered; retry once.
                 try:
-                    return await self._exchange(node.client, request)
+                    return await self._exchange(node, request)
                 except _StaleConnectionError as e:
                     raise ClosedBeforeAnswer("the agent closed the connection without answering", tls=False) from e
         finally:
             node.done()
 
-    async def _exchange(self, client: httpx.AsyncClient, request: Request) -> Response:
+    async def _exchange(self, node: _Node, request: Request) -> Response:
         ex = _Exchange(self)
         chunks: list[bytes] = []
         try:
-            async with client.stream(
+            async with node.client.stream(
                 request.method,
-                self._url(request.origin, request.target),
+                node.url(request.target),
                 content=request.body or None,
                 headers=request.headers,
                 extensions={"trace": ex.trace},
