@@ -157,3 +157,24 @@ def test_a_full_disk_prunes_the_oldest_events_and_recording_goes_on(
         counted = c.execute("SELECT sum(count) FROM event_aggregates").fetchone()[0]
         stored = c.execute("SELECT count(*) FROM events").fetchone()[0]
     assert counted == st["events_seen"] > stored
+
+
+@pytest.mark.reliability
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_every_writer_says_disk_full_not_a_plain_store_error(tmp_path: Path) -> None:
+    """A merge (not the tracer's writer) into a full disk fails as DiskFullError, in one line."""
+    from ingero.errors import DiskFullError
+    from ingero.store.merge import merge_databases
+    from tests.conftest import INVESTIGATIONS
+
+    mnt = tmp_path / "tiny-disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        inputs = sorted(INVESTIGATIONS.glob("sample-gpu-node-0*.db"))
+        with pytest.raises(DiskFullError, match="is full") as full:
+            merge_databases(inputs, mnt / "cluster.db")
+        assert full.value.hint and "free some space" in full.value.hint
+        assert not list(mnt.iterdir())  # the half-written merge is gone
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

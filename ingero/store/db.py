@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingero.errors import DatabaseNotFoundError, NotADatabaseError, StoreError
+from ingero.errors import DatabaseNotFoundError, DiskFullError, NotADatabaseError, StoreError
 from ingero.store.budget import errorname
 from ingero.store.instance import ensure_instance_id
 from ingero.store.schema import Layout, inspect_layout, migrate
@@ -44,9 +44,17 @@ def _check_path(path: str | Path) -> Path:
     return p
 
 
+def is_disk_full(e: sqlite3.Error) -> bool:
+    """SQLITE_FULL, or the WAL index (``-shm``) that could not grow: what a full disk looks like."""
+    return errorname(e) == "SQLITE_FULL" or getattr(e, "sqlite_errorname", "") == "SQLITE_IOERR_SHMSIZE"
+
+
 def translate(e: sqlite3.Error, path: str | Path) -> StoreError:
-    """sqlite3 error → one-line StoreError naming the file, classified by SQLite's error name."""
+    """sqlite3 error → one-line StoreError naming the file, classified by SQLite's error name (a full disk
+    is a :class:`~ingero.errors.DiskFullError` for every writer: tracer, merge, annotate, export)."""
     name = errorname(e)
+    if is_disk_full(e):
+        return DiskFullError(f"the disk of {path} is full", hint="free some space, or set a smaller --max-db")
     if name == "SQLITE_NOTADB":
         return NotADatabaseError(f"{path} is not a SQLite database", hint="check the path")
     if name == "SQLITE_CANTOPEN":

@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from ingero import __version__
-from ingero.errors import DiskFullError, StoreError
+from ingero.errors import StoreError
 from ingero.identity import Identity, validate_node_name
 from ingero.store.annotations import insert_sql as annotations_insert_sql
 from ingero.store.budget import errorname
-from ingero.store.db import open_writable
-from ingero.store.db import translate as _translate_sqlite
+from ingero.store.db import is_disk_full, open_writable, translate
 from ingero.store.writer_lock import WriterLock
 from ingero.timeutil import now_ns
 
@@ -90,18 +89,6 @@ CHAIN_FIELDS = (
     "timeline",
     "node",
 )
-
-
-def is_disk_full(e: sqlite3.Error) -> bool:
-    """SQLITE_FULL, or the WAL index (``-shm``) that could not grow: what a full disk looks like."""
-    return errorname(e) == "SQLITE_FULL" or getattr(e, "sqlite_errorname", "") == "SQLITE_IOERR_SHMSIZE"
-
-
-def translate(e: sqlite3.Error, path: Path) -> StoreError:
-    """:func:`ingero.store.db.translate`, plus a full disk as :class:`DiskFullError` (by error name)."""
-    if is_disk_full(e):
-        return DiskFullError(f"the disk of {path} is full", hint="free some space, or set a smaller --max-db")
-    return _translate_sqlite(e, path)
 
 
 def _sql_literal(value: int | str | None) -> str:
