@@ -155,3 +155,20 @@ def test_growth_ends_at_the_last_row_at_real_timestamps(span_ns: int) -> None:
     live = np.cumsum(np.full(n, MiB, dtype=np.int64))
     g = steady_growth(al.LiveSeries(ts, live, n * MiB, 0), n)
     assert g is not None and g.live_bytes == n * MiB
+
+
+def test_top_stacks_count_only_the_explain_window(tmp_path: Path) -> None:
+    """The stacks of a leak are those of the memory held in the window explain read, not the whole history."""
+    from ingero.store.window import Window
+
+    path = tmp_path / "leak.db"
+    build(path, lambda i: i % 3 == 0)
+    conn = open_readonly(path)
+    try:
+        second_half = Window(start_ns=BASE + int(3.1e9))  # steps 300..599 (10 ms each from t = 0.1 s)
+        c = next(c for c in explain(conn, second_half).chains if c.family == FAMILY)
+    finally:
+        conn.close()
+    kept_in_window = len(range(300, 600, 3)) * 8 * MiB
+    assert c.evidence["top_stacks"][0]["bytes"] == kept_in_window
+    assert c.evidence["live_bytes"] == kept_in_window

@@ -129,7 +129,7 @@ def explain(
         hosts[name] = h
         notes += n
     try:
-        rules_leak.add_stacks(conn, chains)
+        rules_leak.add_stacks(conn, chains, window)
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
     if not frames:

@@ -31,6 +31,7 @@ from ingero.explain.context import Context
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.store import allocations as al
 from ingero.store.catalog import op_ids
+from ingero.store.window import Window
 from ingero.timeutil import NS_PER_S, fmt_duration
 
 # Runtime allocations (arg0 = bytes, arg1 = pointer) and the free that releases each (arg0 = pointer)
@@ -154,14 +155,15 @@ def _chain(ctx: Context, pid: int, g: Growth, series: al.LiveSeries, frees: int,
     )
 
 
-def add_stacks(conn: sqlite3.Connection, chains: list[Chain]) -> None:
-    """Fill each leak chain's ``top_stacks``: the stacks that allocated the most memory still held."""
+def add_stacks(conn: sqlite3.Connection, chains: list[Chain], window: Window | None = None) -> None:
+    """Fill each leak chain's ``top_stacks``: the stacks that allocated the most memory still held, in the
+    explain window (the memory the chain measured, not the process's whole history)."""
     for c in chains:
         if c.family != FAMILY:
             continue
         pid = int(c.evidence["pid"])
         known = conn.execute("SELECT 1 FROM events WHERE node = ? LIMIT 1", (c.node,)).fetchone()
-        kind, ptr, ts, size, stack = al.load_rows(conn, pid, node=c.node if known else None)
+        kind, ptr, ts, size, stack = al.load_rows(conn, pid, node=c.node if known else None, window=window)
         held = al.unfreed(kind, ptr, ts, size)
         c.evidence["top_stacks"] = _top(conn, stack[held], size[held])
         if c.evidence["top_stacks"]:

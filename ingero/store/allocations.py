@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.store.catalog import ALLOC_OPS, FREE_OPS
+from ingero.store.window import Window
 
 I64 = npt.NDArray[np.int64]
 ALLOC, FREE = 1, -1
@@ -95,13 +96,19 @@ def _op_clause(ops: tuple[tuple[int, int], ...]) -> str:
     return " OR ".join(f"(source = {s} AND op = {o})" for s, o in ops)
 
 
-def load_rows(conn: sqlite3.Connection, pid: int, *, node: str | None = None) -> tuple[I64, I64, I64, I64, I64]:
-    """(kind, ptr, ts, size, stack_hash) of one process's allocation and free rows."""
+def load_rows(
+    conn: sqlite3.Connection, pid: int, *, node: str | None = None, window: Window | None = None
+) -> tuple[I64, I64, I64, I64, I64]:
+    """(kind, ptr, ts, size, stack_hash) of one process's allocation and free rows (in ``window``)."""
     where = f"pid = ? AND (({_op_clause(ALLOC_OPS)}) OR ({_op_clause(FREE_OPS)}))"
     params: list[object] = [pid]
     if node is not None:
         where += " AND node = ?"
         params.append(node)
+    if window is not None and not window.unbounded:
+        clause, bounds = window.clause()
+        where += f" AND {clause}"
+        params.extend(bounds)
     free_case = _op_clause(FREE_OPS)
     rows = conn.execute(
         f"SELECT CASE WHEN {free_case} THEN {FREE} ELSE {ALLOC} END, "
