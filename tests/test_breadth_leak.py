@@ -172,3 +172,29 @@ def test_top_stacks_count_only_the_explain_window(tmp_path: Path) -> None:
     kept_in_window = len(range(300, 600, 3)) * 8 * MiB
     assert c.evidence["top_stacks"][0]["bytes"] == kept_in_window
     assert c.evidence["live_bytes"] == kept_in_window
+
+
+@pytest.mark.parametrize(("alloc", "free"), [("cuMemAlloc", "cuMemFree"), ("cudaMallocManaged", "cudaFree")])
+def test_a_leak_through_any_allocator_of_the_catalog_is_named(tmp_path: Path, alloc: str, free: str) -> None:
+    """The leak rule uses the catalog's allocation sets: a process that allocates through libcuda alone
+    (or managed memory) leaks the same way, and is named with its own allocator."""
+    from ingero.store.catalog import op_id
+
+    (a_src, a_op), (f_src, f_op) = op_id(alloc), op_id(free)
+    rec = SyntheticNode("node-a", BASE, 1)
+    rec.process(PID, "python3 jax_train.py", 0.0, exec_event=False)
+    ptr = 0x7000_0000_0000
+    for i in range(600):
+        t = 0.1 + i * 0.01
+        ptr += 0x100_0000
+        rec.ev(t, PID, a_src, a_op, 20_000, arg0=4 * MiB, arg1=ptr)
+        rec.ev(t + 0.004, PID, f_src, f_op, 10_000, arg0=ptr)
+        if i % 3 == 0:
+            ptr += 0x100_0000
+            rec.ev(t + 0.005, PID, a_src, a_op, 20_000, arg0=8 * MiB, arg1=ptr)
+        rec.ev(t + 0.006, PID, CUDA, 5, 2_000_000)
+    rec.write(tmp_path / "leak.db")
+    found = leaks(report(tmp_path / "leak.db"))
+    assert len(found) == 1
+    assert found[0].evidence["live_bytes"] == 200 * 8 * MiB
+    assert f"{alloc} without {free}" in found[0].summary

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.errors import IngeroError
-from ingero.store.catalog import GPU_API_SOURCES, IO, NET, TCP, op_ids
+from ingero.store.catalog import ALLOC_OPS, FREE_OPS, GPU_API_SOURCES, IO, NET, TCP, op_ids
 from ingero.store.db import node_names, open_readonly
 from ingero.store.window import Window
 
@@ -50,10 +50,13 @@ PARALLEL_MIN_ROWS = 200_000  # tables smaller than this are read by one query (t
 # scheduler rows the per-thread off-CPU intervals are built from (sched_switch: arg0 = prev_state,
 # arg1 = the preemptor's tid — Ingero's own rows carry the thread itself there; sched_wakeup: the waker).
 ARG_SOURCES = (IO, NET, TCP)  # every op of these
-ARG_OPS = op_ids(
-    *("sched_switch", "sched_wakeup", "mm_page_alloc", "oom_kill", "process_exec", "process_exit", "process_fork"),
-    *("pod_oom_kill", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"),
-    *("cuMemAlloc", "cudaMallocAsync", "cudaFreeAsync"),
+ARG_OPS = (
+    *op_ids(
+        *("sched_switch", "sched_wakeup", "mm_page_alloc", "oom_kill", "process_exec", "process_exit", "process_fork"),
+        *("pod_oom_kill", "cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"),
+    ),
+    *ALLOC_OPS,  # every allocation (bytes, the returned pointer) and free (the pointer): the catalog's sets
+    *FREE_OPS,
 )
 LAUNCH_ARG_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")  # arg0 = the kernel function, when recorded (not 0)
 

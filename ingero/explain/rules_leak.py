@@ -30,13 +30,22 @@ import numpy as np
 from ingero.explain.context import Context
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.store import allocations as al
-from ingero.store.catalog import op_ids
+from ingero.store.catalog import ALLOC_OPS, FREE_OPS, op_name
 from ingero.store.window import Window
 from ingero.timeutil import NS_PER_S, fmt_duration
 
 # Runtime allocations (arg0 = bytes, arg1 = pointer) and the free that releases each (arg0 = pointer)
-PAIRS = (("cudaMalloc", "cudaFree"), ("cudaMallocAsync", "cudaFreeAsync"))
-MALLOCS, FREES = op_ids(*(a for a, _ in PAIRS)), op_ids(*(f for _, f in PAIRS))
+# Every allocator of the catalog (runtime, async, managed, driver): allocations.live_series drops the inner
+# half of a nested runtime→driver call, so a process that allocates through libcuda alone is covered too.
+MALLOCS, FREES = ALLOC_OPS, FREE_OPS
+# What each allocation is freed with (for the chain's words: "cuMemAlloc without cuMemFree")
+FREE_OF = {
+    "cudaMalloc": "cudaFree",
+    "cudaMallocManaged": "cudaFree",
+    "cudaMallocAsync": "cudaFreeAsync",
+    "cuMemAlloc": "cuMemFree",
+    "cuMemAllocManaged": "cuMemFree",
+}
 FAMILY = "gpu-leak"
 SEGMENTS = 8
 MIN_ALLOCS = 16
@@ -106,7 +115,10 @@ def leak_chains(ctx: Context) -> list[Chain]:
         g = steady_growth(series, int((alloc & (ptr != 0)).sum()))
         if g is not None:
             mine = a.pid == pid
-            pair = PAIRS[int(np.argmax([int((k & mine).sum()) for k in by_alloc]))]  # the allocator it uses most
+            # the allocator it uses most (ties: the catalog's order, runtime before the driver it calls)
+            used = MALLOCS[int(np.argmax([int((k & mine).sum()) for k in by_alloc]))]
+            name = op_name(*used)
+            pair = (name, FREE_OF.get(name, "a free"))
             out.append(_chain(ctx, int(pid), g, series, int((~alloc).sum()), pair))
     return out
 

@@ -6,6 +6,12 @@ driver, each call far slower than a cache hit. The evidence is that sequence on 
 frees, then allocations within :data:`FOLLOW_NS`, again and again. Time lost: the frees plus the
 following allocations' excess over the allocation's steady p50.
 
+The sets are narrower than the catalog's ``ALLOC_OPS``/``FREE_OPS`` on purpose (the leak rule, which
+matches pointers and drops nested calls, takes the catalog's): a release is counted in runtime frees,
+because libcudart's ``cudaFree`` calls libcuda's ``cuMemFree`` and counting both would make a burst of
+two frees look like four; ``cudaFreeAsync`` returns memory to a stream-ordered pool, not to the driver,
+so it is no release of the cache.
+
 When the periodic rule already reported the allocation spikes of that process, the measured churn is
 added to its chain (one diagnosis); otherwise it makes its own.
 """
