@@ -22,8 +22,8 @@ import trio
 from ingero.cli.main import main
 from ingero.fleet import local_agents
 from ingero.fleet.fleet_skew import MAX_DELAY_RATIO, MIN_DRIFT_SAMPLES, SIGMA_FLOOR_NS, fleet_estimates, t95
+from ingero.fleet.outliers import Z_THRESHOLD
 from ingero.fleet.skew import SkewEstimate, TimeSample, estimate, refine
-from ingero.fleet.straggler import Z_THRESHOLD
 from tests.conftest import ROOT
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, make_pki, shift_clock
 

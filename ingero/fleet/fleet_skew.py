@@ -19,8 +19,8 @@ nodes or samples:
   :data:`SIGMA_FLOOR_NS` allows. Under 3 samples, or with every sample at one instant, the drift is None.
 
 :func:`fleet_outliers` then takes the answering nodes' offsets: their median and, per node, the robust
-z-score ``0.6745 · (x − median) / MAD`` (:func:`ingero.fleet.straggler.robust_z`). A node is an outlier
-when ``|z|`` reaches :data:`~ingero.fleet.straggler.Z_THRESHOLD` *and* it sits further from the median
+z-score ``0.6745 · (x − median) / MAD`` (:func:`ingero.fleet.outliers.robust_z`). A node is an outlier
+when ``|z|`` reaches :data:`~ingero.fleet.outliers.Z_THRESHOLD` *and* it sits further from the median
 than its own uncertainty plus the fleet's typical one — near-identical clocks never make outliers from
 noise. Fewer than 3 nodes have no median to speak of: no z, no outlier.
 
@@ -34,12 +34,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
+from ingero.fleet.outliers import Z_THRESHOLD, robust_z
 from ingero.fleet.skew import SkewEstimate, TimeSample
-from ingero.fleet.straggler import Z_THRESHOLD, robust_z
 from ingero.timeutil import NS_PER_S
 
 MIN_DRIFT_SAMPLES = 3  # a slope from two points has no residual to check it against
@@ -49,9 +49,12 @@ PPM = 1e-6
 # Student's t, two-sided 95 %, for 1..10 degrees of freedom; beyond, 1.96 + 2.5/dof (within 0.015)
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
-Floats = npt.NDArray[np.float64]
-Ints = npt.NDArray[np.int64]
-Bools = npt.NDArray[np.bool_]
+if TYPE_CHECKING:  # numpy.typing costs an import at run time
+    import numpy.typing as npt
+
+    Floats = npt.NDArray[np.float64]
+    Ints = npt.NDArray[np.int64]
+    Bools = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""Slow ranks by median absolute deviation on one metric of the collectives join (``find_outlier_nodes``).
+"""Outliers by median absolute deviation: the robust z-score (:func:`robust_z`, :data:`Z_THRESHOLD`) the
+fleet's verdicts share — per-node figures (:mod:`ingero.fleet.straggler`), clock offsets
+(:mod:`ingero.fleet.fleet_skew`) — and slow ranks on one metric of the collectives join (:func:`outlier_ranks`).
+This module needs numpy only (the rank model is a type here), so the clock-skew pass loads nothing else.
 
 Metrics of each rank (:class:`~ingero.fleet.collectives.RankRow`):
 
@@ -18,12 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ingero.fleet.collective_model import RankRow
-from ingero.fleet.straggler import Z_THRESHOLD, robust_z
+if TYPE_CHECKING:
+    from ingero.fleet.collective_model import RankRow
+
+Z_THRESHOLD = 3.5  # robust z-score of an outlier (Iglewicz & Hoaglin)
 
 # metric -> (what it is, value of a rank, sign: +1 high is bad / −1 low is bad, absolute floor)
 METRICS: dict[str, tuple[str, Callable[[RankRow], float], int, float]] = {
@@ -32,6 +37,20 @@ METRICS: dict[str, tuple[str, Callable[[RankRow], float], int, float]] = {
     "wait": ("share of its time spent waiting for others", lambda r: r.wait_share, -1, 0.01),
 }
 DEFAULT_METRIC = "lag"
+
+
+def robust_z(values: np.ndarray) -> np.ndarray:
+    """Modified z-scores, median/MAD. All-equal peers with one differing value give ±inf."""
+    x = np.asarray(values, dtype=np.float64)
+    med = float(np.median(x))
+    mad = float(np.median(np.abs(x - med)))
+    floor = 1e-3 * abs(med)  # differences below 0.1% of the median are noise, not signal
+    dev = x - med
+    if mad <= floor:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(np.abs(dev) <= floor, 0.0, np.sign(dev) * np.inf)
+        return np.asarray(z, dtype=np.float64)
+    return np.asarray(0.6745 * dev / mad, dtype=np.float64)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from ingero.fleet.collective_model import CollectiveVerdict
+from ingero.fleet.outliers import Z_THRESHOLD, robust_z
 
-Z_THRESHOLD = 3.5
 MIN_RATIO = 2.0
 TWO_NODE_RATIO = 3.0
 _GPU_SOURCES = frozenset({"CUDA", "DRIVER", "NCCL"})
@@ -169,20 +169,6 @@ class StragglerVerdict:
             "source": self.source,
             "collectives": self.collectives.as_dict() if self.collectives is not None else None,
         }
-
-
-def robust_z(values: np.ndarray) -> np.ndarray:
-    """Modified z-scores, median/MAD. All-equal peers with one differing value give ±inf."""
-    x = np.asarray(values, dtype=np.float64)
-    med = float(np.median(x))
-    mad = float(np.median(np.abs(x - med)))
-    floor = 1e-3 * abs(med)  # differences below 0.1% of the median are noise, not signal
-    dev = x - med
-    if mad <= floor:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z = np.where(np.abs(dev) <= floor, 0.0, np.sign(dev) * np.inf)
-        return np.asarray(z, dtype=np.float64)
-    return np.asarray(0.6745 * dev / mad, dtype=np.float64)
 
 
 def _metrics(figs: Sequence[NodeFigures]) -> dict[str, dict[str, float]]:
