@@ -221,6 +221,7 @@ def test_fleet_status_rows(fleet3: list[str], pki: Pki, capsys: pytest.CaptureFi
         "version",
         "rtt_ms",
         "skew",
+        "drift_ppm",
         "events",
         "first",
         "last",
