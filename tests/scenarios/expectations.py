@@ -8,9 +8,10 @@ in the groups below.
 
 Severity is lost time as a share of wall time (HIGH ≥ 20 %, MEDIUM ≥ 5 %, LOW ≥ 1 %). A scenario's
 ``magnitude`` is the share its disturbance costs; the family must be named at least at the severity
-of ``magnitude x (1 - TOLERANCE)`` and at most at that of ``magnitude x (1 + TOLERANCE)`` (a
-disturbance of 4 % is not HIGH; one of 0.7 % is named at no severity). ``must_not`` prefixes must not
-appear at ANY severity, LOW included, on any node of the run.
+of ``magnitude x (1 - TOLERANCE)`` and at most at that of ``magnitude x (1 + TOLERANCE)``, LOW at least
+(a disturbance of 4 % is not HIGH; LOW chains are allowed anywhere). ``must_not`` prefixes must not
+appear at ANY severity, LOW included, on any node of the run. A chain of off-CPU time of unknown kind
+(Ingero's layout) counts as the finding only when it names the missing signal (``prev_state``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ WORKERS = ("idle/input", "idle/asleep_workers")
 DISK = ("idle/io", "idle/asleep_disk")
 NETWORK_WAIT = ("idle/net", "idle/asleep_network")
 HOST_CODE = ("idle/host_code",)
+HANG = ("hang", "hung", "straggler", "stall")
 SLOWER_REGIME = ("drift", "regime", "slow/", "tail/gpu", "tail/slow", "tail/unknown")
-MISSING_PREV_STATE = "prev_state"  # what an Ingero-layout contention chain must say is missing
+MISSING_PREV_STATE = "prev_state"  # what a chain of off-CPU time of unknown kind must say is missing
 RECORDED, INGERO = "recorded", "ingero"
 LAYOUTS = (RECORDED, INGERO)
 
@@ -58,9 +60,9 @@ class Expect:
     least: Callable[[float], str | None]  # ... at least this severity for a magnitude (None: nothing required)
     most: Callable[[float], str | None]  # and none of these names above this one
     must_not: tuple[str, ...] = CPU_CONTENTION
-    says: str = ""  # text the named chain must contain (the missing signal)
     healthy: bool = False  # no HIGH or MEDIUM chain on any node
     peers_clean: bool = True  # the other nodes (healthy runs of the same job) get no HIGH or MEDIUM
+    anywhere: bool = False  # the finding may be on any node (the recording cannot tell which one)
 
 
 def by_loss(m: float) -> str | None:
@@ -126,11 +128,11 @@ CATALOG: dict[str, dict[str, Expect]] = {
     "cpu-contention": {
         RECORDED: Expect(CPU_CONTENTION, by_loss, by_loss_most, ()),
         # contention cannot be told without prev_state: report the lost time, say what is missing, never guess
-        INGERO: Expect(OFFCPU_UNKNOWN, by_loss, by_loss_most, CPU_CONTENTION, says=MISSING_PREV_STATE),
+        INGERO: Expect(OFFCPU_UNKNOWN, by_loss, by_loss_most, CPU_CONTENTION),
     },
     "cpu-bimodal": {
         RECORDED: Expect(CPU_CONTENTION, by_loss, by_loss_most, ()),
-        INGERO: Expect(OFFCPU_UNKNOWN, by_loss, by_loss_most, CPU_CONTENTION, says=MISSING_PREV_STATE),
+        INGERO: Expect(OFFCPU_UNKNOWN, by_loss, by_loss_most, CPU_CONTENTION),
     },
     "kv-pressure": {RECORDED: lost(("alloc-churn",)), INGERO: lost(("alloc-churn",))},
     "noisy-neighbour": {RECORDED: lost(("gpu-contention",)), INGERO: lost(("gpu-contention",))},
@@ -147,13 +149,20 @@ CATALOG: dict[str, dict[str, Expect]] = {
         layout: Expect((*HOST_CODE, "straggler", "late-rank"), by_loss, by_loss_most, peers_clean=False)
         for layout in LAYOUTS
     },
+    # after its last GPU call a thread's ledger ends: a hang is told by the calls that never returned
+    # (recorded) or by the GPU threads' silence while the recording goes on (both layouts)
+    "hung-rank": {
+        RECORDED: Expect(HANG, by_loss, high, peers_clean=False),
+        # without NCCL rows every rank just falls silent: that the job hung can be told, not who hung
+        INGERO: Expect(HANG, by_loss, high, peers_clean=False, anywhere=True),
+    },
     "healthy-sleeps": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-collective": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-idle-server": {layout: HEALTHY for layout in LAYOUTS},
 }
 HEALTHY_FAMILIES = tuple(f for f, e in CATALOG.items() if e[RECORDED].healthy)
 CPU_FAMILIES = ("cpu-contention", "cpu-bimodal")
-MULTI_RANK = ("late-rank", "healthy-collective")  # at least two nodes, whatever n_nodes says
+MULTI_RANK = ("late-rank", "hung-rank", "healthy-collective")  # at least two nodes, whatever n_nodes says
 
 
 # --- the realistic recordings of ingero.demo.realistic (tests/test_explain_scenarios.py) ----------

@@ -1,5 +1,7 @@
 """Multi-rank families (ranks in lock step through NCCL all-reduces) and the healthy shapes.
 
+* ``hung-rank`` — one rank stops entering all-reduces (stuck on a lock); the others sit in the call
+  it never entered, entered and never returned, for the last ``magnitude`` of the recording.
 * ``late-rank`` — one rank (``outlier``, anywhere in node order) runs extra host code before some of
   its all-reduces; the others wait inside the collective for it (asleep: waiting, not contention).
   The time it costs is ``magnitude`` of the late rank's wall time, and about as much on every peer.
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from ingero.demo.synth import ALL_REDUCE, SyntheticNode
 from ingero.store.catalog import as_sqlite_int, op_id
+from ingero.store.nccl import IN_FLIGHT
 from ingero.store.writer import StoreWriter
 from ingero.timeutil import NS_PER_MS, NS_PER_S
 from tests.scenarios.base import PID, SECONDS, Loop, Node, Params, finish, lost_budget, split, spread_steps, trainer
@@ -40,9 +43,19 @@ def _nccl_rows(db: Path, node: Node, rank: int, nranks: int, calls: list[tuple[i
         w.write_batch(nccl_comms=[(COMM_PTR, pid, rank, nranks, node.base_ns, as_sqlite_int(COMM_ID))], nccl_calls=rows)
 
 
-def lockstep(p: Params, extra: dict[int, float], *, jitter_ms: float = 0.3, seconds: float = SECONDS) -> list[Loop]:
+def lockstep(
+    p: Params,
+    extra: dict[int, float],
+    *,
+    jitter_ms: float = 0.3,
+    seconds: float = SECONDS,
+    hang_s: float = 0.0,
+) -> list[Loop]:
     """Ranks (one per node) that compute, enter an all-reduce, and leave together once the last is in;
-    ``extra[step]``: seconds of host code rank ``p.outlier`` runs before entering that step's call."""
+    ``extra[step]``: seconds of host code rank ``p.outlier`` runs before entering that step's call.
+    With ``hang_s``, rank ``p.outlier`` never enters the call after ``seconds`` (stuck, asleep on a lock):
+    the others wait in it — entered, never returned (``nccl_calls`` duration −1, no event row) — for
+    the ``hang_s`` the recording goes on."""
     n = max(2, p.n_nodes)
     loops = [trainer(p, i, f"python3 train.py --rank {i}") for i in range(n)]
     calls: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
@@ -70,6 +83,13 @@ def lockstep(p: Params, extra: dict[int, float], *, jitter_ms: float = 0.3, seco
             lp.pause(0.5)
         t = max(lp.t for lp in loops)
         step += 1
+    if hang_s:
+        for i, lp in enumerate(loops):
+            lp.work(copy=False)
+            lp.sync()
+            if i != p.outlier % n:
+                calls[i].append((lp.rec.ts(lp.t), IN_FLIGHT, step))
+            lp.t = t + hang_s  # nothing more from these threads; the node's recording goes on
     for i, lp in enumerate(loops):
         assert isinstance(lp.rec, Node)
         lp.rec.after.append(partial(_nccl_rows, node=lp.rec, rank=i, nranks=n, calls=calls[i]))
@@ -82,6 +102,11 @@ def late_rank(p: Params) -> list[SyntheticNode]:
     steps = sorted(spread_steps(rng, int(SECONDS / 0.0125), k))
     late = dict(zip(steps, split(rng, lost_budget(p.magnitude), k), strict=True))
     return [finish(lp) for lp in lockstep(p, late)]
+
+
+def hung_rank(p: Params) -> list[SyntheticNode]:
+    """The outlier stops entering collectives: ``magnitude`` of the recording passes after it hung."""
+    return [finish(lp) for lp in lockstep(p, {}, hang_s=lost_budget(p.magnitude))]
 
 
 def healthy_collective(p: Params) -> list[SyntheticNode]:
@@ -126,6 +151,7 @@ def healthy_idle_server(p: Params) -> list[SyntheticNode]:
 
 FAMILIES = {
     "late-rank": late_rank,
+    "hung-rank": hung_rank,
     "healthy-sleeps": healthy_sleeps,
     "healthy-collective": healthy_collective,
     "healthy-idle-server": healthy_idle_server,
