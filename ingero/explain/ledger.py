@@ -48,7 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.explain.frame import I64, ArgRows, Frame
-from ingero.explain.offcpu import INVOL, IOWAIT, SCHED_WAKEUP, UNKNOWN, VOL, OffCpu, union
+from ingero.explain.offcpu import INVOL, IOWAIT, SCHED_WAKEUP, UNKNOWN, VOL, Intervals, OffCpu, union
 from ingero.store.catalog import IO, NCCL, NET, op_id, op_ids, op_name
 from ingero.store.window import Window
 from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration
@@ -131,22 +131,29 @@ def steady_ns(source: I64, op: I64, dur: I64) -> I64:
     """Per call, the steady level of its op on this node: the median of the op's calls plus their
     noise band (``NOISE_SIGMAS`` robust sigmas); an NCCL collective's own duration (its excess is
     waiting for the other ranks, judged across nodes)."""
+    return _steady(source, op, dur)[0]
+
+
+def _steady(source: I64, op: I64, dur: I64) -> tuple[I64, dict[tuple[int, int], int]]:
+    """steady_ns, and each op's level."""
     out = dur.copy()
+    levels: dict[tuple[int, int], int] = {}
     if dur.size == 0:
-        return out
+        return out, levels
     key = (source << 16) | op
     order = np.argsort(key, kind="stable")
     ks = key[order]
     bounds = np.flatnonzero(np.diff(ks)) + 1
     for lo, hi in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [ks.size])), strict=True):
-        if int(ks[lo]) >> 16 == NCCL:
+        k = int(ks[lo])
+        if k >> 16 == NCCL:
             continue
         idx = order[lo:hi]
         d = dur[idx]
         med = float(np.median(d))
         mad = float(np.median(np.abs(d - med)))
-        out[idx] = round(med + NOISE_SIGMAS * 1.4826 * mad)
-    return out
+        levels[(k >> 16, k & 0xFFFF)] = out[idx] = round(med + NOISE_SIGMAS * 1.4826 * mad)
+    return out, levels
 
 
 def children(args: ArgRows, pid: int) -> dict[int, int]:
@@ -345,46 +352,61 @@ def _gap_classes(ev: _ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tup
 def _paint(
     g0: I64, g1: I64, idle: npt.NDArray[np.bool_], classes: dict[str, tuple[I64, I64]], minutes: I64 | None
 ) -> tuple[I64, I64, npt.NDArray[np.float64] | None]:
-    """Split the gaps [g0, g1) by class: per gap bucket its time, its time in gaps >= GAP_NS, and (with
-    ``minutes``, the minute edges inside the wall) its time per minute (rows) — exact integer sums."""
-    lo, hi = int(g0[0]), int(g1[-1])
-    edges = [g0, g1]
-    for s, e in classes.values():
-        edges += [np.clip(s, lo, hi), np.clip(e, lo, hi)]
-    if minutes is not None:
-        edges.append(minutes)
-    b = np.unique(np.concatenate(edges))
-    left, length = b[:-1], np.diff(b)
-    k = np.searchsorted(g0, left, side="right") - 1
-    in_gap = (k >= 0) & (left < g1[np.maximum(k, 0)])
-    left, length, k = left[in_gap], length[in_gap], k[in_gap]
-    label = np.full(left.size, _IDX[HOST_CODE], dtype=np.int64)
-    for bucket in reversed(_GAP_ORDER):
-        s, e = classes[bucket]
+    """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
+    ``idle``, beyond the loop's turnaround), and (with ``minutes``, the minute edges inside the wall)
+    its time per minute (rows) — exact integer sums. Gaps no class interval touches are own host code
+    whole: only the touched ones are cut up (the work grows with the scheduler rows, not the calls)."""
+    n, host = len(BUCKETS), _IDX[HOST_CODE]
+    glen = (g1 - g0).astype(np.float64)
+    marks = np.zeros(g0.size + 1, dtype=np.int64)
+    for s, e in classes.values():  # interval [s, e) touches the gaps [first ending after s, first starting at e)
         if s.size:
-            label[_covered(s, e, left)] = _IDX[bucket]
-    n = len(BUCKETS)
-    w = length.astype(np.float64)
-    total = np.rint(np.bincount(label, weights=w, minlength=n)).astype(np.int64)
+            marks += np.bincount(np.searchsorted(g1, s, side="right"), minlength=g0.size + 1)
+            marks -= np.bincount(np.searchsorted(g0, e, side="left"), minlength=g0.size + 1)
+    hit = np.cumsum(marks)[:-1] > 0
+    t0, t1 = g0[hit], g1[hit]
+    per_gap = np.zeros((t0.size, n), dtype=np.float64)
+    left = label = w = np.zeros(0, dtype=np.int64)
+    if t0.size:
+        lo, hi = int(t0[0]), int(t1[-1])
+        edges = [t0, t1] + [np.clip(x, lo, hi) for se in classes.values() for x in se]
+        if minutes is not None:
+            edges.append(minutes)
+        b = np.sort(np.concatenate(edges))
+        b = b[np.concatenate(([True], b[1:] != b[:-1]))]
+        left, length = b[:-1], np.diff(b)
+        k = np.searchsorted(t0, left, side="right") - 1
+        in_gap = (k >= 0) & (left < t1[np.maximum(k, 0)])
+        left, length, k = left[in_gap], length[in_gap], k[in_gap]
+        label = np.full(left.size, host, dtype=np.int64)
+        for bucket in reversed(_GAP_ORDER):
+            s, e = classes[bucket]
+            if s.size:
+                label[_covered(s, e, left)] = _IDX[bucket]
+        w = length.astype(np.float64)
+        per_gap = np.bincount(k * n + label, weights=w, minlength=t0.size * n).reshape(-1, n).astype(np.float64)
+    total = per_gap.sum(axis=0)
+    total[host] += glen[~hit].sum()
     # in each gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
-    # (dispatching the next step, a handoff from a ready queue, an ordinary preemption): only what
-    # lasts longer counts as idle
-    sure = idle[k]
-    rank = np.cumsum(idle) - 1  # the gap's row among the sure ones
-    per_gap = np.bincount(rank[k[sure]] * n + label[sure], weights=w[sure], minlength=int(idle.sum()) * n)
-    per_gap = per_gap.reshape(-1, n)
-    allowance = np.full(n, float(GAP_NS))
-    host = per_gap[:, _IDX[HOST_CODE]]
-    if host.size:  # own host code: beyond twice the loop's typical turnaround (a steady loop's own pace)
-        allowance[_IDX[HOST_CODE]] = max(float(GAP_NS), TURNAROUND_X * float(np.median(host)))
-    in_idle: I64 = np.rint(np.maximum(per_gap - allowance, 0).sum(axis=0)).astype(np.int64)
+    # (dispatching the next step, a handoff from a ready queue, an ordinary preemption); own host code
+    # counts beyond twice the loop's typical turnaround (a steady loop's own pace)
+    host_of = glen.copy()
+    host_of[hit] = per_gap[:, host]
+    sure_host = host_of[idle]
+    allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
+    in_idle_f = np.maximum(per_gap[idle[hit]] - GAP_NS, 0).sum(axis=0)
+    in_idle_f[host] = np.maximum(sure_host - allowance, 0).sum()
+    in_idle: I64 = np.rint(in_idle_f).astype(np.int64)
     per_minute: npt.NDArray[np.float64] | None = None
     if minutes is not None:
         m = np.searchsorted(minutes, left, side="right")
-        per_minute = (
-            np.bincount(m * n + label, weights=w, minlength=(minutes.size + 1) * n).reshape(-1, n).astype(np.float64)
-        )
-    return total, in_idle, per_minute
+        per_minute = np.bincount(m * n + label, weights=w, minlength=(minutes.size + 1) * n).astype(np.float64)
+        per_minute = per_minute.reshape(-1, n)
+        u0, u1 = g0[~hit], g1[~hit]  # untouched gaps: host code, split at the minute edges
+        cum = np.concatenate(([0], np.cumsum(u1 - u0)))
+        before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
+        per_minute[:, host] += np.diff(before).astype(np.float64)
+    return np.rint(total).astype(np.int64), in_idle, per_minute
 
 
 def _take_unstored(row: LedgerRow, per_minute: npt.NDArray[np.float64], amounts: npt.NDArray[np.float64]) -> int:
@@ -443,7 +465,7 @@ def build_ledger(
         },
         (h[:, 0], h[:, 1]),
     )
-    steady = steady_ns(gpu.source, gpu.op, gpu.dur)
+    steady, levels = _steady(gpu.source, gpu.op, gpu.dur)
     order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
     pid, tid, ts = gpu.pid[order], gpu.tid[order], gpu.ts_ns[order]
     end, st, src, op = ts + gpu.dur[order], ts + steady[order], gpu.source[order], gpu.op[order]
@@ -452,8 +474,7 @@ def build_ledger(
     un = _less_stored(unstored or Unstored(), gpu)
     owner = _unstored_owner(pid, tid, src, op, un)
     ledger = Ledger([])
-    keys, first = np.unique((gpu.source << 16) | gpu.op, return_index=True)
-    ledger.steady = {(k >> 16, k & 0xFFFF): int(steady[i]) for k, i in zip(keys.tolist(), first.tolist(), strict=True)}
+    ledger.steady = levels
     for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [ts.size])), strict=True):
         p, t = int(pid[lo]), int(tid[lo])
         if p not in kids_of:
