@@ -93,6 +93,7 @@ class RankRow:
     wait_share: float  # wait / its active span
     uncertainty_ms: float  # its node's clock uncertainty
     gpu_model: str = ""
+    clock_conflicts: int = 0  # calls where its wait exceeded its own call time beyond the clocks' ±
 
     @property
     def last_share(self) -> float:
@@ -110,6 +111,7 @@ class RankRow:
             "wait_s": round(self.wait_s, 6),
             "wait_share": round(self.wait_share, 5),
             "uncertainty_ms": round(self.uncertainty_ms, 4),
+            "clock_conflicts": self.clock_conflicts,
         }
 
 

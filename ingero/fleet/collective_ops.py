@@ -87,7 +87,9 @@ class StragglerReport(Outcomes):
 
     def headline(self) -> str:
         cv = self.collectives
-        return cv.headline() if cv is not None else f"straggler: {self.verdict.line}"
+        if cv is not None:
+            return cv.headline()
+        return f"straggler: {self.verdict.line}" if self.verdict.outlier else self.verdict.line
 
     def as_dict(self) -> dict[str, Any]:
         cv = self.collectives

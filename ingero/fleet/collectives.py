@@ -57,6 +57,7 @@ from ingero.store.catalog import NCCL, lookup_op, op_name
 MIN_Z = 4.0  # binomial z-score of "last" counts against chance (1 / nranks)
 MIN_LAST_SHARE = 0.5  # the straggler is last in at least half the calls
 MIN_WAIT_SHARE = 0.01  # peers' waiting must be at least 1 % of their time to name anyone
+CLOCK_SLACK_NS = 1e6  # a wait may exceed the rank's own call time by this much (plus the clocks' ±) before the clocks are said to disagree
 SLOW_TRANSFER_SHARE = 0.25  # transfers taking a quarter of the time: the collective itself is slow
 UNCERTAINTY_FACTOR = 1.0  # lag must exceed this many times the combined clock uncertainty
 COLLECTIVE_OPS_MAX = lookup_op("ncclReduceScatter").op  # NCCL ops 1..5 are collectives; 6, 7 send/recv
@@ -250,18 +251,27 @@ def analyze(nodes: Sequence[NodeCalls], *, as_of_ns: float | None = None) -> Col
     last_part = o_part[last_pos]
     lag = o_entry[last_pos] - o_entry[prev_pos]
     lag_unc = o_unc[last_pos] + o_unc[prev_pos]
-    # per-row waits on complete calls
+    # per-row waits on complete calls: the last arrival minus the row's own, never more than the row's
+    # own time in the call (measured on its own clock: the call returns only once everyone is in). A
+    # wait beyond that by more than both clocks' uncertainty means the clocks disagree (a node's
+    # offset is wrong): the row is counted as a clock conflict.
     row_call = np.repeat(np.arange(starts.size), size)
     row_ok = complete[row_call]
     last_entry_of_call = o_entry[ends - 1]
-    wait = np.where(row_ok, last_entry_of_call[row_call] - o_entry, 0.0)
+    raw_wait = last_entry_of_call[row_call] - o_entry
+    own = np.maximum(o_dur, 0).astype(np.float64)
+    conflict = row_ok & (raw_wait > own + o_unc + o_unc[ends - 1][row_call] + CLOCK_SLACK_NS)
+    wait = np.where(row_ok, np.clip(raw_wait, 0.0, own), 0.0)
     end_t = o_entry + o_dur
     first_done = np.minimum.reduceat(np.where(row_ok, end_t, np.inf), starts)
-    transfer = (first_done - last_entry_of_call)[sel_calls]
+    # the transfer can last no longer than any rank's own time in the call (its own clock)
+    shortest = np.minimum.reduceat(np.where(row_ok, own, np.inf), starts)
+    transfer = np.clip(first_done - last_entry_of_call, 0.0, shortest)[sel_calls]
     call_bytes = np.maximum.reduceat(nbytes[order], starts)[sel_calls]
     call_op = op[order][starts]
 
     part_wait = np.bincount(o_part, weights=wait, minlength=npart)
+    part_conflicts = np.bincount(o_part[conflict], minlength=npart)
     part_calls = np.bincount(o_part[row_ok], minlength=npart)
     part_last = np.bincount(last_part, minlength=npart)
     ok_rows = np.flatnonzero(row_ok)
@@ -291,6 +301,7 @@ def analyze(nodes: Sequence[NodeCalls], *, as_of_ns: float | None = None) -> Col
                     wait_share=float(share),
                     uncertainty_ms=float(part_unc[p]) / 1e6,
                     gpu_model=f.nodes[part_node[p]].gpu_model,
+                    clock_conflicts=int(part_conflicts[p]),
                 )
             )
         all_calls = call_comm == c
@@ -420,7 +431,23 @@ def _verdict(
         rank = int(part_rank[top])
         short = cs.comm[:4]
         candidate: CollectiveVerdict
-        if z >= MIN_Z and k >= MIN_LAST_SHARE * n and peers_share >= MIN_WAIT_SHARE:
+        clashing = [r for r in cs.ranks if r.calls and r.clock_conflicts >= MIN_LAST_SHARE * r.calls]
+        if clashing:  # who arrives last cannot be told while a node's clock is off by more than its ±
+            # a rank behind the others seems to wait longer than its call lasted; when most ranks seem
+            # to, the odd one out is ahead
+            ahead = len(clashing) * 2 > len(cs.ranks)
+            odd = [r for r in cs.ranks if r not in clashing] if ahead else clashing
+            suspect = odd[0] if odd else clashing[0]
+            worst = max(clashing, key=lambda r: r.clock_conflicts)
+            line = (
+                f"inconclusive: the clocks of comm {short}…'s ranks disagree — in {worst.clock_conflicts:,} of "
+                f"{worst.calls:,} {cs.op} calls {worst.node} (rank {worst.rank}) waited longer than its own call "
+                f"lasted, beyond the clocks' ±: {suspect.node} (rank {suspect.rank}) looks "
+                f"{'ahead of' if ahead else 'behind'} its peers by more than its measured offset says; fix clock "
+                "sync (chrony/PTP) and look again"
+            )
+            candidate = CollectiveVerdict("inconclusive", line, suspect.node, suspect.rank, cs.comm, calls=n)
+        elif z >= MIN_Z and k >= MIN_LAST_SHARE * n and peers_share >= MIN_WAIT_SHARE:
             clock = f" (±{fmt_ms(med_unc / 1e6)} clock)"
             head = f"{node} (rank {rank}) arrived last at {k:,} of {n:,} {cs.op} calls (comm {short}…)"
             if med_lag > UNCERTAINTY_FACTOR * med_unc:
