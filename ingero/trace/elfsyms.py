@@ -49,6 +49,7 @@ class ElfImage:
     elf_type: int  # 2 = ET_EXEC, 3 = ET_DYN
     segments: list[Segment]
     symbols: dict[str, tuple[int, int]]  # name -> (vaddr, size), functions only
+    sections: dict[str, int] = field(default_factory=dict)  # section name -> vaddr (e.g. ".PyRuntime")
     _starts: list[int] = field(default_factory=list, repr=False)
     _entries: list[tuple[int, int, str]] = field(default_factory=list, repr=False)
 
@@ -112,7 +113,9 @@ def _parse(path: str) -> ElfImage:
             raise ElfError(f"{path} is not an ELF file")
         if head[4] != 2 or head[5] != 1:
             raise ElfError(f"{path} is not a little-endian 64-bit ELF file")
-        (_, e_type, _, _, _, e_phoff, e_shoff, _, _, e_phentsize, e_phnum, e_shentsize, e_shnum, _) = _EHDR.unpack(head)
+        (_, e_type, _, _, _, e_phoff, e_shoff, _, _, e_phentsize, e_phnum, e_shentsize, e_shnum, e_shstrndx) = (
+            _EHDR.unpack(head)
+        )
         segments: list[Segment] = []
         if e_phoff and e_phnum:
             raw = _read_exact(fh, e_phoff, e_phentsize * e_phnum)
@@ -121,9 +124,15 @@ def _parse(path: str) -> ElfImage:
                 if p_type == _PT_LOAD:
                     segments.append(Segment(p_vaddr, p_offset, p_filesz, p_memsz, bool(p_flags & 1)))
         symbols: dict[str, tuple[int, int]] = {}
+        named: dict[str, int] = {}
         if e_shoff and e_shnum:
             raw = _read_exact(fh, e_shoff, e_shentsize * e_shnum)
             sections = [_SHDR.unpack_from(raw, i * e_shentsize) for i in range(e_shnum)]
+            if e_shstrndx < len(sections):  # section names: where an interpreter keeps its runtime state
+                shstr = _read_exact(fh, sections[e_shstrndx][4], sections[e_shstrndx][5])
+                for sh in sections:
+                    end = shstr.find(b"\0", sh[0])
+                    named[shstr[sh[0] : end if end >= 0 else None].decode(errors="replace")] = sh[3]
             # .dynsym first, then .symtab: the full table (unstripped builds) wins on duplicates.
             for wanted in (_SHT_DYNSYM, _SHT_SYMTAB):
                 for sh in sections:
@@ -135,7 +144,7 @@ def _parse(path: str) -> ElfImage:
                     names = _read_exact(fh, strtab[4], strtab[5])
                     table = _read_exact(fh, sh[4], sh[5])
                     _collect(table, names, sh[9], symbols)
-    return ElfImage(path, e_type, segments, symbols)
+    return ElfImage(path, e_type, segments, symbols, named)
 
 
 def _collect(table: bytes, names: bytes, entsize: int, out: dict[str, tuple[int, int]]) -> None:

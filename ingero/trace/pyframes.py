@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ingero.trace.procmaps import read_maps
 from ingero.trace.pylines import line_of, line_of_310
 
 MAX_FRAMES = 64
@@ -149,47 +150,18 @@ def ptrace_problem(scope: int | None, *, root: bool) -> str:
     return ""
 
 
-def _pyruntime_vaddr(path: str) -> int | None:
-    """Virtual address of the ``.PyRuntime`` section of an ELF file (64-bit little endian)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-            if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-                return None
-            (shoff,) = struct.unpack_from("<Q", head, 0x28)
-            shentsize, shnum, shstrndx = struct.unpack_from("<HHH", head, 0x3A)
-            if not shoff or not shnum or shentsize < 64:
-                return None
-            f.seek(shoff)
-            table = f.read(shentsize * shnum)
-            _n, _t, _fl, _a, str_off, str_size = struct.unpack_from("<IIQQQQ", table, shstrndx * shentsize)
-            f.seek(str_off)
-            names = f.read(str_size)
-    except (OSError, struct.error):
+def _python_mappings(pid: int) -> dict[str, tuple[int, int, str]] | None:
+    """File mappings whose name says python: path -> (lowest start, its file offset, a path openable from
+    here); None: the process is gone."""
+    maps = read_maps(pid)
+    if not maps:
         return None
-    for i in range(shnum):
-        name_off, _type, _flags, addr = struct.unpack_from("<IIQQ", table, i * shentsize)
-        end = names.find(b"\0", name_off)
-        if names[name_off:end] == b".PyRuntime":
-            return int(addr)
-    return None
-
-
-def _python_mappings(pid: int) -> dict[str, tuple[int, int]] | None:
-    """File mappings whose name says python: path -> (lowest start, its file offset); None: gone."""
-    try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    out: dict[str, tuple[int, int]] = {}
-    for line in lines:
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/") or "python" not in os.path.basename(parts[5]):
+    out: dict[str, tuple[int, int, str]] = {}
+    for m in maps:
+        if not m.reachable or "python" not in os.path.basename(m.path):
             continue
-        start = int(parts[0].partition("-")[0], 16)
-        if parts[5] not in out or start < out[parts[5]][0]:
-            out[parts[5]] = (start, int(parts[2], 16))
+        if m.path not in out or m.start < out[m.path][0]:
+            out[m.path] = (m.start, m.offset, m.reachable)
     return out
 
 
@@ -213,21 +185,21 @@ class PyProcess:
         if maps is None:
             self.problem = "process gone"
             return
-        for path, (start, offset) in maps.items():
-            base = os.path.basename(path)
-            reachable = path if os.path.exists(path) else f"/proc/{self.pid}/root{path}"
-            vaddr = _pyruntime_vaddr(reachable)
-            ver = _VERSION.search(base)
-            if vaddr is None or ver is None:
+        for path, (start, offset, reachable) in maps.items():
+            ver = _VERSION.search(os.path.basename(path))
+            if ver is None:
+                continue
+            try:
+                image = elfsyms.load(reachable)  # cached per file: the symbolizer reads the same images
+            except (OSError, elfsyms.ElfError):
+                continue
+            vaddr = image.sections.get(".PyRuntime")
+            if vaddr is None:
                 continue
             self.version = ver.group(1)
             if self.version not in OFFSETS:
                 self.problem = f"CPython {self.version}: Python frames are read for {', '.join(SUPPORTED)} only"
                 return
-            try:
-                image = elfsyms.load(reachable)
-            except (OSError, elfsyms.ElfError):
-                continue
             at_start = image.offset_to_vaddr(offset)
             load_base = 0 if image.elf_type == 2 or at_start is None else start - at_start
             self.runtime = load_base + vaddr
