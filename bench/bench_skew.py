@@ -13,7 +13,7 @@ clock) then runs ``fleet_status`` in two kinds of rounds:
   connect to the agent, the kernel's SYN/SYN-ACK), so a loose estimator cannot pass by claiming a wide
   interval. The drifting agent's offset moves during the run: it is judged on drift only.
 * **drift rounds** (``fleet status --samples N``, samples ``--interval`` apart): every node's drift must
-  fall within its stated 95 % interval in at least 90 % of node-rounds (a statistical interval is
+  fall within its stated 95 % interval in at least 85 % of node-rounds (a statistical interval is
   missed now and then by design), and the drifting agent's interval must be narrow enough to tell its
   1000 ppm from none (at most a quarter of it).
 
@@ -57,7 +57,9 @@ UNCERTAINTY_SLACK_MS = 1.0  # the cap on an estimate's uncertainty: TCP round tr
 
 HELD = Target(1.0, "", at_least=True, fmt="{:.0%}")  # share of estimates holding the truth: all of them
 UNCERTAINTY_CAP = Target(1.0, "x")  # worst uncertainty ÷ (TCP RTT/2 + 1 ms)
-DRIFT_HELD = Target(0.9, "", at_least=True, fmt="{:.0%}")  # share of drifts within their 95 % interval
+# Share of drifts within their 95 % interval: over 9 nodes × 5 rounds a calibrated estimator falls
+# below 85 % about once in 150 runs (binomial), below 90 % once in 14 — too often for a verdict.
+DRIFT_HELD = Target(0.85, "", at_least=True, fmt="{:.0%}")
 DRIFT_NARROW = Target(DRIFT_PPM / 4, " ppm", fmt="{:.0f}")  # the drifting node's worst interval
 
 
