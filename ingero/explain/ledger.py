@@ -124,7 +124,8 @@ DRAINING = op_ids(
     "cudaFree",
     "cuMemFree",
 )
-_DRAIN_KEYS = np.asarray([(s << 16) | o for s, o in DRAINING], dtype=np.int64)
+_DRAINS = np.zeros(1 << 12, dtype=bool)  # by (source & 0xF) << 8 | (op & 0xFF), like frame's GPU table
+_DRAINS[[(s & 0xF) << 8 | (o & 0xFF) for s, o in DRAINING]] = True
 
 
 def steady_ns(source: I64, op: I64, dur: I64) -> I64:
@@ -140,19 +141,15 @@ def _steady(source: I64, op: I64, dur: I64) -> tuple[I64, dict[tuple[int, int], 
     levels: dict[tuple[int, int], int] = {}
     if dur.size == 0:
         return out, levels
-    key = (source << 16) | op
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    bounds = np.flatnonzero(np.diff(ks)) + 1
-    for lo, hi in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [ks.size])), strict=True):
-        k = int(ks[lo])
-        if k >> 16 == NCCL:
+    key = ((source & 0xFF) << 8) | (op & 0xFF)  # catalog ids are small: one bincount finds the ops
+    for k in np.flatnonzero(np.bincount(key)).tolist():
+        if k >> 8 == NCCL:
             continue
-        idx = order[lo:hi]
+        idx = np.flatnonzero(key == k)
         d = dur[idx]
         med = float(np.median(d))
         mad = float(np.median(np.abs(d - med)))
-        levels[(k >> 16, k & 0xFFFF)] = out[idx] = round(med + NOISE_SIGMAS * 1.4826 * mad)
+        levels[(k >> 8, k & 0xFF)] = out[idx] = round(med + NOISE_SIGMAS * 1.4826 * mad)
     return out, levels
 
 
@@ -466,7 +463,10 @@ def build_ledger(
         (h[:, 0], h[:, 1]),
     )
     steady, levels = _steady(gpu.source, gpu.op, gpu.dur)
-    order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
+    if (gpu.pid == gpu.pid[0]).all() and (gpu.tid == gpu.tid[0]).all():
+        order = np.argsort(gpu.ts_ns, kind="stable")  # one thread (the common case): time order only
+    else:
+        order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
     pid, tid, ts = gpu.pid[order], gpu.tid[order], gpu.ts_ns[order]
     end, st, src, op = ts + gpu.dur[order], ts + steady[order], gpu.source[order], gpu.op[order]
     cut = np.flatnonzero((np.diff(pid) != 0) | (np.diff(tid) != 0)) + 1
@@ -573,7 +573,7 @@ def _thread_row(
     b_end = reach[np.concatenate((np.flatnonzero(new)[1:] - 1, [ts.size - 1]))]
     busy = int((b_end - b_start).sum())
     busy_of = np.cumsum(new) - 1
-    drains = np.isin((src << 16) | op, _DRAIN_KEYS) & (end == b_end[busy_of])  # ends its busy stretch
+    drains = _DRAINS[((src & 0xF) << 8) | (op & 0xFF)] & (end == b_end[busy_of])  # ends its busy stretch
     drained = np.bincount(busy_of[drains], minlength=b_start.size) > 0
     slow = steady_end < end
     ss, se = union(np.maximum(steady_end[slow], ts[slow]), end[slow])
