@@ -6,7 +6,7 @@ new) without Python frames, then with them. Printed: µs per row each way and th
 cost of reading a thread's Python frames alone (code objects cached, as in a trace).
 The traced call itself never pays for this: frames are read by the drain thread, once per new stack.
 
-usage: .venv/bin/python bench/bench_pyframes.py [--rows N]
+usage: .venv/bin/python bench/bench_pyframes.py [--rows N] [--rounds N] [--quick]
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ sys.stdin.readline()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="200 rows, 3 rounds (no target here: figures only)")
     args = ap.parse_args()
+    if args.quick:
+        args.rows, args.rounds = 200, 3
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     tid = int(child.stdout.readline())
