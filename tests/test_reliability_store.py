@@ -154,9 +154,12 @@ def test_a_full_disk_prunes_the_oldest_events_and_recording_goes_on(
         assert newest > full_at + 1_000_000_000
         assert oldest > started  # the oldest events were pruned to make room
         # Aggregates still count every call seen, stored or not.
-        counted = c.execute("SELECT sum(count) FROM event_aggregates").fetchone()[0]
+        counted, stored_agg = c.execute("SELECT sum(count), sum(stored) FROM event_aggregates").fetchone()
         stored = c.execute("SELECT count(*) FROM events").fetchone()[0]
     assert counted == st["events_seen"] > stored
+    # ...and count as stored only rows that were written: those still there plus those pruned for room
+    # (rows the full disk could not take are in count, not in stored)
+    assert stored_agg == st["events_stored"] == stored + st["rows_pruned_disk_full"] + st["rows_pruned"], st
 
 
 @pytest.mark.reliability

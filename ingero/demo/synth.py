@@ -18,6 +18,7 @@ import numpy as np
 
 from ingero.identity import Identity
 from ingero.store.catalog import op_id
+from ingero.store.schema import AGGREGATE_BUCKET_NS
 from ingero.store.writer import EventRow, StoreWriter
 from ingero.timeutil import NS_PER_MS, NS_PER_S, NS_PER_US
 from ingero.trace.stacks import fnv1a64, to_signed64
@@ -40,7 +41,7 @@ BLOCK_WRITE = op_id("block_write")
 TCP_RETRANSMIT = op_id("tcp_retransmit")
 ALL_REDUCE = op_id("ncclAllReduce")
 
-MINUTE_NS = 60 * NS_PER_S
+MINUTE_NS = AGGREGATE_BUCKET_NS
 Snapshot = tuple[int, float, float, int, int, float]
 
 

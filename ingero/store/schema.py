@@ -51,6 +51,9 @@ from dataclasses import dataclass
 from ingero import __version__
 from ingero.errors import SchemaError, SchemaTooNewError
 from ingero.store.catalog import NCCL, OPS, SOURCES
+from ingero.timeutil import NS_PER_S
+
+AGGREGATE_BUCKET_NS = 60 * NS_PER_S  # event_aggregates.bucket: one row per minute (Ingero's layout)
 
 SCHEMA_VERSION = 4
 INGERO_LAYOUT = "0.9"

@@ -37,6 +37,7 @@ from ingero.identity import Identity, validate_node_name
 from ingero.store.annotations import insert_sql as annotations_insert_sql
 from ingero.store.budget import errorname
 from ingero.store.db import is_disk_full, open_writable, translate
+from ingero.store.schema import AGGREGATE_BUCKET_NS
 from ingero.store.writer_lock import WriterLock
 from ingero.timeutil import now_ns
 
@@ -430,6 +431,27 @@ class StoreWriter:
         except sqlite3.Error as e:
             raise translate(e, self.path) from None
         return deleted
+
+    def unstore(self, rows: Sequence[Sequence[int]]) -> None:
+        """Event rows that were counted as stored in ``event_aggregates`` but could not be written (the
+        disk was full): take them out of the ``stored`` counts (they stay in ``count``). A disk too full
+        for even this update leaves the counts as they are (the session's stats still say how many)."""
+        keys: dict[tuple[int, int, int, int], int] = {}
+        for r in rows:
+            key = (int(r[0]) // AGGREGATE_BUCKET_NS * AGGREGATE_BUCKET_NS, int(r[3]), int(r[4]), int(r[1]))
+            keys[key] = keys.get(key, 0) + 1
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.executemany(
+                "UPDATE event_aggregates SET stored = max(stored - ?, 0) "
+                "WHERE bucket = ? AND source = ? AND op = ? AND pid = ?",
+                [(n, *key) for key, n in keys.items()],
+            )
+            self.conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._rollback()
+            if not is_disk_full(e):
+                raise translate(e, self.path) from None
 
     def make_room(self, fraction: float = 0.1) -> int:
         """After a disk-full error: delete the oldest ``fraction`` of the events (aggregates keep

@@ -261,6 +261,7 @@ class Pipeline:
         still count them). DiskFullError only when even that does not fit: recording cannot go on."""
         events = batch.events
         done = 0  # events written; the rest of the batch goes with the first transaction
+        dropped: list[tuple[int, ...]] = []  # counted as stored in the aggregates, but never written
         for attempt in range(DISK_FULL_ATTEMPTS):
             try:
                 step = self.writer.rows_per_transaction()
@@ -281,6 +282,8 @@ class Pipeline:
                     else:
                         self.writer.write_batch(chunk)  # type: ignore[arg-type]
                         done += len(chunk)
+                if dropped:
+                    self.writer.unstore(dropped)
                 return
             except DiskFullError:
                 self.disk_full += 1
@@ -291,6 +294,7 @@ class Pipeline:
                 if not freed or attempt == DISK_FULL_ATTEMPTS - 2:
                     # last try: no more event rows (still counted in the aggregates)
                     self.lost_disk_full += len(events) - min(done, len(events))
+                    dropped += events[done:]
                     events = events[:done] if done else []
 
     # --- numbers ---------------------------------------------------------------------------------
@@ -299,7 +303,7 @@ class Pipeline:
         rec = self.recorder
         out = {
             "events_seen": rec.seen,
-            "events_stored": rec.stored,
+            "events_stored": rec.stored - self.lost_disk_full,  # rows the disk had no room for were not stored
             "events_aggregated_only": rec.seen - rec.stored,
             "events_drained": self.drained,
             "drain_calls": self.drain_calls,

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingero.store import catalog
+from ingero.store.schema import AGGREGATE_BUCKET_NS
 from ingero.timeutil import now_ns
 from ingero.trace import discovery
 from ingero.trace.nccl_calls import NcclCalls
 from ingero.trace.stacks import Symbolizer, stack_hash, stack_row
 
 NS_PER_S = 1_000_000_000
-NS_PER_MIN = 60 * NS_PER_S
+NS_PER_MIN = AGGREGATE_BUCKET_NS  # event_aggregates' buckets
 OP_NCCL_COMM_INIT = catalog.NCCL_COMM_INIT_OP  # control records (op >= this) are never events
 INT64_MAX = (1 << 63) - 1
 
