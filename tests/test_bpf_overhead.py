@@ -140,3 +140,51 @@ def test_children_are_probed_from_the_next_sync_and_untraced_processes_never(exe
     assert _net(opts.db_path, upid) == []
     assert got["after"] == set()
     assert summary.stats["events_dropped_ring"] == 0
+
+
+LATE_DLOPEN = """
+import ctypes, sys
+sys.stdin.readline()
+lib = ctypes.CDLL(sys.argv[1])
+print("loaded", flush=True)
+sys.stdin.readline()
+p = ctypes.c_void_p()
+for _ in range(int(sys.argv[2])):
+    lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(4096))
+print("done", flush=True)
+"""
+
+
+def test_follow_mode_probes_a_library_a_running_process_maps_later(tmp_path: Path) -> None:
+    """The rescan reads again only the processes whose address space changed: a process scanned
+    before it dlopens libcudart is probed at the next rescan."""
+    built = build(tmp_path / "bpf-build")
+    opts = trace_options(tmp_path / "late.db", Identity("ovh"), {}, follow=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LATE_DLOPEN, str(built.cudart), "123"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def action(ready: TraceReady) -> int:
+        assert proc.stdin is not None and proc.stdout is not None
+        trio.from_thread.run(ready.control.rescan)  # scanned: no GPU library mapped yet
+        trio.from_thread.run(ready.control.rescan)
+        proc.stdin.write("load\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "loaded"
+        trio.from_thread.run(ready.control.rescan)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "done"
+        assert proc.wait(timeout=60) == 0
+        return proc.pid
+
+    _, pid = record(opts, action)
+    with sqlite3.connect(f"file:{opts.db_path}?mode=ro", uri=True) as conn:
+        ref = catalog.lookup_op("cudaMalloc")
+        n = conn.execute(
+            "SELECT sum(count) FROM event_aggregates WHERE pid = ? AND source = ? AND op = ?", (pid, ref.source, ref.op)
+        ).fetchone()
+    assert n == (123,)

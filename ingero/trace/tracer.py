@@ -179,6 +179,7 @@ class _Follower:
         self.cgroups = CgroupTracker()  # cgroup id -> container / pod / Slurm job (cgroup_metadata)
         self.pyframes: PyFrames | None = None
         self.py_noted: set[int] = set()
+        self._sizes: dict[int, str] = {}  # pid -> its address-space size at the last rescan
 
     def on_events(self, ev: np.ndarray) -> None:
         self.cgroups.on_events(ev)
@@ -208,10 +209,43 @@ class _Follower:
         return [self.probes.attach_library(lib.kind, lib.path) for lib in libs]
 
     def rescan(self) -> list[LibraryAttach]:
-        pids = sorted(self.targets) if self.opts.pids else None
-        found = discovery.discover(self.opts.overrides, pids=pids, system=False)
+        """Probe the GPU libraries of processes whose mappings may have changed since the last rescan."""
+        candidates = sorted(self.targets) if self.opts.pids else discovery.all_pids()
+        changed = self.changed(candidates)
+        if not changed:
+            return []
+        found = discovery.discover(self.opts.overrides, pids=changed, system=False)
         fresh = [lib for lib in found.libraries if lib.origin != "override"]
         return [r for r in self.attach(fresh) if r.probes]
+
+    def changed(self, pids: list[int]) -> list[int]:
+        """The processes that are new, or whose address-space size changed (/proc/<pid>/statm: a dlopen
+        maps new segments), since the last call: only their maps are read again. An idle host's
+        rescan is one small read per process instead of every process's whole maps."""
+        sizes: dict[int, str] = {}
+        out: list[int] = []
+        for pid in pids:
+            size = self._sizes.get(pid)
+            if size != "0":  # a kernel thread (no address space) stays one: not read again
+                try:
+                    with open(f"/proc/{pid}/statm", "rb") as f:
+                        size = f.read(32).split(b" ", 1)[0].decode()
+                except OSError:
+                    continue
+                if self._sizes.get(pid) != size:
+                    out.append(pid)
+            if size is not None:
+                sizes[pid] = size
+        self._sizes = sizes
+        return out
+
+    def maintain(self) -> list[LibraryAttach]:
+        """One maintenance turn in a worker thread: new libraries (follow mode), socket probes on the
+        traced processes, cgroup names resolved and written. Returns the newly probed libraries."""
+        new = self.rescan() if self.opts.follow else []
+        self.sync_sockets()
+        self.cgroups.flush(self.opts.db_path)
+        return new
 
 
 async def run_trace(
@@ -282,7 +316,11 @@ async def run_trace(
             writer,
             recorder,
             session_id,
-            PipelineOptions(drain_interval_s=opts.drain_interval_s, max_db_bytes=opts.max_db_bytes),
+            PipelineOptions(
+                drain_interval_s=opts.drain_interval_s,
+                idle_drain_interval_s=_idle_drain_interval(opts),
+                max_db_bytes=opts.max_db_bytes,
+            ),
             live=live,
             on_events=follower.on_events if opts.observer is None else _both(follower.on_events, opts.observer),
         )
@@ -365,6 +403,14 @@ async def _close(
     return elapsed, stats
 
 
+def _idle_drain_interval(opts: TraceOptions) -> float:
+    """How long the drain may wait at rest: 0.25 s with the default 16 MiB ring (a burst from rest at
+    300 k events/s fills under a third of it), less with a smaller ring, never under the busy interval."""
+    default = PipelineOptions()
+    scaled = default.idle_drain_interval_s * opts.ring_mb / TraceOptions.ring_mb
+    return max(opts.drain_interval_s, min(default.idle_drain_interval_s, scaled))
+
+
 def _both(first: Callable[[np.ndarray], None], observer: TraceObserver) -> Callable[[np.ndarray], None]:
     def on_events(ev: np.ndarray) -> None:
         first(ev)
@@ -414,13 +460,10 @@ async def _maintenance_loop(
     page-allocation counters, the recorder's state) once it exited."""
     while True:
         await control._next_rescan(RESCAN_INTERVAL_S)
-        if follower.opts.follow:
-            new = await trio.to_thread.run_sync(follower.rescan)
-            for lib in new:
-                if view is not None:
-                    view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
-        await trio.to_thread.run_sync(follower.sync_sockets)
-        await trio.to_thread.run_sync(follower.cgroups.flush, follower.opts.db_path)
+        new = await trio.to_thread.run_sync(follower.maintain)
+        for lib in new:
+            if view is not None:
+                view.note(f"probing {lib.kind} {lib.path} ({len(lib.probes)} functions)")
         if follower.pyframes is not None and view is not None:
             for pid, problem in list(follower.pyframes.problems.items()):
                 if pid not in follower.py_noted:
