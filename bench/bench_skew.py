@@ -221,7 +221,7 @@ def report(agents: list[Agent], rounds: int, drift_rounds: int, args: argparse.N
     verdict("offset within its uncertainty", held / checks if checks else 0.0, HELD, complete=complete, detail=detail)
     verdict("uncertainty ÷ (TCP RTT/2 + 1 ms), worst", worst_cap, UNCERTAINTY_CAP, complete=complete, detail=detail)
     drift_share = drift_held / drift_checks if drift_checks else 0.0
-    if args.quick:
+    if args.quick and complete:  # a short run's statistics are shown, not judged; an incomplete one is a MISS
         no_verdict("drift within its 95 % interval", drift_share, DRIFT_HELD, "quick run")
         no_verdict(f"{DRIFT_NODE} interval, worst", narrow, DRIFT_NARROW, "quick run")
     else:
