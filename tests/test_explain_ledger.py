@@ -68,13 +68,20 @@ class Loop:
         self.t += pause / 1e9 + 100e-6
         self.steps += 1
 
-    def run(self, incident: Callable[[Loop, float], None] | None = None, magnitude: float = 0.0, k: int = 3) -> Loop:
-        """The loop for HEALTHY_S of its own work, with ``k`` incidents costing ``magnitude`` of the wall."""
+    def run(
+        self,
+        incident: Callable[[Loop, float], None] | None = None,
+        magnitude: float = 0.0,
+        k: int = 3,
+        steps: tuple[int, int] = (40, 400),
+    ) -> Loop:
+        """The loop for HEALTHY_S of its own work, with ``k`` incidents costing ``magnitude`` of the wall,
+        before steps drawn from ``steps``."""
         rng = self.rec.rng
         total = magnitude * HEALTHY_S / (1 - magnitude)
         w = np.clip(rng.normal(1, 0.3, k), 0.3, None)
         parts = [float(x) for x in total * w / w.sum()]
-        at = sorted(int(x) for x in rng.choice(np.arange(40, 400), k, replace=False))
+        at = sorted(int(x) for x in rng.choice(np.arange(*steps), k, replace=False))
         plan = dict(zip(at, parts, strict=True)) if incident else {}
         while self.t - 0.2 - self.lost < HEALTHY_S:
             s = plan.get(self.steps)
@@ -244,6 +251,15 @@ def test_serving_cpu_bottleneck_twice_1_5_s_in_a_5_s_run_is_high(tmp_path: Path,
     row = r.ledger[0]
     assert row.buckets["host_code"] / row.wall_ns >= 0.35
     assert not named(r, CPU_NAMES), _shown(r)
+
+
+@pytest.mark.parametrize("magnitude", [0.16, 0.3])
+def test_start_up_idle_is_at_most_low_unless_it_takes_a_fifth_of_the_run(tmp_path: Path, magnitude: float) -> None:
+    """Host code in the first steps only (loading, warming up): one-off, LOW — unless over 20 % of the run."""
+    r = report_of(Loop(24).run(host_code, magnitude, k=3, steps=(1, 12)).write(tmp_path / "u.db"))
+    assert_conserved(r)
+    c = named(r, ("idle/host_code",))
+    assert c and c[0].severity == ("HIGH" if magnitude > 0.2 else "LOW"), _shown(r)
 
 
 def test_preemptor_is_named_when_it_holds_most_of_the_preempted_time(tmp_path: Path) -> None:

@@ -218,6 +218,7 @@ class LedgerRow:
     slow_by_op: dict[tuple[int, int], int] = field(default_factory=dict)  # per-call excess, per op
     gap_start: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)  # those gaps
     gap_end: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+    gap_idle: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)  # their idle ns
     name: str = ""  # the process's name (command line), when recorded
 
     @property
@@ -348,10 +349,10 @@ def _gap_classes(ev: _ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tup
 
 def _paint(
     g0: I64, g1: I64, idle: npt.NDArray[np.bool_], classes: dict[str, tuple[I64, I64]], minutes: I64 | None
-) -> tuple[I64, I64, npt.NDArray[np.float64] | None]:
+) -> tuple[I64, I64, npt.NDArray[np.float64] | None, npt.NDArray[np.float64]]:
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
-    ``idle``, beyond the loop's turnaround), and (with ``minutes``, the minute edges inside the wall)
-    its time per minute (rows) — exact integer sums. Gaps no class interval touches are own host code
+    ``idle``, beyond the loop's turnaround), (with ``minutes``, the minute edges inside the wall) its
+    time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap. Gaps no class interval touches are own host code
     whole: only the touched ones are cut up (the work grows with the scheduler rows, not the calls)."""
     n, host = len(BUCKETS), _IDX[HOST_CODE]
     glen = (g1 - g0).astype(np.float64)
@@ -391,7 +392,11 @@ def _paint(
     host_of[hit] = per_gap[:, host]
     sure_host = host_of[idle]
     allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
-    in_idle_f = np.maximum(per_gap[idle[hit]] - GAP_NS, 0).sum(axis=0)
+    others = np.maximum(per_gap - GAP_NS, 0)
+    others[:, host] = 0
+    gap_idle = np.maximum(host_of - allowance, 0)  # per gap: what counts as GPU idle in it
+    gap_idle[hit] += others.sum(axis=1)
+    in_idle_f = others[idle[hit]].sum(axis=0)
     in_idle_f[host] = np.maximum(sure_host - allowance, 0).sum()
     in_idle: I64 = np.rint(in_idle_f).astype(np.int64)
     per_minute: npt.NDArray[np.float64] | None = None
@@ -403,7 +408,7 @@ def _paint(
         cum = np.concatenate(([0], np.cumsum(u1 - u0)))
         before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
         per_minute[:, host] += np.diff(before).astype(np.float64)
-    return np.rint(total).astype(np.int64), in_idle, per_minute
+    return np.rint(total).astype(np.int64), in_idle, per_minute, gap_idle[idle]
 
 
 def _take_unstored(row: LedgerRow, per_minute: npt.NDArray[np.float64], amounts: npt.NDArray[np.float64]) -> int:
@@ -598,7 +603,7 @@ def _thread_row(
         first = (w0 // MINUTE_NS + 1) * MINUTE_NS
         minutes = np.arange(first, w1, MINUTE_NS, dtype=np.int64)
     idle = ((g1 - g0) >= GAP_NS) & drained[:-1]
-    total, in_idle, per_minute = _paint(g0, g1, idle, _gap_classes(ev, tid, kids), minutes)
+    total, in_idle, per_minute, row.gap_idle = _paint(g0, g1, idle, _gap_classes(ev, tid, kids), minutes)
     for b in GAP_BUCKETS:
         row.buckets[b] = int(total[_IDX[b]])
         row.idle_ns[b] = int(in_idle[_IDX[b]])

@@ -62,6 +62,9 @@ MIN_LOST_NS = 10 * NS_PER_MS  # below this, nothing worth a chain whatever the s
 DOMINANT = 0.5  # a share that names the root cause
 AT_MOST_LOW = frozenset((ASLEEP_NETWORK, ASLEEP_UNKNOWN, OFFCPU_UNKNOWN))
 CHOSEN_SHARE = 0.5  # asleep_timer: a chain only past this share of wall time
+STARTUP_SHARE = 0.1  # idle mostly in gaps in this first share of a thread's wall time: its start-up ...
+STARTUP_MAX = 0.2  # ... at most LOW unless it takes this share of the run
+STARTUP_FAMILIES = ("cold-start", "first-launch", "recompile")
 RECORD = (
     "Record with `ingero trace`: it writes each sched_switch's prev_state and the task that ran instead, and "
     "sched_wakeup rows with the waker — this off-CPU time then splits into preempted / asleep on workers, "
@@ -80,6 +83,7 @@ def severity(lost: int, wall: int) -> str | None:
 def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chain]:
     """One chain per bucket of lost time of each GPU thread in ``ctx`` (its process with ``ctx.pid``)."""
     explained = _explained_ops(prior)
+    cold = any(c.family in STARTUP_FAMILIES and c.node == ctx.node for c in prior)
     out: list[Chain] = []
     for row in ledger.rows:
         if (ctx.pid is not None and row.pid != ctx.pid) or row.calls < MIN_CALLS or row.wall_ns <= 0:
@@ -93,11 +97,23 @@ def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chai
                 sev = "LOW"
             if bucket == ASLEEP_TIMER and lost < CHOSEN_SHARE * row.wall_ns:
                 continue
+            if bucket != GPU_SLOW and _start_up(row) and lost < STARTUP_MAX * row.wall_ns:
+                if cold:
+                    continue  # the cold-start chain tells the start-up story
+                sev = "LOW"
             base = _evidence(row, bucket, lost)
             chain = _BUILDERS[bucket](ctx, row, "LOW" if bucket == ASLEEP_TIMER else sev, base, ledger, explained)
             if chain is not None:
                 out.append(chain)
     return out
+
+
+def _start_up(row: LedgerRow) -> bool:
+    """Most of the thread's idle gap time falls in its first STARTUP_SHARE of wall time (one-off warm-up:
+    loading, compiling, first requests)."""
+    early = row.gap_start < row.start_ns + STARTUP_SHARE * row.wall_ns
+    total = float(row.gap_idle.sum())
+    return total > 0 and float(row.gap_idle[early].sum()) >= 0.5 * total
 
 
 def _explained_ops(chains: list[Chain]) -> set[tuple[str, Any, str]]:
