@@ -195,6 +195,19 @@ class AgentBusyError(IngeroError):
     retry_after_s = 1
 
 
+# --- ClickHouse (the fleet's history) ----------------------------------------------------------
+
+
+class ClickHouseError(IngeroError):
+    """A ClickHouse server answered with an error that is not about the statement (DDL, insert)."""
+
+    exit_code = 5
+
+
+class ClickHouseUnavailableError(ClickHouseError):
+    """The server, or a shard behind its Distributed table, cannot be reached: shipping stalls and resumes."""
+
+
 # --- fleet -------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import pytest
 from ingero.cli.main import COMMAND_MODULES, build_parser, main
 from ingero.cli.main import COMMANDS as COMMAND_TABLE
 
-COMMANDS = [m.rsplit(".", 1)[1] for m in COMMAND_MODULES]
+COMMANDS = list(COMMAND_TABLE)  # command names (a module may register a command named otherwise: clickhouse-schema)
 
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)

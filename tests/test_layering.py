@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "store": 2,
     "explain": 3,
     "trace": 3,
+    "clickhouse": 3,  # the fleet's history: schema, client, shipper, read-only queries (over store only)
     "metrics": 4,
     "demo": 4,
     "fleet": 5,

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from ingero.cli import common
+from ingero.cli.clickhouse import add_clickhouse_arg
 from ingero.cli.output import add_output_args, emit_json, note
 
 MAX_READ_THREADS = 4
@@ -70,11 +71,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         help="summarise the window's labels (ingero annotate: step, epoch, ...): values, spans, processes",
     )
     common.add_fleet_args(p)
+    add_clickhouse_arg(p, "explain one --node's window")
     add_output_args(p, csv_ok=False)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "clickhouse", None):
+        from ingero.cli import clickhouse
+
+        return clickhouse.run_explain(args, _computed)
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from ingero.cli import common
+from ingero.cli.clickhouse import add_clickhouse_arg
 from ingero.cli.output import add_output_args, emit_json, emit_rows, note
 from ingero.errors import UsageError
 
@@ -104,6 +105,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     _collective_args(st)
     st.add_argument("--metric", choices=("lag", "last", "wait"), default="lag", help="outlier metric (default lag)")
     st.add_argument("--threshold", type=float, default=3.5, metavar="Z", help="robust z-score for outliers (3.5)")
+    add_clickhouse_arg(st, "align the collectives")
     st.set_defaults(func=run_stragglers)
 
     c = fsub.add_parser(
@@ -196,7 +198,12 @@ def run_stragglers(args: argparse.Namespace) -> int:
     from ingero.cli import fleet_cmds
     from ingero.fleet.outliers import outlier_ranks
 
-    report, settings = _stragglers(args, with_chain=True)
+    if getattr(args, "clickhouse", None):
+        from ingero.cli.clickhouse import store_stragglers
+
+        report, settings = store_stragglers(args), None
+    else:
+        report, settings = _stragglers(args, with_chain=True)
     cv = report.collectives
     ranks = cv.ranks if cv is not None else []
     try:
@@ -237,6 +244,8 @@ def run_stragglers(args: argparse.Namespace) -> int:
                 print(_chain_text(report.chain))
             for node in report.truncated:
                 note(f"{node}: its answer hit the call cap; ask for a shorter window (--since)")
+    if settings is None:
+        return 0
     return fleet_cmds.report(report.outcomes, settings, strict=bool(args.strict), what="answer /api/v1/collectives")
 
 

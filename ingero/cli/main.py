@@ -42,6 +42,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("ingero.cli.dashboard", "HTTPS browser dashboard for one database or the fleet"),
     "version": ("ingero.cli.version", "version, Python, platform, bcc, schema and API versions (--json for scripts)"),
     "completion": ("ingero.cli.completion", "print a shell completion script (bash), generated from the parser"),
+    "clickhouse-schema": (
+        "ingero.cli.clickhouse",
+        "the ClickHouse DDL of the fleet's history (sharded by node); --apply runs it on each server",
+    ),
+    "ship": ("ingero.cli.ship", "ship a recording's new rows to ClickHouse (resumable; --follow keeps shipping)"),
     "annotate": (
         "ingero.cli.annotate",
         "label a live recording (step, epoch, task) or mark a moment (a deploy) in the database",

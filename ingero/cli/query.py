@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ingero.cli import common
+from ingero.cli.clickhouse import add_clickhouse_arg
 from ingero.cli.output import add_output_args, emit_rows, note
 
 DEFAULT_SQL = (
@@ -55,11 +56,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         "'labels' column; the result needs timestamp and pid columns",
     )
     common.add_fleet_args(p)
+    add_clickhouse_arg(p, "run the statement on the fleet's history")
     add_output_args(p, rows_ok=True)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "clickhouse", None):
+        from ingero.cli import clickhouse
+
+        return clickhouse.run_query(args, sql_from(args))
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 

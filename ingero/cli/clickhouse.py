@@ -1,0 +1,211 @@
+"""``ingero clickhouse-schema`` and the ``--clickhouse URL`` side of query, explain, fleet stragglers and trace.
+
+The fleet's history lives in ClickHouse (:mod:`ingero.clickhouse`); ``ingero ship`` (:mod:`ingero.cli.ship`)
+puts recordings there. Heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ingero.cli import common
+from ingero.cli.output import note
+
+if TYPE_CHECKING:
+    from ingero.clickhouse.client import ClickHouse
+    from ingero.clickhouse.shipper import Shipper, ShipResult
+    from ingero.fleet.collective_ops import StragglerReport
+
+EXAMPLES = """\
+examples:
+  ingero clickhouse-schema --cluster ingero                       print the DDL (run it on every server)
+  ingero clickhouse-schema --cluster ingero --apply http://ch-1:8123,http://ch-2:8123
+  ingero ship --db /var/lib/ingero/trace.db --clickhouse http://ch-1:8123 --follow
+  ingero query --clickhouse http://ch-1:8123 "SELECT node, count() AS n FROM events GROUP BY node"
+
+The cluster NAME is a <remote_servers> entry of every server's config. Each statement is idempotent
+(IF NOT EXISTS) and is run on each server in turn: no ON CLUSTER, so no ZooKeeper/Keeper is needed.
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "clickhouse-schema",
+        parents=parents,
+        help="the ClickHouse DDL of the fleet's history (sharded by node); --apply runs it on each server",
+        description="Print (or run on each server) the DDL of the fleet's history: per-shard ReplacingMergeTree "
+        "tables <name>_local and Distributed tables under the plain names (events, causal_chains, ...).",
+        epilog=EXAMPLES,
+        formatter_class=common.help_formatter(),
+    )
+    p.add_argument("--cluster", required=True, metavar="NAME", help="the cluster (<remote_servers> entry)")
+    p.add_argument("--database", default="default", metavar="DB", help="ClickHouse database (default: default)")
+    p.add_argument("--apply", metavar="URL,URL…", help="run the DDL on each of these servers (HTTP interface)")
+    p.set_defaults(func=run_schema)
+
+
+def add_clickhouse_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    g = parser.add_argument_group("history (ClickHouse)")
+    g.add_argument(
+        "--clickhouse", metavar="URL", help=f"{what} from the fleet's history in ClickHouse (any server's HTTP URL)"
+    )
+    g.add_argument("--ch-database", default="default", metavar="DB", help="ClickHouse database (default: default)")
+
+
+def connect(args: argparse.Namespace, *, readonly: bool = True) -> ClickHouse:
+    from ingero.clickhouse.client import ClickHouse
+    from ingero.clickhouse.query import READONLY_SETTINGS
+    from ingero.clickhouse.schema import check_name
+
+    check_name(getattr(args, "ch_database", "default"), "--ch-database")
+    return ClickHouse(args.clickhouse, settings=READONLY_SETTINGS if readonly else None)
+
+
+def run_schema(args: argparse.Namespace) -> int:
+    from ingero.clickhouse.client import ClickHouse
+    from ingero.clickhouse.schema import ddl
+
+    statements = ddl(args.cluster, args.database)
+    if not args.apply:
+        print(";\n\n".join(statements) + ";")
+        return 0
+    for url in [u.strip() for u in args.apply.split(",") if u.strip()]:
+        with ClickHouse(url) as ch:
+            for sql in statements:
+                ch.execute(sql)
+        note(f"{url}: {len(statements)} statement(s) applied")
+    return 0
+
+
+# --- query / explain / stragglers over the store -------------------------------------------------
+
+
+def run_query(args: argparse.Namespace, sql: str) -> int:
+    from ingero.cli.output import emit_rows
+    from ingero.clickhouse.query import run_query as ch_query
+    from ingero.errors import UsageError
+
+    if args.db or args.nodes or args.since or args.from_ or args.to or args.op or args.pid or args.annotations:
+        raise UsageError(
+            "--clickhouse takes the statement as written",
+            hint="put the window and filters in the SQL (WHERE node = ... AND timestamp >= ...)",
+        )
+    with connect(args) as ch:
+        result = ch_query(ch, sql, limit=args.limit, timeout_ms=args.timeout_ms or 2000)
+    emit_rows(
+        result.columns,
+        result.rows,
+        args.format,
+        headers=args.headers,
+        meta={
+            "truncated": result.truncated,
+            "truncated_reason": result.truncated_reason,
+            "elapsed_ms": round(result.elapsed_ms, 3),
+        },
+    )
+    if args.format == "table":
+        note(
+            f"{len(result.rows)} row(s)"
+            + (" — truncated (rows); raise --limit or narrow the query" if result.truncated else "")
+        )
+    return 0
+
+
+def run_explain(args: argparse.Namespace, computed: Callable[..., int]) -> int:
+    """Explain one node's window of the store: its rows loaded into a trace database, the same engine
+    and output (``computed``: what ``ingero explain --db`` runs on a database and its window)."""
+    from ingero.clickhouse.history import load_file, store_window
+    from ingero.errors import UsageError
+    from ingero.store.catalog import lookup_op
+    from ingero.store.db import open_readonly
+
+    if not args.node:
+        raise UsageError("--clickhouse needs --node NAME", hint="the store holds every node: explain one at a time")
+    if args.db or args.nodes or args.chains or args.per_cgroup or args.annotations:
+        raise UsageError(
+            "--clickhouse explains one node's computed chains (no --db/--nodes/--chains/--per-cgroup/--annotations)"
+        )
+    op_name = lookup_op(args.op).name if args.op else None
+    with connect(args) as ch, tempfile.TemporaryDirectory(prefix="ingero-ch-") as tmp:
+        window = store_window(ch, args.ch_database, args.since, args.from_, args.to, node=args.node)
+        path = Path(tmp) / "window.db"
+        load_file(ch, args.ch_database, args.node, window, path)
+        conn = open_readonly(path)
+        try:
+            return computed(conn, args, ch.url, window, op_name)
+        finally:
+            conn.close()
+
+
+ASSUMED_CLOCK_UNCERTAINTY_NS = 1_000_000  # stored rows carry no skew estimate: NTP-synced clocks, ±1 ms
+
+
+def store_stragglers(args: argparse.Namespace) -> StragglerReport:
+    """The collectives verdict over the store's window: every node's calls, the same join."""
+    import sqlite3
+
+    from ingero.clickhouse.history import COLLECTIVE_TABLES, load, nodes, store_window
+    from ingero.fleet.collective_ops import StragglerReport, collective_verdict
+    from ingero.fleet.collectives import NodeCalls
+    from ingero.fleet.cost import wait_cost
+    from ingero.fleet.straggler import verdict, with_collectives
+    from ingero.store.nccl import parse_comm, read_calls
+
+    rates = common.config_from(args).fleet.gpu_hourly_usd
+    comm = parse_comm(args.comm)
+    calls: list[NodeCalls] = []
+    truncated: list[str] = []
+    with connect(args) as ch:
+        window = store_window(ch, args.ch_database, args.since, args.from_, args.to, table="nccl_calls")
+        if window.note:
+            note(window.note)
+        for node in nodes(ch, args.ch_database, "nccl_calls", window):
+            conn = sqlite3.connect(":memory:", isolation_level=None)
+            try:
+                load(ch, args.ch_database, node, window, conn, COLLECTIVE_TABLES)
+                body = read_calls(conn, window, comm=comm)
+            finally:
+                conn.close()
+            if body.get("truncated"):
+                truncated.append(node)
+            calls.append(NodeCalls.from_body(node, body, 0.0, ASSUMED_CLOCK_UNCERTAINTY_NS))
+    note(
+        f"clocks: stored rows carry no skew estimate; assumed synchronised within ±{ASSUMED_CLOCK_UNCERTAINTY_NS / 1e6:g} ms"
+    )
+    cv = collective_verdict(calls) if any(len(c) for c in calls) else None
+    v = with_collectives(verdict([]), cv)
+    span = (window.end_ns or 0) - (window.start_ns or 0)
+    return StragglerReport([], v, wait_cost(cv.ranks if cv else [], rates, window_s=span / 1e9), truncated=truncated)
+
+
+# --- shipping from a tracer ----------------------------------------------------------------------
+
+
+def ship_summary(result: ShipResult) -> str:
+    parts = [f"{t.table} {t.rows}" for t in result.tables.values() if t.rows]
+    rate = result.rows / result.elapsed_s if result.elapsed_s > 0 else 0.0
+    return f"shipped {result.rows} row(s) in {result.elapsed_s:.2f}s ({rate:,.0f} rows/s)" + (
+        f": {', '.join(parts)}" if parts else ""
+    )
+
+
+def open_shipper(args: argparse.Namespace, db: Path) -> Shipper:
+    from ingero.clickhouse.client import ClickHouse
+    from ingero.clickhouse.shipper import DEFAULT_BATCH_ROWS, Shipper
+
+    ch = ClickHouse(args.clickhouse)
+    try:
+        return Shipper(
+            db,
+            ch,
+            target=getattr(args, "ch_target", "default"),
+            database=getattr(args, "ch_database", "default"),
+            batch_rows=getattr(args, "batch_rows", None) or DEFAULT_BATCH_ROWS,
+        )
+    except BaseException:
+        ch.close()
+        raise

@@ -1,0 +1,377 @@
+"""Ship a recording's new rows to ClickHouse, resumably: per table, how far it got lives in the recording.
+
+Progress is one row per (target, table) in the recording's own ``clickhouse_progress`` table (an
+addition of ours, like ``node_seq``): ``shipped`` is the SQLite ``rowid`` of the last row known to be
+in ClickHouse. A batch is the next rows by ``rowid``, cut where the node changes (so a batch goes to
+one shard, as one block: all of it lands or none of it does). Before sending a batch the shipper
+writes it down as ``pending`` with the identity of its last row; after ClickHouse answers, ``shipped``
+moves to it. A batch whose answer was never seen (the shipper was killed, or a shard dropped the
+connection after its rows were in: a synchronous ``Distributed`` insert can fail after writing) is
+settled on the next run by a probe for that last row: present → the batch is done, absent → it is
+sent again. So a re-run or a crash ships nothing twice and skips nothing; ``ReplacingMergeTree`` by
+row identity (:mod:`ingero.clickhouse.schema`) is the second line.
+
+The shipper only reads the recording (and writes its small progress row, in WAL mode): a down
+cluster stalls shipping, never the tracer. :meth:`Shipper.follow` keeps going with bounded backoff
+and resumes where it stopped; :func:`lag` says how far behind it is.
+
+Rows are formatted as ``TabSeparated`` by SQLite itself (one concatenated column per row, read as
+bytes), which keeps the Python work per row to a list append.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ingero.clickhouse.client import ClickHouse
+from ingero.clickhouse.schema import BY_NAME, TABLES, Table
+from ingero.errors import ClickHouseUnavailableError, DatabaseNotFoundError, StoreError
+from ingero.store.db import is_live, recorded_node, translate
+from ingero.timeutil import now_ns
+
+DEFAULT_BATCH_ROWS = 100_000
+FIRST_ROWID = -(2**63)  # rowids may be negative (an INTEGER PRIMARY KEY holding a hash)
+PROGRESS_DDL = """
+CREATE TABLE IF NOT EXISTS clickhouse_progress (
+	target       TEXT NOT NULL,              -- the ClickHouse store shipped to (ingero ship --target)
+	tbl          TEXT NOT NULL,              -- the shipped table
+	shipped      INTEGER NOT NULL,           -- rowid of the last row known to be in ClickHouse
+	pending      INTEGER,                    -- last rowid of a batch sent whose answer was not seen
+	pending_key  TEXT,                       -- JSON: that row's identity (schema key columns), for the probe
+	pending_rows INTEGER NOT NULL DEFAULT 0,
+	rows         INTEGER NOT NULL DEFAULT 0, -- rows shipped so far
+	updated_at   INTEGER NOT NULL DEFAULT 0, -- unix nanos
+	PRIMARY KEY (target, tbl)
+)"""
+INSERT_SETTINGS = {"insert_distributed_sync": 1}  # the answer means every shard has the rows
+
+
+@dataclass
+class TableProgress:
+    table: str
+    rows: int = 0  # shipped by this call
+    batches: int = 0
+    resent: int = 0  # pending batches found absent and sent again
+    settled: int = 0  # pending batches found present (not sent again)
+
+
+@dataclass
+class ShipResult:
+    tables: dict[str, TableProgress] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables.values())
+
+
+@dataclass(frozen=True)
+class TableLag:
+    table: str
+    shipped_rows: int
+    unshipped_rows: int
+    oldest_unshipped_ns: int | None  # time column of the oldest unshipped row (None: caught up / no time)
+
+
+@dataclass
+class _Batch:
+    last_rowid: int
+    lines: list[bytes]
+    node: str
+
+
+def _escape_sql(expr: str) -> str:
+    """SQLite expression → its TabSeparated text (backslash, tab, newline, CR escaped)."""
+    out = f"replace({expr}, '\\', '\\\\')"
+    for ch, esc in (("char(9)", "\\t"), ("char(10)", "\\n"), ("char(13)", "\\r")):
+        out = f"replace({out}, {ch}, '{esc}')"
+    return out
+
+
+def _tsv_value(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _sql_literal(v: Any) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, int | float):
+        return repr(v)
+    return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class Shipper:
+    """Ships one recording to one ClickHouse store through ``ch`` (a server of the cluster)."""
+
+    def __init__(
+        self,
+        db: str | Path,
+        ch: ClickHouse,
+        *,
+        target: str = "default",
+        database: str = "default",
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+        tables: tuple[Table, ...] = TABLES,
+    ) -> None:
+        self.path = Path(db).expanduser()
+        if not self.path.exists():
+            raise DatabaseNotFoundError(f"no database at {self.path}")
+        self.ch = ch
+        self.target = target
+        self.database = database
+        self.batch_rows = max(1, batch_rows)
+        self.tables = tables
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+            self.conn.execute(PROGRESS_DDL)
+            self._have = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            self.node = recorded_node(self.conn) or ""
+        except sqlite3.Error as e:
+            raise translate(e, self.path) from None
+        self._keyed_seen: dict[str, tuple[int, float]] = {}
+        self.last_error: str | None = None
+        self.last_ok_ns: int | None = None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Shipper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- progress -------------------------------------------------------------------------------
+
+    def _progress(self, table: str) -> tuple[int, int | None, str | None, int]:
+        row = self.conn.execute(
+            "SELECT shipped, pending, pending_key, pending_rows FROM clickhouse_progress WHERE target = ? AND tbl = ?",
+            (self.target, table),
+        ).fetchone()
+        if row is None:
+            return FIRST_ROWID, None, None, 0
+        return int(row[0]), row[1], row[2], int(row[3])
+
+    def _set_pending(self, table: str, rowid: int, key: str, rows: int) -> None:
+        self.conn.execute(
+            "INSERT INTO clickhouse_progress(target, tbl, shipped, pending, pending_key, pending_rows, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(target, tbl) DO UPDATE SET pending = excluded.pending, "
+            "pending_key = excluded.pending_key, pending_rows = excluded.pending_rows, updated_at = excluded.updated_at",
+            (self.target, table, FIRST_ROWID, rowid, key, rows, now_ns()),
+        )
+
+    def _settle(self, table: str, landed: bool) -> None:
+        """The pending batch is in ClickHouse (``landed``: ``shipped`` moves to it) or is to be resent."""
+        if landed:
+            self.conn.execute(
+                "UPDATE clickhouse_progress SET shipped = pending, rows = rows + pending_rows, pending = NULL, "
+                "pending_key = NULL, pending_rows = 0, updated_at = ? WHERE target = ? AND tbl = ?",
+                (now_ns(), self.target, table),
+            )
+        else:
+            self.conn.execute(
+                "UPDATE clickhouse_progress SET pending = NULL, pending_key = NULL, pending_rows = 0 "
+                "WHERE target = ? AND tbl = ?",
+                (self.target, table),
+            )
+
+    # --- reading --------------------------------------------------------------------------------
+
+    def _columns(self, table: Table) -> tuple[list[str], list[str]]:
+        """(ClickHouse columns sent, SQLite expressions of the TabSeparated line) for this recording."""
+        have = {r[1] for r in self.conn.execute(f"PRAGMA table_info({table.name})")}
+        names: list[str] = []
+        parts: list[str] = []
+        for c in table.columns:
+            if c.in_sqlite and c.name not in have:
+                continue  # an older layout: ClickHouse fills the column's default
+            names.append(c.name)
+            if not c.in_sqlite:
+                parts.append("'" + _tsv_value(self.node).replace("'", "''") + "'")
+            elif c.type.startswith("String") or c.type == "Nullable(String)":
+                quoted = f'"{c.name}"'
+                parts.append(f"ifnull({_escape_sql(quoted)}, '\\N')")
+            else:
+                parts.append(f"ifnull(\"{c.name}\", '\\N')")
+        return names, parts
+
+    def _read(self, table: Table, after: int, parts: list[str], closed_before: int | None) -> _Batch | None:
+        has_node = any(c.name == "node" and c.in_sqlite for c in table.columns)
+        node_expr = '"node"' if has_node else "''"
+        time_expr = f'"{table.time}"' if table.time else "0"
+        line = " || char(9) || ".join(parts)
+        rows = self.conn.execute(
+            f"SELECT rowid, {node_expr}, {time_expr}, CAST({line} AS BLOB) FROM {table.name} WHERE rowid > ? ORDER BY rowid LIMIT ?",
+            (after, self.batch_rows),
+        ).fetchall()
+        if not rows:
+            return None
+        first_node = rows[0][1]
+        lines: list[bytes] = []
+        last = after
+        for rowid, node, t, text in rows:
+            if node != first_node or (closed_before is not None and t is not None and t >= closed_before):
+                break
+            lines.append(text)
+            last = rowid
+        if not lines:
+            return None
+        return _Batch(last, lines, first_node or self.node)
+
+    def _key_of(self, table: Table, rowid: int, node: str) -> str:
+        cols = [k for k in table.key if k != "node"]
+        row = self.conn.execute(f"SELECT {', '.join(cols)} FROM {table.name} WHERE rowid = ?", (rowid,)).fetchone()
+        return json.dumps({"node": node, **dict(zip(cols, row, strict=True))})
+
+    def _landed(self, table: Table, key: str) -> bool:
+        where = " AND ".join(f"`{k}` = {_sql_literal(v)}" for k, v in json.loads(key).items())
+        res = self.ch.select(f"SELECT count() FROM {self.database}.{table.name} WHERE {where}")
+        return bool(res.rows and int(res.rows[0][0]) > 0)
+
+    def _closed_before(self, table: Table) -> int | None:
+        """Rows of a table updated in place are shipped once their time is past updating."""
+        if table.closed_after_ns is None or not is_live(self.conn):
+            return None
+        return now_ns() - table.closed_after_ns
+
+    # --- shipping -------------------------------------------------------------------------------
+
+    def _ship_keyed(self, table: Table, names: list[str], parts: list[str], prog: TableProgress) -> None:
+        """Send the rows whose key the store lacks for this node (exact after any crash: no progress kept)."""
+        (key,) = (k for k in table.key if k != "node")
+        fingerprint = self.conn.execute(f"SELECT count(*), total(rowid) FROM {table.name}").fetchone()
+        if self._keyed_seen.get(table.name) == fingerprint:
+            return  # unchanged since it was last found complete in the store
+        line = " || char(9) || ".join(parts)
+        rows = self.conn.execute(f'SELECT "{key}", CAST({line} AS BLOB) FROM {table.name} ORDER BY rowid').fetchall()
+        if not rows:
+            return
+        stored = self.ch.select(
+            f"SELECT `{key}` FROM {self.database}.{table.name} WHERE node = {_sql_literal(self.node)}"
+        ).rows
+        have = {r[0] for r in stored}
+        missing = [text for k, text in rows if k not in have]
+        for at in range(0, len(missing), self.batch_rows):
+            chunk = missing[at : at + self.batch_rows]
+            self.ch.insert(f"{self.database}.{table.name}", tuple(names), b"\n".join(chunk) + b"\n", INSERT_SETTINGS)
+            prog.rows += len(chunk)
+            prog.batches += 1
+        self._keyed_seen[table.name] = fingerprint
+        if missing:
+            self.conn.execute(
+                "INSERT INTO clickhouse_progress(target, tbl, shipped, rows, updated_at) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT(target, tbl) DO UPDATE SET rows = rows + excluded.rows, updated_at = excluded.updated_at",
+                (self.target, table.name, FIRST_ROWID, len(missing), now_ns()),
+            )
+
+    def ship_table(self, table: Table, *, max_batches: int | None = None) -> TableProgress:
+        prog = TableProgress(table.name)
+        if table.name not in self._have:
+            return prog
+        try:
+            names, parts = self._columns(table)
+            if table.keyed:
+                self._ship_keyed(table, names, parts, prog)
+                return prog
+            _, pending, pending_key, _ = self._progress(table.name)
+            if pending is not None and pending_key is not None:
+                landed = self._landed(table, pending_key)
+                self._settle(table.name, landed)
+                prog.settled += landed
+                prog.resent += not landed
+            closed_before = self._closed_before(table)
+            dest = f"{self.database}.{table.name}"
+            while max_batches is None or prog.batches < max_batches:
+                shipped = self._progress(table.name)[0]
+                batch = self._read(table, shipped, parts, closed_before)
+                if batch is None:
+                    break
+                self._set_pending(
+                    table.name, batch.last_rowid, self._key_of(table, batch.last_rowid, batch.node), len(batch.lines)
+                )
+                self.ch.insert(dest, tuple(names), b"\n".join(batch.lines) + b"\n", INSERT_SETTINGS)
+                self._settle(table.name, True)
+                prog.rows += len(batch.lines)
+                prog.batches += 1
+        except sqlite3.Error as e:
+            raise translate(e, self.path) from None
+        return prog
+
+    def ship_once(self, *, max_batches: int | None = None) -> ShipResult:
+        """Ship every table's rows not yet shipped (up to ``max_batches`` per table)."""
+        started = time.perf_counter()
+        result = ShipResult()
+        for table in self.tables:
+            result.tables[table.name] = self.ship_table(table, max_batches=max_batches)
+        result.elapsed_s = time.perf_counter() - started
+        self.last_error = None
+        self.last_ok_ns = now_ns()
+        return result
+
+    def follow(
+        self,
+        stop: threading.Event,
+        *,
+        interval_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        on_round: Callable[[ShipResult | None, str | None], None] | None = None,
+    ) -> None:
+        """Ship until ``stop`` is set: every ``interval_s``; while the cluster is down, back off
+        (doubling up to ``max_backoff_s``) and resume from the progress when it is back."""
+        wait = interval_s
+        while not stop.is_set():
+            try:
+                res: ShipResult | None = self.ship_once()
+                wait = interval_s
+                err = None
+            except ClickHouseUnavailableError as e:
+                res, err = None, e.one_line()
+                self.last_error = err
+                wait = min(max(wait, interval_s) * 2, max_backoff_s)
+            if on_round is not None:
+                on_round(res, err)
+            stop.wait(wait)
+
+
+def lag(db: str | Path, target: str = "default") -> list[TableLag]:
+    """How far shipping to ``target`` is behind, per table (read-only; no progress yet = all unshipped)."""
+    from ingero.store.db import open_readonly
+
+    conn = open_readonly(db)
+    try:
+        have = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        progress: dict[str, tuple[int, int]] = {}
+        if "clickhouse_progress" in have:
+            for tbl, shipped, rows in conn.execute(
+                "SELECT tbl, shipped, rows FROM clickhouse_progress WHERE target = ?", (target,)
+            ):
+                progress[tbl] = (int(shipped), int(rows))
+        out: list[TableLag] = []
+        for t in TABLES:
+            if t.name not in have:
+                continue
+            shipped, rows = progress.get(t.name, (FIRST_ROWID, 0))
+            if t.keyed:
+                continue  # shipped by difference with the store: no local cursor to measure against
+            unshipped = conn.execute(f"SELECT count(*) FROM {t.name} WHERE rowid > ?", (shipped,)).fetchone()[0]
+            oldest = None
+            if t.time and unshipped:
+                oldest = conn.execute(
+                    f"SELECT {t.time} FROM {t.name} WHERE rowid > ? ORDER BY rowid LIMIT 1", (shipped,)
+                ).fetchone()[0]
+            out.append(TableLag(t.name, rows, int(unshipped), oldest))
+        return out
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot read shipping progress of {db}: {e}") from None
+    finally:
+        conn.close()
+
+
+__all__ = ["BY_NAME", "ShipResult", "Shipper", "TableLag", "lag"]

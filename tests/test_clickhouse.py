@@ -1,0 +1,559 @@
+"""The fleet's history in ClickHouse, on a real 2-shard cluster: two ``clickhouse-server`` processes on
+127.0.0.1 (Debian's package, as CI installs it), each with its own config, data directory and free
+ports, and a ``remote_servers`` cluster of both. Their own ports: a system service the package may have
+started (8123/9000) is neither used nor disturbed.
+
+Shipping three recordings through one server and reading through either; re-runs; a shard killed
+mid-ship; a store down while a recording grows; the read-only query path; explain and stragglers on
+stored rows against the same commands on the recordings.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ingero.cli.main import main
+from ingero.clickhouse.client import ClickHouse
+from ingero.clickhouse.query import READONLY_SETTINGS
+from ingero.clickhouse.schema import BY_NAME, TABLES
+from ingero.clickhouse.shipper import Shipper, ShipResult, lag
+from ingero.errors import ClickHouseUnavailableError, QueryRejectedError
+from tests.collective_sim import Job, Rank, simulate, write_calls_db
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = [ROOT / "investigations" / f"sample-gpu-node-0{i}.db" for i in (1, 2, 3)]
+CLUSTER = "ingero_test"
+SERVER_BIN = shutil.which("clickhouse-server") or shutil.which("clickhouse-server", path="/usr/sbin:/usr/bin")
+READY_S = 30.0
+
+pytestmark = [
+    pytest.mark.clickhouse,
+    pytest.mark.skipif(
+        SERVER_BIN is None, reason="clickhouse-server is not installed (apt-get install clickhouse-server)"
+    ),
+]
+
+CONFIG = """<?xml version="1.0"?>
+<yandex>
+  <logger><level>warning</level><log>{dir}/server.log</log><errorlog>{dir}/error.log</errorlog>
+    <size>10M</size><count>1</count></logger>
+  <listen_host>127.0.0.1</listen_host>
+  <http_port>{http}</http_port>
+  <tcp_port>{tcp}</tcp_port>
+  <path>{dir}/data/</path>
+  <tmp_path>{dir}/tmp/</tmp_path>
+  <user_files_path>{dir}/user_files/</user_files_path>
+  <format_schema_path>{dir}/format_schemas/</format_schema_path>
+  <mark_cache_size>67108864</mark_cache_size>
+  <uncompressed_cache_size>67108864</uncompressed_cache_size>
+  <max_concurrent_queries>50</max_concurrent_queries>
+  <users_config>{dir}/users.xml</users_config>
+  <default_profile>default</default_profile>
+  <default_database>default</default_database>
+  <remote_servers><{cluster}>{shards}</{cluster}></remote_servers>
+</yandex>
+"""
+SHARD = "<shard><replica><host>127.0.0.1</host><port>{tcp}</port></replica></shard>"
+USERS = """<?xml version="1.0"?>
+<yandex>
+  <profiles><default><max_memory_usage>2000000000</max_memory_usage></default></profiles>
+  <users><default><password></password><networks><ip>127.0.0.1</ip></networks>
+    <profile>default</profile><quota>default</quota></default></users>
+  <quotas><default><interval><duration>3600</duration><queries>0</queries><errors>0</errors>
+    <result_rows>0</result_rows><read_rows>0</read_rows><execution_time>0</execution_time></interval></default></quotas>
+</yandex>
+"""
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Server:
+    """One clickhouse-server process with its own directory; ``stop(kill=True)`` is a crash."""
+
+    def __init__(self, root: Path, http: int, tcp: int) -> None:
+        self.dir, self.http, self.tcp = root, http, tcp
+        self.url = f"http://127.0.0.1:{http}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def configure(self, tcps: list[int]) -> None:
+        for sub in ("data", "tmp", "user_files", "format_schemas"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        shards = "".join(SHARD.format(tcp=t) for t in tcps)
+        (self.dir / "config.xml").write_text(
+            CONFIG.format(dir=self.dir, http=self.http, tcp=self.tcp, cluster=CLUSTER, shards=shards)
+        )
+        (self.dir / "users.xml").write_text(USERS)
+
+    def start(self) -> None:
+        assert SERVER_BIN is not None
+        out = open(self.dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child, closed at stop
+        self.proc = subprocess.Popen(
+            [SERVER_BIN, f"--config-file={self.dir / 'config.xml'}"],
+            cwd=self.dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        out.close()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(self.url + "/ping", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        tail = ""
+        for name in ("stdout.log", "error.log"):
+            p = self.dir / name
+            if p.exists():
+                tail += p.read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"clickhouse-server on {self.url} not ready in {READY_S}s: {tail}")
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.start()
+        self.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    root = tmp_path_factory.mktemp("clickhouse")
+    h1, t1, h2, t2 = _free_ports(4)
+    servers = [Server(root / "s1", h1, t1), Server(root / "s2", h2, t2)]
+    for s in servers:
+        s.configure([t1, t2])
+        s.start()
+    try:
+        for s in servers:
+            s.wait_ready()
+        assert main(["clickhouse-schema", "--cluster", CLUSTER, "--apply", ",".join(s.url for s in servers)]) == 0
+        yield servers
+    finally:
+        for s in servers:
+            s.stop(kill=True)  # throwaway data: a graceful shutdown only costs seconds
+
+
+def _clear(cluster: list[Server]) -> None:
+    for s in cluster:
+        with ClickHouse(s.url) as ch:
+            for t in TABLES:
+                ch.execute(f"TRUNCATE TABLE IF EXISTS {t.local}")
+
+
+@pytest.fixture
+def store(cluster: list[Server]) -> Iterator[list[Server]]:
+    """The cluster with empty tables (both servers up)."""
+    for s in cluster:
+        if s.proc is None:
+            s.restart()
+    _clear(cluster)
+    yield cluster
+
+
+def _copies(tmp: Path) -> list[Path]:
+    out = []
+    for src in SAMPLES:
+        dst = tmp / src.name
+        shutil.copyfile(src, dst)
+        out.append(dst)
+    return out
+
+
+def _sqlite_counts(db: Path) -> dict[str, int]:
+    conn = sqlite3.connect(db)
+    try:
+        have = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        return {t.name: conn.execute(f"SELECT count(*) FROM {t.name}").fetchone()[0] for t in TABLES if t.name in have}
+    finally:
+        conn.close()
+
+
+def _node(db: Path) -> str:
+    conn = sqlite3.connect(db)
+    try:
+        return str(conn.execute("SELECT node FROM events LIMIT 1").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def _store_counts(url: str, node: str, table: str = "events") -> tuple[int, int]:
+    """(rows, distinct identities) of one node in a table, through the Distributed table."""
+    key = ", ".join(BY_NAME[table].key)
+    with ClickHouse(url) as ch:
+        rows = ch.select(f"SELECT count(), uniqExact({key}) FROM {table} WHERE node = '{node}'").rows
+    return int(rows[0][0]), int(rows[0][1])
+
+
+def _store_table_counts(url: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(node, table) -> (rows, distinct identities), every table through its Distributed table."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    with ClickHouse(url) as ch:
+        for t in TABLES:
+            sql = f"SELECT node, count(), uniqExact({', '.join(t.key)}) FROM {t.name} GROUP BY node"
+            out.update({(r[0], t.name): (int(r[1]), int(r[2])) for r in ch.select(sql).rows})
+    return out
+
+
+def _ship(db: Path, url: str, *extra: str) -> None:
+    assert main(["ship", "--db", str(db), "--clickhouse", url, *extra]) == 0
+
+
+def test_schema_prints_local_and_distributed_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["clickhouse-schema", "--cluster", "prod"]) == 0
+    out = capsys.readouterr().out
+    for t in TABLES:
+        assert f"CREATE TABLE IF NOT EXISTS default.{t.local} (" in out
+        assert (
+            f"default.{t.name} AS default.{t.local} ENGINE = Distributed(prod, default, {t.local}, sipHash64(node))"
+            in out
+        )
+    assert "`timestamp` Int64" in out and "ReplacingMergeTree()" in out and "ON CLUSTER" not in out
+    assert main(["clickhouse-schema", "--cluster", "x; DROP TABLE events"]) == 2
+
+
+def test_three_recordings_through_one_server_seen_through_either(store: list[Server], tmp_path: Path) -> None:
+    dbs = _copies(tmp_path)
+    for db in dbs:
+        _ship(db, store[0].url)
+    expected = {(_node(db), table): (n, n) for db in dbs for table, n in _sqlite_counts(db).items() if n}
+    assert all(expected[(_node(db), "events")][0] > 5000 for db in dbs)
+    for s in store:
+        assert _store_table_counts(s.url) == expected, s.url
+    # rows land on both shards, each node's on one
+    per_shard = []
+    for s in store:
+        with ClickHouse(s.url) as ch:
+            per_shard.append(
+                {r[0]: r[1] for r in ch.select("SELECT node, count() FROM events_local GROUP BY node").rows}
+            )
+    assert all(per_shard), per_shard
+    assert not set(per_shard[0]) & set(per_shard[1])
+    assert set(per_shard[0]) | set(per_shard[1]) == {_node(db) for db in dbs}
+    # shipping again, through the other server, changes nothing
+    for db in dbs:
+        with ClickHouse(store[1].url) as ch, Shipper(db, ch) as sh:
+            assert sh.ship_once().rows == 0
+        assert all(r.unshipped_rows == 0 for r in lag(db))
+        n = _sqlite_counts(db)["events"]
+        assert _store_counts(store[1].url, _node(db)) == (n, n)
+
+
+def _local_rows(url: str, node: str) -> int:
+    with ClickHouse(url) as ch:
+        return int(ch.select(f"SELECT count() FROM events_local WHERE node = '{node}'").rows[0][0])
+
+
+def test_a_shard_killed_mid_ship_resumes_without_loss_or_duplicates(store: list[Server], tmp_path: Path) -> None:
+    """Ship through server 1; kill server 2 (the other shard) between batches; the next batch fails for
+    every node — for a node of server 1's shard possibly after its rows were written (18.16's synchronous
+    insert may write the live shard's block, then report the dead one). Restarted, the shipper settles
+    each unanswered batch by probing for it (found: done; absent: sent again) and ships the rest: exact
+    counts, no duplicate."""
+    entry, victim = store
+    events = BY_NAME["events"]
+    dbs = _copies(tmp_path)
+    for db in dbs:
+        with ClickHouse(entry.url) as ch, Shipper(db, ch, batch_rows=400) as sh:
+            assert sh.ship_table(events, max_batches=1).rows == 400
+    on_entry = {_node(db) for db in dbs if _local_rows(entry.url, _node(db))}
+    assert on_entry and on_entry != {_node(db) for db in dbs}  # nodes on both shards
+    victim.stop(kill=True)
+    for db in dbs:
+        with (
+            ClickHouse(entry.url) as ch,
+            Shipper(db, ch, batch_rows=400) as sh,
+            pytest.raises(ClickHouseUnavailableError),
+        ):
+            sh.ship_table(events, max_batches=1)
+    landed = {n: _local_rows(entry.url, n) == 800 for n in on_entry}  # the failed batch in the store all the same?
+    assert set(map(_local_rows, [entry.url] * len(on_entry), on_entry)) <= {400, 800}
+    victim.restart()
+    outcomes = {}
+    for db in dbs:
+        with ClickHouse(entry.url) as ch, Shipper(db, ch, batch_rows=400) as sh:
+            prog = sh.ship_table(events)
+            outcomes[_node(db)] = (prog.settled, prog.resent)
+        n = _sqlite_counts(db)["events"]
+        assert _store_counts(victim.url, _node(db)) == (n, n)
+    for node, (settled, resent) in outcomes.items():
+        # found in the store: not sent twice; absent (the dead shard's, or never written): sent again
+        assert (settled, resent) == ((1, 0) if landed.get(node) else (0, 1)), node
+
+
+class AnswerLost(ClickHouse):
+    """A client whose ``lose``-th insert reaches the server and commits, and whose answer is then lost
+    (the shipper killed, the connection cut, after ClickHouse wrote the rows)."""
+
+    def __init__(self, url: str, lose: int) -> None:
+        super().__init__(url)
+        self.inserts, self.lose = 0, lose
+
+    def insert(
+        self, table: str, columns: tuple[str, ...], tsv: bytes, settings: dict[str, str | int] | None = None
+    ) -> None:  # type: ignore[override]
+        super().insert(table, columns, tsv, settings)
+        self.inserts += 1
+        if self.inserts == self.lose:
+            raise ClickHouseUnavailableError("connection lost after the insert")
+
+
+def test_a_batch_whose_answer_was_lost_is_not_sent_twice(store: list[Server], tmp_path: Path) -> None:
+    db = _copies(tmp_path)[2]
+    node, events = _node(db), BY_NAME["events"]
+    with (
+        AnswerLost(store[0].url, lose=3) as ch,
+        Shipper(db, ch, batch_rows=1000) as sh,
+        pytest.raises(ClickHouseUnavailableError),
+    ):
+        sh.ship_table(events)
+    assert _store_counts(store[1].url, node) == (3000, 3000)
+    assert {r.table: r for r in lag(db)}["events"].unshipped_rows == _sqlite_counts(db)["events"] - 2000
+    with ClickHouse(store[1].url) as ch, Shipper(db, ch, batch_rows=1000) as sh:
+        prog = sh.ship_table(events)
+    assert (prog.settled, prog.resent) == (1, 0)
+    n = _sqlite_counts(db)["events"]
+    assert prog.rows == n - 3000 and _store_counts(store[0].url, node) == (n, n)
+
+
+def test_a_shipper_killed_mid_ship_resumes_without_loss_or_duplicates(store: list[Server], tmp_path: Path) -> None:
+    db = _copies(tmp_path)[0]
+    cmd = [sys.executable, "-m", "ingero", "ship", "--db", str(db), "--clickhouse", store[0].url, "--batch-rows", "25"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    shipped = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        conn = sqlite3.connect(db, timeout=5)
+        try:
+            row = (
+                conn.execute("SELECT rows FROM clickhouse_progress WHERE tbl = 'events'").fetchone()
+                if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'clickhouse_progress'").fetchone()
+                else None
+            )
+        finally:
+            conn.close()
+        shipped = row[0] if row else 0
+        if shipped >= 500:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
+    n = _sqlite_counts(db)["events"]
+    node = _node(db)
+    partial = _store_counts(store[1].url, node)
+    assert partial[0] == partial[1] and 500 <= partial[0] < n
+    _ship(db, store[1].url)  # resumed through the other server: the progress is the recording's
+    assert _store_counts(store[0].url, node) == (n, n)
+    assert _store_table_counts(store[0].url) == {(node, t): (c, c) for t, c in _sqlite_counts(db).items() if c}
+
+
+def _more_events(db: Path, node: str, n: int) -> None:
+    """Record ``n`` more events through the real writer (what a tracer does)."""
+    from ingero.identity import Identity
+    from ingero.store.catalog import op_id
+    from ingero.store.writer import StoreWriter
+
+    conn = sqlite3.connect(db)
+    last = conn.execute("SELECT max(timestamp) FROM events").fetchone()[0]
+    conn.close()
+    source, op = op_id("cudaMalloc")
+    rows = [(last + (i + 1) * 1000, 4242, 4242, source, op, 5000, 0, 1 << 20, 0, 0, 0, 0) for i in range(n)]
+    with StoreWriter(db, Identity(node)) as w:
+        w.write_batch(rows)
+
+
+def test_a_down_store_stalls_shipping_never_recording_and_it_resumes(store: list[Server], tmp_path: Path) -> None:
+    entry = store[0]
+    db = _copies(tmp_path)[1]
+    node = _node(db)
+    rounds: list[tuple[int | None, str | None]] = []
+
+    def on_round(res: ShipResult | None, err: str | None) -> None:
+        rounds.append((res.rows if res else None, err))
+
+    stop = threading.Event()
+    ch = ClickHouse(entry.url, timeout_s=5)
+    sh = Shipper(db, ch)
+    t = threading.Thread(
+        target=sh.follow, args=(stop,), kwargs={"interval_s": 0.05, "max_backoff_s": 0.4, "on_round": on_round}
+    )
+    t.start()
+    try:
+        _wait(lambda: _store_counts(entry.url, node)[0] == _sqlite_counts(db)["events"], "first ship")
+        entry.stop(kill=True)
+        _more_events(db, node, 3000)  # the recording goes on while the store is down
+        _wait(lambda: sum(1 for _, e in rounds if e) >= 2, "stalled rounds")
+        behind = {r.table: r for r in lag(db)}["events"]
+        assert behind.unshipped_rows == 3000 and behind.oldest_unshipped_ns is not None
+        assert sh.last_error is not None and "ClickHouse" in sh.last_error
+        entry.restart()
+        n = _sqlite_counts(db)["events"]
+        _wait(lambda: {r.table: r for r in lag(db)}["events"].unshipped_rows == 0, "resumed shipping")
+    finally:
+        stop.set()
+        t.join(timeout=20)
+        sh.close()
+        ch.close()
+    assert _store_counts(store[1].url, node) == (n, n)
+    assert rounds[-1][1] is None
+
+
+def _wait(cond: object, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if cond():  # type: ignore[operator]
+                return
+        except (ClickHouseUnavailableError, httpx.HTTPError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def shipped(cluster: list[Server], tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The three recordings, shipped once, for the read-only tests (which never change the store)."""
+    _clear(cluster)
+    for s in cluster:
+        if s.proc is None:
+            s.restart()
+    dbs = _copies(tmp_path_factory.mktemp("shipped"))
+    for db in dbs:
+        _ship(db, cluster[0].url)
+    return dbs
+
+
+SEED = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
+
+
+def test_the_seed_query_runs_unchanged_through_clickhouse(
+    cluster: list[Server], shipped: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = []
+    for db in shipped:
+        assert main(["query", "--db", str(db), "--json", SEED]) == 0
+        expected += [tuple(r) for r in json.loads(capsys.readouterr().out)["rows"]]
+    for s in cluster:
+        assert main(["query", "--clickhouse", s.url, "--json", SEED]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["columns"] == ["node", "source", "cnt", "avg_us"]
+        got = [tuple(r) for r in doc["rows"]]
+        assert sorted((a, b, c) for a, b, c, _ in got) == sorted((a, b, c) for a, b, c, _ in expected)
+        avg = {(a, b): d for a, b, _, d in expected}
+        assert all(d == pytest.approx(avg[(a, b)], rel=1e-9) for a, b, _, d in got)
+    assert main(["query", "--clickhouse", cluster[0].url, "--csv", "--limit", "2", SEED]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3  # header + the limit
+
+
+HOSTILE = [
+    "INSERT INTO events_local (node) VALUES ('x')",
+    "DROP TABLE events",
+    "ALTER TABLE events_local DELETE WHERE 1",
+    "SELECT * FROM system.processes",
+    "SELECT name FROM system.users",
+    "SELECT * FROM url('http://127.0.0.1:1/', TSV, 'a String')",
+    "SELECT * FROM file('/etc/passwd', TSV, 'a String')",
+    "SELECT * FROM remote('127.0.0.1', system.one)",
+    "SELECT 1 SETTINGS readonly = 0",
+    "SELECT 1; DROP TABLE events",
+    "SELECT 1 FORMAT TSV",
+]
+
+
+@pytest.mark.parametrize("sql", HOSTILE)
+def test_hostile_statements_are_refused(
+    cluster: list[Server], shipped: list[Path], sql: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["query", "--clickhouse", cluster[1].url, sql]) == 2
+    assert "ingero: error:" in capsys.readouterr().err
+
+
+def test_the_connection_itself_is_read_only(cluster: list[Server], shipped: list[Path]) -> None:
+    """Past the statement check, the server refuses: readonly=1 travels with every request."""
+    with ClickHouse(cluster[0].url, settings=READONLY_SETTINGS) as ch:
+        for sql in (
+            "INSERT INTO events_local (node) VALUES ('x')",
+            "CREATE TABLE t (x Int64) ENGINE = Memory",
+            "SELECT * FROM url('http://127.0.0.1:1/', TSV, 'a String')",
+        ):
+            with pytest.raises(QueryRejectedError):
+                ch.execute(sql)
+        assert ch.select("SELECT count() FROM events").rows[0][0] == sum(_sqlite_counts(db)["events"] for db in shipped)
+
+
+def _explain_doc(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    assert main(["explain", "--json", *argv]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_explain_over_stored_rows_names_what_explain_on_the_recording_names(
+    cluster: list[Server], shipped: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    for db in shipped:
+        node = _node(db)
+        local = _explain_doc(["--db", str(db), "--since", "1h"], capsys)
+        stored = _explain_doc(["--clickhouse", cluster[1].url, "--node", node, "--since", "1h"], capsys)
+        assert stored["events"] == local["events"] and stored["nodes"] == [node]
+        assert stored["window"]["end_ns"] == local["window"]["end_ns"]  # type: ignore[index]
+        for key in ("chains", "ops", "ledger", "host"):
+            assert json.dumps(stored[key], sort_keys=True) == json.dumps(local[key], sort_keys=True), (node, key)
+    assert main(["explain", "--clickhouse", cluster[0].url, "--node", "nope", "--since", "1h"]) == 2
+
+
+def test_stragglers_from_the_store_name_the_late_rank(
+    cluster: list[Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _clear(cluster)
+    names = ["gpu-node-01", "gpu-node-02", "gpu-node-03", "gpu-node-04"]
+    job = Job([Rank(n, extra_ms=60.0 if n == "gpu-node-02" else 0.0) for n in names], steps=200)
+    for calls in simulate(job):
+        _ship(write_calls_db(tmp_path / f"{calls.node}.db", calls), cluster[0].url)
+    assert main(["fleet", "stragglers", "--clickhouse", cluster[1].url, "--since", "1d", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "straggler" and doc["outlier"] == "gpu-node-02" and doc["source"] == "collectives"
+    ranks = {r["node"]: r for r in doc["ranks"]}
+    assert set(ranks) == set(names) and all(r["calls"] == 200 for r in ranks.values())
+    assert ranks["gpu-node-02"]["last"] == 200
+    assert main(["fleet", "stragglers", "--clickhouse", cluster[1].url, "--since", "1d"]) == 0
+    assert capsys.readouterr().out.count("straggler: gpu-node-02") == 1
