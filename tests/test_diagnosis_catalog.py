@@ -23,7 +23,7 @@ from tests.scenarios.expectations import ABOVE, BELOW, CATALOG, INGERO, MULTI_RA
 from tests.scenarios.ingero_layout import rewrite
 from tests.scenarios.judge import Outcome, build, explain_file, judge
 
-# (family, magnitude) -> what explain said instead, on main cbd168a (strict: the mark goes with the fix)
+# (family, magnitude) -> what explain said instead, on main c526fac (strict: the mark goes with the fix)
 NOT_YET: dict[tuple[str, float], str] = {
     ("cold-start", 0.26): "both layouts: not named at HIGH (said: cold-start LOW)",
     ("cpu-bimodal", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
