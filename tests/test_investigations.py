@@ -11,6 +11,7 @@ import pytest
 
 from ingero.cli.main import main
 from ingero.demo.investigations import CLUSTER_FILE, FILES, generate
+from ingero.explain import causes as cz
 from ingero.explain.engine import explain
 from ingero.explain.model import stored_chains
 from ingero.explain.stats import host_summary, op_stats
@@ -106,16 +107,18 @@ def test_explain_finds_the_straggler_and_nothing_on_peers() -> None:
         if not expect_chains:
             assert all(c.severity == "LOW" for c in report.chains) and stored == []
             continue
-        high = {c.cuda_op: c for c in report.chains if c.severity == "HIGH"}
-        assert set(high) == {"cudaStreamSync"}
-        sync = high["cudaStreamSync"]
+        sync = next(c for c in report.chains if c.cuda_op == "cudaStreamSync")
         assert sync.family == "tail/cpu" and sync.evidence["overlap_involuntary"] > 0.5
         assert "preempted by pid 3350 (python3 preprocess.py" in sync.root_cause
-        # the launch tail is preemption too, but it loses little time: LOW
-        launch = next(c for c in report.chains if c.cuda_op == "cuLaunchKernel")
-        assert (launch.family, launch.severity) == ("tail/cpu", "LOW")
+        # severity is the lost share of wall time (issue #20): ~4 % of the 90 s lost inside the syncs
+        assert sync.severity == cz.severity_of_loss(sync.evidence["lost_share"], 1.0) == "LOW"
+        # the launch tail loses too little time for a chain
+        assert not [c for c in report.chains if c.cuda_op == "cuLaunchKernel" and c.severity != "LOW"]
         assert any("taskset" in r for r in sync.recommendations)
-        assert any("checkpoint" in r for r in sync.recommendations)  # rank 0's checkpoint writes
+        # rank 0's checkpoint writes are seen in the windows, but hold a minority of the lost time:
+        # context, never the headline or a recommendation
+        assert "Also seen, not the root" in sync.explanation and "write-heavy block I/O" in sync.explanation
+        assert not any("checkpoint" in r for r in sync.recommendations)
         assert {c.id for c in stored} == {c.id for c in report.chains}  # what --chains shows
 
 
@@ -124,7 +127,8 @@ def test_explain_on_the_cluster_file_keeps_nodes_apart(capsys: pytest.CaptureFix
     out, err = capsys.readouterr()
     assert code == 0
     assert {"gpu-node-01", "gpu-node-02", "gpu-node-03"} <= {line.strip() for line in out.splitlines()}
-    assert out.count("[HIGH]") == 1 and "gpu-node-02  " not in out.split("causal chains")[1]
+    chains = out.split("causal chains")[1]
+    assert "gpu-node-01  cudaStreamSync" in chains and "gpu-node-02  " not in chains and "gpu-node-03  " not in chains
     # the nodes recorded at the same time; system_snapshots.node keeps each snapshot with its node
     assert "snapshot(s) left out" not in err
     code = main(["explain", "--db", str(INVESTIGATIONS / CLUSTER_FILE), "--chains"])

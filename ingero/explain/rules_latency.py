@@ -90,8 +90,16 @@ class _Episode:
     found: list[cz.Cause]  # root first; empty when no cause holds the dominant share
     seen: list[cz.Cause]  # every corroborated cause, dominant or not
     ep: Evidence
-    in_ep: np.ndarray  # the op's slow calls in this episode's window
+    index: int  # the episode's number among the op's
+    slow_ep: np.ndarray  # per call of the op: the episode its slow call falls in (−1: none), shared
+
     shares: cz.Shares
+
+    @property
+    def in_ep(self) -> np.ndarray:
+        """The op's slow calls in this episode's window (computed for a chain's episode only)."""
+        out: np.ndarray = self.slow_ep == self.index
+        return out
 
 
 def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
@@ -229,7 +237,7 @@ def _episodes(
             found = [c for c in found if c.family not in ("cpu", "offcpu")]
         # block I/O must overlap the lost time itself, not just share a bucket with it
         found = [c for c in found if not c.family.startswith("io") or shares.share(shares.io_ns) >= MIN_IO_OVERLAP]
-        out.append(_Episode(int(b0), int(b1), cz.dominant(found, shares), found, ep, slow_ep == i, shares))
+        out.append(_Episode(int(b0), int(b1), cz.dominant(found, shares), found, ep, i, slow_ep, shares))
     return reg, out, base
 
 
@@ -276,8 +284,8 @@ def _tail_chain(
     root, context = found[0], found[1:]
     words = cz.phrase(root, ep)
     summary = (
-        f"{st.name}: {slow_n} calls ran ≥ {regimes.SLOW_FACTOR:.0f}x its steady "
-        f"{_fmt(reg.steady_ns)}, losing {_short(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
+        f"{st.name} p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50): {slow_n} calls ≥ {regimes.SLOW_FACTOR:.0f}x "
+        f"its steady {_fmt(reg.steady_ns)} lost {_short(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
     )
     base_txt = ""
     if base is not None and fam.startswith("io"):
