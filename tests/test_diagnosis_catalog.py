@@ -23,12 +23,11 @@ from tests.scenarios.expectations import ABOVE, BELOW, CATALOG, INGERO, MULTI_RA
 from tests.scenarios.ingero_layout import rewrite
 from tests.scenarios.judge import Outcome, build, explain_file, judge
 
-# (family, magnitude) -> what explain said instead, on main c526fac (strict: the mark goes with the fix)
+# (family, magnitude) -> what explain said instead, on main 6e43b88 (strict: the mark goes with the fix)
 NOT_YET: dict[tuple[str, float], str] = {
     ("cold-start", 0.26): "both layouts: not named at HIGH (said: cold-start LOW)",
     ("cpu-bimodal", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
     ("cpu-contention", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
-    ("cpu-contention", 0.04): "both layouts: not named at LOW (said: nothing)",
     ("fragmentation", 0.04): "both layouts: alloc-churn MEDIUM above LOW for 4.0%",
     ("hung-rank", 0.26): "both layouts: not named at HIGH (said: nothing)",
     ("hung-rank", 0.04): "both layouts: not named at LOW (said: nothing)",

@@ -207,6 +207,12 @@ def _at(gap: Gap, seconds: float) -> Callable[[Loop], None]:
     return lambda lp: gap(lp, seconds)
 
 
+def incidents(magnitude: float, each_s: float, most: int) -> int:
+    """How many incidents carry a magnitude's budget when each lasts about ``each_s`` (a slow batch, a
+    delayed sync are tens of milliseconds, not a sliver), between 3 and ``most``."""
+    return max(3, min(most, int(lost_budget(magnitude) / each_s)))
+
+
 def disturb(
     loop: Loop, magnitude: float, k: int, gap: Gap, *, lo: float = 0.1, hi: float = 1.0, rel: float = 0.3
 ) -> None:

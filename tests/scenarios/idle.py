@@ -27,11 +27,16 @@ from tests.scenarios.base import (
     Params,
     disturb,
     fleet,
+    incidents,
     split,
 )
 
 NET_SEND, NET_RECV = op_id("net_send"), op_id("net_recv")
-INCIDENTS = 60  # slow steps a chronic disturbance is spread over
+SLOW_BATCH_S, MOST_SLOW_BATCHES = 0.02, 60  # a chronic disturbance: slow batches of ~20 ms, 60 at most
+
+
+def _batches(p: Params) -> int:
+    return incidents(p.magnitude, SLOW_BATCH_S, MOST_SLOW_BATCHES)
 
 
 def loader_fork(p: Params) -> list[SyntheticNode]:
@@ -44,7 +49,7 @@ def loader_fork(p: Params) -> list[SyntheticNode]:
 
         for k in kids:  # the workers decode and augment: busy, preempting each other now and then
             loop.rec.background(0.2, SECONDS, k, 20, 0.3 * NS_PER_MS, by=kids[0] if k != kids[0] else kids[1])
-        disturb(loop, p.magnitude, INCIDENTS, wait)
+        disturb(loop, p.magnitude, _batches(p), wait)
 
     return fleet(p, disturbed, cmd="python3 train.py --num-workers 4")
 
@@ -58,7 +63,7 @@ def loader_inline(p: Params) -> list[SyntheticNode]:
         lp.host_code(s - read / 1e9)
 
     return fleet(
-        p, lambda loop, p: disturb(loop, p.magnitude, INCIDENTS, decode), cmd="python3 train.py --num-workers 0"
+        p, lambda loop, p: disturb(loop, p.magnitude, _batches(p), decode), cmd="python3 train.py --num-workers 0"
     )
 
 
@@ -73,7 +78,7 @@ def _read(lp: Loop, s: float) -> None:
 
 def loader_disk(p: Params) -> list[SyntheticNode]:
     return fleet(
-        p, lambda loop, p: disturb(loop, p.magnitude, INCIDENTS, _read), cmd="python3 train.py --num-workers 0"
+        p, lambda loop, p: disturb(loop, p.magnitude, _batches(p), _read), cmd="python3 train.py --num-workers 0"
     )
 
 

@@ -32,6 +32,7 @@ from tests.scenarios.base import (
     disturb,
     fleet,
     healthy_run,
+    incidents,
     lost_budget,
     split,
     steps_in,
@@ -54,7 +55,8 @@ def cpu_contention(p: Params) -> list[SyntheticNode]:
         def late(lp: Loop, s: float) -> None:
             lp.runqueue_ns, lp.by = s * NS_PER_S, HOG
 
-        disturb(loop, p.magnitude, steps_in(SECONDS) // 4, late, lo=0.3, hi=0.8)
+        k = incidents(p.magnitude, 0.015, steps_in(SECONDS) // 3)  # delays of ~15 ms: syncs ~3x slower
+        disturb(loop, p.magnitude, k, late, lo=0.3, hi=0.8)
 
     return fleet(p, disturbed)
 
