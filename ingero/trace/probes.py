@@ -168,6 +168,58 @@ class LibraryAttach:
     missing: list[str] = field(default_factory=list)
 
 
+# Leading instructions of libc's socket calls that touch neither the stack pointer nor the first
+# argument (so a probe after them still sees the fd and the return address on top of the stack), and
+# the first instructions the kernel emulates instead of single-stepping (~1 µs against ~11 µs a hit
+# here): glibc's sendto starts with `cmpb $0, __libc_single_threaded(%rip)`, which would be stepped.
+_SKIP = (
+    (b"\xf3\x0f\x1e\xfa", 4),  # endbr64
+    (b"\x80\x3d", 7),  # cmpb $imm8, rel32(%rip)
+    (b"\x83\x3d", 7),  # cmpl $imm8, rel32(%rip)
+    (b"\x64\x8b\x04\x25", 8),  # mov %fs:disp32, %eax
+    (b"\x85\xc0", 2),  # test %eax, %eax
+    (b"\x41\x89\xca", 3),  # mov %ecx, %r10d
+    (b"\x49\x89\xca", 3),  # mov %rcx, %r10
+)
+
+
+def _emulated(code: bytes) -> bool:
+    """jcc/jmp (rel8, rel32) or push of a register: executed by the kernel without single-stepping."""
+    op = code[0]
+    return (
+        0x70 <= op <= 0x7F
+        or op in (0xEB, 0xE9)
+        or 0x50 <= op <= 0x57
+        or (op == 0x0F and 0x80 <= code[1] <= 0x8F)
+        or (op == 0x41 and 0x50 <= code[1] <= 0x57)
+    )
+
+
+def socket_probe_offset(image: elfsyms.ElfImage, name: str) -> int | None:
+    """File offset for the entry uprobe of libc's ``name``: its first emulated instruction when only
+    harmless ones precede it (see _SKIP), else the function's start. None when not exported."""
+    start = image.function_offset(name) if name in image.symbols else None
+    if start is None:
+        return None
+    try:
+        with open(image.path, "rb") as f:
+            f.seek(start)
+            code = f.read(48)
+    except OSError:
+        return start
+    at = 0
+    for _ in range(6):
+        if len(code) - at < 2:
+            break
+        if _emulated(code[at:]):
+            return start + at
+        step = next((n for prefix, n in _SKIP if code[at:].startswith(prefix)), 0)
+        if not step:
+            break
+        at += step
+    return start
+
+
 def libc_of(pid: int) -> str | None:
     """The libc file ``pid`` maps, through its root (a container's own libc), or None."""
     try:
@@ -362,8 +414,8 @@ class BpfProbes:
             return 0
         addrs: dict[int, str] = {}  # vaddr -> entry program (aliases at one address probed once)
         for symbol, fn in SOCKET_FUNCTIONS:
-            where = elfsyms.probe_offset(image, symbol) if symbol in image.symbols else None
-            vaddr = image.offset_to_vaddr(where[0]) if where is not None else None
+            where = socket_probe_offset(image, symbol)
+            vaddr = image.offset_to_vaddr(where) if where is not None else None
             if vaddr is not None:
                 addrs.setdefault(vaddr, fn)
         done: list[tuple[bytes, int, bool]] = []
