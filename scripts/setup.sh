@@ -11,7 +11,8 @@ SYSTEM=0
 say() { printf 'setup: %s\n' "$*" >&2; }
 
 APT_PACKAGES=(python3-bpfcc bpfcc-tools linux-headers-amd64 faketime iproute2 nftables iptables sqlite3 openssh-server pdsh gcc make libc6-dev prometheus
-  chromium chromium-driver libnss3-tools)  # the last three: the dashboard's browser tests (Selenium)
+  chromium chromium-driver libnss3-tools  # these three: the dashboard's browser tests (Selenium)
+  clickhouse-server clickhouse-client)  # tests/test_clickhouse.py: a 2-shard cluster on its own ports
 
 system_setup() {
   if [[ $(id -u) -ne 0 ]]; then

@@ -393,8 +393,13 @@ def _more_events(db: Path, node: str, n: int) -> None:
     from ingero.store.writer import StoreWriter
 
     conn = sqlite3.connect(db)
-    last = conn.execute("SELECT max(timestamp) FROM events").fetchone()[0]
-    conn.close()
+    try:
+        last = conn.execute("SELECT max(timestamp) FROM events").fetchone()[0]
+    except sqlite3.OperationalError:  # a new recording
+        last = None
+    finally:
+        conn.close()
+    last = last or 1_800_000_000 * 10**9
     source, op = op_id("cudaMalloc")
     rows = [(last + (i + 1) * 1000, 4242, 4242, source, op, 5000, 0, 1 << 20, 0, 0, 0, 0) for i in range(n)]
     with StoreWriter(db, Identity(node)) as w:
@@ -557,3 +562,28 @@ def test_stragglers_from_the_store_name_the_late_rank(
     assert ranks["gpu-node-02"]["last"] == 200
     assert main(["fleet", "stragglers", "--clickhouse", cluster[1].url, "--since", "1d"]) == 0
     assert capsys.readouterr().out.count("straggler: gpu-node-02") == 1
+
+
+def test_background_shipping_follows_a_recording_that_starts_later(store: list[Server], tmp_path: Path) -> None:
+    """What ``ingero trace --clickhouse`` runs: a thread that waits for the database, then follows it."""
+    from ingero.clickhouse.shipper import BackgroundShipping
+
+    db = tmp_path / "live.db"
+    errors: list[str] = []
+    bg = BackgroundShipping(
+        db, lambda: ClickHouse(store[1].url), interval_s=0.05, on_round=lambda r, e: errors.append(e) if e else None
+    ).start()
+    try:
+        time.sleep(0.2)
+        db.touch()  # what a starting tracer leaves for a moment: an empty file (never to be made ours)
+        time.sleep(0.2)
+        assert db.stat().st_size == 0
+        node = "gpu-node-07"
+        for _ in range(3):  # the tracer's writer creates its schema in that file, then records
+            _more_events(db, node, 500)
+            time.sleep(0.1)
+        n = _sqlite_counts(db)["events"]
+        _wait(lambda: _store_counts(store[0].url, node) == (n, n), "background shipping")
+    finally:
+        bg.stop()
+    assert bg.error is None and not errors

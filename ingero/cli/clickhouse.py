@@ -17,7 +17,7 @@ from ingero.cli.output import note
 
 if TYPE_CHECKING:
     from ingero.clickhouse.client import ClickHouse
-    from ingero.clickhouse.shipper import Shipper, ShipResult
+    from ingero.clickhouse.shipper import BackgroundShipping, Shipper, ShipResult
     from ingero.fleet.collective_ops import StragglerReport
 
 EXAMPLES = """\
@@ -48,11 +48,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     p.set_defaults(func=run_schema)
 
 
-def add_clickhouse_arg(parser: argparse.ArgumentParser, what: str) -> None:
+def add_clickhouse_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
     g = parser.add_argument_group("history (ClickHouse)")
-    g.add_argument(
-        "--clickhouse", metavar="URL", help=f"{what} from the fleet's history in ClickHouse (any server's HTTP URL)"
-    )
+    g.add_argument("--clickhouse", metavar="URL", help=help_text + " (any server's HTTP URL, e.g. http://ch-1:8123)")
     g.add_argument("--ch-database", default="default", metavar="DB", help="ClickHouse database (default: default)")
 
 
@@ -209,3 +207,34 @@ def open_shipper(args: argparse.Namespace, db: Path) -> Shipper:
     except BaseException:
         ch.close()
         raise
+
+
+class RoundNotes:
+    """What a following shipper says on stderr: each round's rows (``quiet``: not those), a stall once, the resume."""
+
+    def __init__(self, *, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.stalled = False
+
+    def __call__(self, result: ShipResult | None, error: str | None) -> None:
+        if error is not None:
+            if not self.stalled:
+                note(f"shipping to ClickHouse stalled (recording goes on; retrying with backoff): {error}")
+            self.stalled = True
+            return
+        if self.stalled:
+            note("shipping to ClickHouse resumed")
+            self.stalled = False
+        if result is not None and result.rows and not self.quiet:
+            note(ship_summary(result))
+
+
+def start_shipping(args: argparse.Namespace, db: Path) -> BackgroundShipping:
+    """``ingero trace --clickhouse``: ship the recording from a thread while it is written."""
+    from ingero.clickhouse.client import ClickHouse, check_url
+    from ingero.clickhouse.schema import check_name
+    from ingero.clickhouse.shipper import BackgroundShipping
+
+    url = check_url(args.clickhouse)
+    database = check_name(getattr(args, "ch_database", "default"), "--ch-database")
+    return BackgroundShipping(db, lambda: ClickHouse(url), on_round=RoundNotes(quiet=True), database=database).start()

@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         help="summarise the window's labels (ingero annotate: step, epoch, ...): values, spans, processes",
     )
     common.add_fleet_args(p)
-    add_clickhouse_arg(p, "explain one --node's window")
+    add_clickhouse_arg(p, "explain one --node's window of the fleet's history in ClickHouse")
     add_output_args(p, csv_ok=False)
     p.set_defaults(func=run)
 

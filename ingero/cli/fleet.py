@@ -105,7 +105,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
     _collective_args(st)
     st.add_argument("--metric", choices=("lag", "last", "wait"), default="lag", help="outlier metric (default lag)")
     st.add_argument("--threshold", type=float, default=3.5, metavar="Z", help="robust z-score for outliers (3.5)")
-    add_clickhouse_arg(st, "align the collectives")
+    add_clickhouse_arg(st, "align the collectives stored in the fleet's history in ClickHouse")
     st.set_defaults(func=run_stragglers)
 
     c = fsub.add_parser(

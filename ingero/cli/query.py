@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         "'labels' column; the result needs timestamp and pid columns",
     )
     common.add_fleet_args(p)
-    add_clickhouse_arg(p, "run the statement on the fleet's history")
+    add_clickhouse_arg(p, "run the statement on the fleet's history in ClickHouse")
     add_output_args(p, rows_ok=True)
     p.set_defaults(func=run)
 

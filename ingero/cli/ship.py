@@ -10,7 +10,7 @@ from ingero.cli import common
 from ingero.cli.output import add_output_args, emit_json, emit_rows, note
 
 if TYPE_CHECKING:
-    from ingero.clickhouse.shipper import Shipper, ShipResult
+    from ingero.clickhouse.shipper import Shipper
 
 EXAMPLES = """\
 examples:
@@ -86,27 +86,13 @@ def run(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, shipper: Shipper) -> int:
     import threading
 
-    from ingero.cli.clickhouse import ship_summary
+    from ingero.cli.clickhouse import RoundNotes
     from ingero.timeutil import parse_duration
 
     interval = parse_duration(args.interval) / 1e9
-    stalled = [False]
-
-    def on_round(result: ShipResult | None, error: str | None) -> None:
-        if error is not None:
-            if not stalled[0]:
-                note(f"shipping stalled (recording goes on; retrying with backoff): {error}")
-            stalled[0] = True
-            return
-        if stalled[0]:
-            note("shipping resumed")
-            stalled[0] = False
-        if result is not None and result.rows:
-            note(ship_summary(result))
-
     stop = threading.Event()
     try:
-        shipper.follow(stop, interval_s=interval, on_round=on_round)
+        shipper.follow(stop, interval_s=interval, on_round=RoundNotes())
     except KeyboardInterrupt:
         stop.set()
         return 130

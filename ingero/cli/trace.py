@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ingero.cli import common, metrics_flags, serve
+from ingero.cli.clickhouse import add_clickhouse_arg
 
 if TYPE_CHECKING:
     from ingero.trace.tracer import TraceOptions, TraceReady
@@ -167,6 +168,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         help="let this group connect too (directory 0750, socket 0660 of group GID)",
     )
     p.add_argument("--ready-file", metavar="PATH", help="write {pid, session, probes, url} as JSON here once recording")
+    add_clickhouse_arg(p, "also ship the recording to the fleet's history in ClickHouse while tracing")
     metrics_flags.add_metrics_args(p)
     p.set_defaults(func=run)
 
@@ -263,9 +265,20 @@ def run(args: argparse.Namespace) -> int:
         opts.observer = exporters.observer
         for line in exporters.lines:
             note(line)
+    shipping = None
+    if getattr(args, "clickhouse", None):
+        from ingero.cli.clickhouse import start_shipping
+
+        shipping = start_shipping(args, opts.db_path)  # its own thread: a down store never slows recording
     try:
         reason = trio.run(_trace, opts, ready)
     finally:
+        if shipping is not None:
+            shipping.stop()
+            if shipping.error is not None:
+                from ingero.cli.output import warn
+
+                warn(f"shipping to ClickHouse stopped: {shipping.error}")
         if exporters is not None:
             exporters.close()
         if ready is not None:

@@ -21,6 +21,7 @@ bytes), which keeps the Python work per row to a list append.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -130,14 +131,24 @@ class Shipper:
         self.tables = tables
         try:
             self.conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
-            self.conn.execute(PROGRESS_DDL)
-            self._have = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            self.node = recorded_node(self.conn) or ""
+            self._have: set[str] = set()
+            self.node = ""
+            self._look()
         except sqlite3.Error as e:
             raise translate(e, self.path) from None
         self._keyed_seen: dict[str, tuple[int, float]] = {}
         self.last_error: str | None = None
         self.last_ok_ns: int | None = None
+
+    def _look(self) -> None:
+        """The recording's tables and node (a tracer that just started creates them after we open)."""
+        self._have = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "events" in self._have and "clickhouse_progress" not in self._have:
+            # only once the recording exists: a table of ours in an empty file would make it no trace database
+            self.conn.execute(PROGRESS_DDL)
+            self._have.add("clickhouse_progress")
+        if not self.node and "events" in self._have:
+            self.node = recorded_node(self.conn) or ""
 
     def close(self) -> None:
         self.conn.close()
@@ -308,6 +319,12 @@ class Shipper:
         """Ship every table's rows not yet shipped (up to ``max_batches`` per table)."""
         started = time.perf_counter()
         result = ShipResult()
+        try:
+            self._look()
+        except sqlite3.Error as e:
+            raise translate(e, self.path) from None
+        if "events" not in self._have:  # a tracer that has not created its schema yet
+            return result
         for table in self.tables:
             result.tables[table.name] = self.ship_table(table, max_batches=max_batches)
         result.elapsed_s = time.perf_counter() - started
@@ -338,6 +355,54 @@ class Shipper:
             if on_round is not None:
                 on_round(res, err)
             stop.wait(wait)
+
+
+class BackgroundShipping:
+    """Ships a recording from a daemon thread while it is being written (``ingero trace --clickhouse``).
+
+    The thread waits for the database to appear, then follows it (:meth:`Shipper.follow`); :meth:`stop` ends
+    the loop after one last round (best effort: what is left is shipped by the next ``ingero ship``)."""
+
+    def __init__(
+        self,
+        db: str | Path,
+        connect: Callable[[], ClickHouse],
+        *,
+        interval_s: float = 1.0,
+        on_round: Callable[[ShipResult | None, str | None], None] | None = None,
+        **shipper_kw: Any,
+    ) -> None:
+        self.db = Path(db)
+        self._connect = connect
+        self._interval = interval_s
+        self._on_round = on_round
+        self._kw = shipper_kw
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ingero-clickhouse-shipper", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> BackgroundShipping:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.db.exists():
+            if self._stop.wait(self._interval):
+                return
+        ch = self._connect()
+        try:
+            with Shipper(self.db, ch, **self._kw) as shipper:
+                shipper.follow(self._stop, interval_s=self._interval, on_round=self._on_round)
+                with contextlib.suppress(ClickHouseUnavailableError):
+                    shipper.ship_once()
+        except Exception as e:  # the recording goes on; the caller reports it after stop()
+            self.error = e
+        finally:
+            ch.close()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
 
 
 def lag(db: str | Path, target: str = "default") -> list[TableLag]:
