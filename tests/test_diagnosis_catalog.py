@@ -23,7 +23,7 @@ from tests.scenarios.expectations import ABOVE, BELOW, CATALOG, INGERO, MULTI_RA
 from tests.scenarios.ingero_layout import rewrite
 from tests.scenarios.judge import Outcome, build, explain_file, judge
 
-# (family, magnitude) -> what explain said instead, on main 6e43b88 (strict: the mark goes with the fix)
+# (family, magnitude) -> what explain said instead, on main 1977432 (strict: the mark goes with the fix)
 NOT_YET: dict[tuple[str, float], str] = {
     ("cold-start", 0.26): "both layouts: not named at HIGH (said: cold-start LOW)",
     ("cpu-bimodal", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
@@ -117,14 +117,16 @@ def test_ingero_layout_has_ingeros_schema_and_row_shapes(tmp_path: Path) -> None
         )
         n, ingero_shaped = switch.fetchone()
         assert n > 100 and ingero_shaped == n
-        assert conn.execute("SELECT count(*) FROM events WHERE source = 3 AND op = 2").fetchone() == (0,)
+        wakeups = "SELECT count(*), sum(duration = 0 AND arg0 = 0 AND pid = tid AND arg1 != pid) FROM events"
+        n, ingero_shaped = conn.execute(wakeups + " WHERE source = 3 AND op = 2").fetchone()
+        assert n > 100 and ingero_shaped == n  # the waker's event, naming the woken thread in arg1
         assert conn.execute(
             "SELECT count(*) FROM events WHERE rank IS NOT NULL OR id NOT LIKE node || ':%'"
         ).fetchone() == (0,)
         assert conn.execute("PRAGMA user_version").fetchone() == (0,)
         recorded = open_readonly(db)
         try:  # every other row kept as it was
-            q = "SELECT count(*) FROM events WHERE NOT (source = 3 AND op IN (1, 2))"
+            q = "SELECT count(*) FROM events WHERE source != 9"
             assert conn.execute(q).fetchone() == recorded.execute(q).fetchone()
             assert (
                 recorded.execute("SELECT count(*) FROM events WHERE source = 3 AND op = 1 AND arg0 = 1").fetchone()[0]

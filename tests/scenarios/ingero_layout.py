@@ -7,8 +7,9 @@ verbatim) and its BPF sources:
 * ``sched_switch``: no ``prev_state`` and no preemptor — ``arg0`` = 0, ``arg1`` = the thread itself,
   and ``pid`` = ``tid`` = the thread (Ingero emits the switched-in task's id for both). Off-CPU time
   (``duration``) and the back-on-CPU timestamp are kept.
-* ``sched_wakeup``: dropped. Ingero emits it as the *waker's* event (pid = the waker, duration 0);
-  none of the 1,000 host rows in its sample databases is one, and no column there names the wakee.
+* ``sched_wakeup``: the *waker's* event, as Ingero's host tracer emits it (``bpf/host_trace.bpf.c``,
+  ``internal/ebpf/host/host.go``): ``pid`` = ``tid`` = the waker (its tgid: ingero records no waker tid),
+  ``duration`` 0 (no time since the thread left), ``arg0`` 0, ``arg1`` = the woken thread.
 * NCCL (our source 9), ``nccl_comms``/``nccl_calls``, ``node_seq``, ``session_stats``: absent (Ingero
   0.9 has no such source or tables); ``rank``/``local_rank``/``world_size`` are NULL as in its
   samples; ``system_snapshots`` has no ``node`` column; ``cgroup_metadata`` no ``job_id``.
@@ -62,12 +63,14 @@ def rewrite(src: Path, dst: Path, template: Path = TEMPLATE) -> Path:
         conn.execute("ATTACH DATABASE ? AS rec", (f"file:{src}?mode=ro",))
         conn.execute(
             f"INSERT INTO events({EVENT_COLUMNS}) SELECT id, timestamp, "
-            "CASE WHEN is_switch THEN tid ELSE pid END, tid, source, op, duration, gpu_id, "
-            "CASE WHEN is_switch THEN 0 ELSE arg0 END, CASE WHEN is_switch THEN tid ELSE arg1 END, "
+            "CASE WHEN is_switch THEN tid WHEN is_wakeup THEN arg0 ELSE pid END, "
+            "CASE WHEN is_wakeup THEN arg0 ELSE tid END, source, op, "
+            "CASE WHEN is_wakeup THEN 0 ELSE duration END, gpu_id, "
+            "CASE WHEN is_switch OR is_wakeup THEN 0 ELSE arg0 END, CASE WHEN is_switch OR is_wakeup THEN tid ELSE arg1 END, "
             "ret_code, stack_hash, node, NULL, NULL, NULL, '', cgroup_id "
-            "FROM (SELECT *, (source = ? AND op = ?) AS is_switch FROM rec.events) "
-            "WHERE source != ? AND NOT (source = ? AND op = ?) ORDER BY timestamp",
-            (*SCHED_SWITCH, NCCL, *SCHED_WAKEUP),
+            "FROM (SELECT *, (source = ? AND op = ?) AS is_switch, (source = ? AND op = ?) AS is_wakeup FROM rec.events) "
+            "WHERE source != ? ORDER BY timestamp",
+            (*SCHED_SWITCH, *SCHED_WAKEUP, NCCL),
         )
         tables = [n for n, sql in ddl if sql.startswith("CREATE TABLE")]
         for table in tables:
