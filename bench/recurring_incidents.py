@@ -7,7 +7,7 @@ shifted by its index x the recording's span (events and system snapshots; the re
 the sample's own). 202 copies make ~1 M events and ~800 windows of slow calls: explain's per-window
 work must not grow with their number.
 
-Measured side by side in one run, as ``bench_explain`` does: ``explain()`` (one connection, the agent
+Measured side by side in one run, the functions taking turns (a drifting load shifts them alike): ``explain()`` (one connection, the agent
 API; and over the CLI's reading threads) against a cursor fetching the six per-row columns explain
 reads into numpy. Target: explain ≤ 1.2x that fetch.
 
@@ -18,20 +18,24 @@ reads into numpy. Target: explain ≤ 1.2x that fetch.
 from __future__ import annotations
 
 import argparse
+import math
 import sqlite3
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
 from verdict import Target, no_verdict, summary, verdict
 
 from ingero.cli.explain import read_threads
 from ingero.explain.engine import explain
 from ingero.store.db import open_readonly
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "investigations" / "sample-gpu-node-01.db"
 COPIES = 202
 RATIO = Target(1.2, "x")
@@ -75,13 +79,16 @@ def cursor_fetch(conn: sqlite3.Connection) -> None:
     np.fromiter(conn.execute("SELECT source, op, duration, timestamp, pid, ret_code != 0 FROM events"), dtype=dt)
 
 
-def best_of(fn: object, repeat: int) -> float:
-    times = []
+def interleaved(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """The best time of each function over ``repeat`` rounds, the functions taking turns within a round
+    (a machine whose load drifts shifts them all alike, so their ratios hold)."""
+    best = dict.fromkeys(fns, math.inf)
     for _ in range(repeat):
-        t = time.perf_counter()
-        fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
 
 
 def main() -> int:
@@ -91,7 +98,7 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, default=None, help="write the database here and keep it")
     args = ap.parse_args()
     copies = args.copies or (40 if args.quick else COPIES)
-    repeat = 2 if args.quick else 3
+    repeat = 2 if args.quick else 5
     with tempfile.TemporaryDirectory() as tmp:
         db = args.keep or Path(tmp) / "recurring.db"
         db.unlink(missing_ok=True)
@@ -99,14 +106,20 @@ def main() -> int:
         n = build(db, copies)
         print(f"built {n:,} events ({copies} copies of {SAMPLE.name}) in {time.perf_counter() - t:.1f}s")
         conn = open_readonly(db)
+        threads = read_threads()
         try:
-            t_fetch = best_of(lambda: cursor_fetch(conn), repeat)
             report = explain(conn)
-            t_serial = best_of(lambda: explain(conn), repeat)
-            threads = read_threads()
-            t_threads = best_of(lambda: explain(conn, threads=threads), repeat)
+            times = interleaved(
+                {
+                    "fetch": lambda: cursor_fetch(conn),
+                    "serial": lambda: explain(conn),
+                    "threads": lambda: explain(conn, threads=threads),
+                },
+                repeat,
+            )
         finally:
             conn.close()
+    t_fetch, t_serial, t_threads = times["fetch"], times["serial"], times["threads"]
     print(f"cursor fetch of 6 columns (baseline)     {t_fetch:6.2f} s")
     print(f"explain, one connection (the agent API)  {t_serial:6.2f} s")
     print(f"explain, {threads} reading threads (the CLI)    {t_threads:6.2f} s")
