@@ -47,11 +47,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ingero.explain.frame import I64, ArgRows, Frame
+from ingero.explain.frame import GPU_SOURCES, I64, ArgRows, Frame
 from ingero.explain.offcpu import INVOL, IOWAIT, SCHED_WAKEUP, UNKNOWN, VOL, Intervals, OffCpu, union
+from ingero.explain.storage import MINUTE_NS, aggregates_where
 from ingero.store.catalog import IO, NCCL, NET, op_id, op_ids, op_name
 from ingero.store.window import Window
-from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration
+from ingero.timeutil import NS_PER_MS, fmt_duration
 
 BUCKETS = (
     "gpu_steady",
@@ -108,7 +109,6 @@ GAP_NS = NS_PER_MS  # shorter gaps, and this much of each bucket in a gap (turna
 TURNAROUND_X = 2.0  # own host code in a gap beyond this many times the loop's median per gap is idle
 NET_NEAR_NS = NS_PER_MS  # a sleep this close to the thread's own socket call is a wait on the network
 NOISE_SIGMAS = 3.0  # a call is slow beyond its op's median plus this many robust sigmas (1.4826 MAD)
-MINUTE_NS = 60 * NS_PER_S  # event_aggregates' resolution
 PROCESS_FORK = op_id("process_fork")  # pid = parent, arg1 = child
 # calls that return only once the GPU's queue (a stream, the device) is drained: after them, a gap is GPU idle
 DRAINING = op_ids(
@@ -182,17 +182,11 @@ class Unstored:
 
 def load_unstored(conn: sqlite3.Connection, window: Window, pid: int | None = None) -> Unstored:
     """The aggregates' rows of GPU ops with calls not stored (none for an older or foreign recording)."""
-    where, params = window.clause("bucket")
-    if window.start_ns is not None:
-        where, params = Window(window.start_ns - window.start_ns % MINUTE_NS, window.end_ns).clause("bucket")
-    sql_params = list(params)
-    if pid is not None:
-        where += " AND pid = ?"
-        sql_params.append(pid)
+    where, sql_params = aggregates_where(window, pid)
     try:
         rows = conn.execute(
             "SELECT bucket, pid, source, op, count - stored, sum_dur FROM event_aggregates "
-            f"WHERE {where} AND stored < count AND source IN (1, 4, 9)",
+            f"WHERE {where} AND stored < count AND source IN ({', '.join(map(str, GPU_SOURCES))})",
             sql_params,
         ).fetchall()
     except sqlite3.OperationalError:

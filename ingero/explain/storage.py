@@ -57,7 +57,8 @@ class Storage:
         return out
 
 
-def load_storage(conn: sqlite3.Connection, window: Window, pid: int | None = None) -> Storage:
+def aggregates_where(window: Window, pid: int | None = None) -> tuple[str, list[int]]:
+    """The WHERE clause (and its parameters) of ``event_aggregates`` rows in ``window`` (of ``pid``)."""
     where, params = window.clause("bucket")
     if window.start_ns is not None:  # buckets are minute-truncated: the window's first minute counts
         where, params = Window(window.start_ns - window.start_ns % MINUTE_NS, window.end_ns).clause("bucket")
@@ -65,6 +66,11 @@ def load_storage(conn: sqlite3.Connection, window: Window, pid: int | None = Non
     if pid is not None:
         where += " AND pid = ?"
         sql_params.append(pid)
+    return where, sql_params
+
+
+def load_storage(conn: sqlite3.Connection, window: Window, pid: int | None = None) -> Storage:
+    where, sql_params = aggregates_where(window, pid)
     try:
         rows = conn.execute(
             "SELECT source, op, sum(count), sum(stored), sum(sum_dur), max(max_dur) FROM event_aggregates "
