@@ -41,6 +41,7 @@ READY_S = 30.0
 
 pytestmark = [
     pytest.mark.clickhouse,
+    pytest.mark.slow,  # two servers and seconds per test: out of the fast suite, in make test / CI
     pytest.mark.skipif(
         SERVER_BIN is None, reason="clickhouse-server is not installed (apt-get install clickhouse-server)"
     ),

@@ -27,7 +27,9 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,12 @@ def _escape_sql(expr: str) -> str:
     return out
 
 
+def _text_sql(expr: str) -> str:
+    """A text column's TabSeparated form, escaping only the rare value that needs it (cheaper than always)."""
+    plain = f"instr({expr}, char(9)) + instr({expr}, char(10)) + instr({expr}, char(13)) + instr({expr}, '\\') = 0"
+    return f"CASE WHEN {plain} THEN {expr} ELSE {_escape_sql(expr)} END"
+
+
 def _tsv_value(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
@@ -137,6 +145,7 @@ class Shipper:
         except sqlite3.Error as e:
             raise translate(e, self.path) from None
         self._keyed_seen: dict[str, tuple[int, float]] = {}
+        self._read_conn: sqlite3.Connection | None = None
         self.last_error: str | None = None
         self.last_ok_ns: int | None = None
 
@@ -151,6 +160,8 @@ class Shipper:
             self.node = recorded_node(self.conn) or ""
 
     def close(self) -> None:
+        if self._read_conn is not None:
+            self._read_conn.close()
         self.conn.close()
 
     def __enter__(self) -> Shipper:
@@ -206,19 +217,21 @@ class Shipper:
             names.append(c.name)
             if not c.in_sqlite:
                 parts.append("'" + _tsv_value(self.node).replace("'", "''") + "'")
-            elif c.type.startswith("String") or c.type == "Nullable(String)":
-                quoted = f'"{c.name}"'
-                parts.append(f"ifnull({_escape_sql(quoted)}, '\\N')")
             else:
-                parts.append(f"ifnull(\"{c.name}\", '\\N')")
+                expr = f'"{c.name}"'
+                if "String" in c.type:
+                    expr = _text_sql(expr)
+                parts.append(f"ifnull({expr}, '\\N')" if c.type.startswith("Nullable") else expr)
         return names, parts
 
-    def _read(self, table: Table, after: int, parts: list[str], closed_before: int | None) -> _Batch | None:
+    def _read(
+        self, conn: sqlite3.Connection, table: Table, after: int, parts: list[str], closed_before: int | None
+    ) -> _Batch | None:
         has_node = any(c.name == "node" and c.in_sqlite for c in table.columns)
         node_expr = '"node"' if has_node else "''"
         time_expr = f'"{table.time}"' if table.time else "0"
         line = " || char(9) || ".join(parts)
-        rows = self.conn.execute(
+        rows = conn.execute(
             f"SELECT rowid, {node_expr}, {time_expr}, CAST({line} AS BLOB) FROM {table.name} WHERE rowid > ? ORDER BY rowid LIMIT ?",
             (after, self.batch_rows),
         ).fetchall()
@@ -235,6 +248,11 @@ class Shipper:
         if not lines:
             return None
         return _Batch(last, lines, first_node or self.node)
+
+    def _reader(self) -> sqlite3.Connection:
+        if self._read_conn is None:
+            self._read_conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        return self._read_conn
 
     def _key_of(self, table: Table, rowid: int, node: str) -> str:
         cols = [k for k in table.key if k != "node"]
@@ -299,21 +317,31 @@ class Shipper:
                 prog.resent += not landed
             closed_before = self._closed_before(table)
             dest = f"{self.database}.{table.name}"
-            while max_batches is None or prog.batches < max_batches:
-                shipped = self._progress(table.name)[0]
-                batch = self._read(table, shipped, parts, closed_before)
-                if batch is None:
-                    break
-                self._set_pending(
-                    table.name, batch.last_rowid, self._key_of(table, batch.last_rowid, batch.node), len(batch.lines)
-                )
-                self.ch.insert(dest, tuple(names), b"\n".join(batch.lines) + b"\n", INSERT_SETTINGS)
-                self._settle(table.name, True)
-                prog.rows += len(batch.lines)
-                prog.batches += 1
+            # the next batch is read (over a second connection) while the current one is being inserted
+            read = partial(self._read, self._reader(), table, parts=parts, closed_before=closed_before)
+            with ThreadPoolExecutor(1, thread_name_prefix="ingero-ship-read") as pool:
+                ahead = pool.submit(read, after=self._progress(table.name)[0])
+                while True:
+                    batch = ahead.result()
+                    if batch is None:
+                        break
+                    prog.batches += 1
+                    if max_batches is None or prog.batches < max_batches:
+                        ahead = pool.submit(read, after=batch.last_rowid)
+                    self._send(table, dest, names, batch)
+                    prog.rows += len(batch.lines)
+                    if max_batches is not None and prog.batches >= max_batches:
+                        break
         except sqlite3.Error as e:
             raise translate(e, self.path) from None
         return prog
+
+    def _send(self, table: Table, dest: str, names: list[str], batch: _Batch) -> None:
+        """Pending first, then the insert, then shipped: a crash anywhere leaves a state the next run settles."""
+        key = self._key_of(table, batch.last_rowid, batch.node)
+        self._set_pending(table.name, batch.last_rowid, key, len(batch.lines))
+        self.ch.insert(dest, tuple(names), b"\n".join(batch.lines) + b"\n", INSERT_SETTINGS)
+        self._settle(table.name, True)
 
     def ship_once(self, *, max_batches: int | None = None) -> ShipResult:
         """Ship every table's rows not yet shipped (up to ``max_batches`` per table)."""
