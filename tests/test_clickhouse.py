@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -31,13 +30,11 @@ from ingero.clickhouse.query import READONLY_SETTINGS
 from ingero.clickhouse.schema import BY_NAME, TABLES
 from ingero.clickhouse.shipper import Shipper, ShipResult, lag
 from ingero.errors import ClickHouseUnavailableError, QueryRejectedError
+from tests.clickhouse_cluster import CLUSTER, SERVER_BIN, Server, local_cluster
 from tests.collective_sim import Job, Rank, simulate, write_calls_db
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = [ROOT / "investigations" / f"sample-gpu-node-0{i}.db" for i in (1, 2, 3)]
-CLUSTER = "ingero_test"
-SERVER_BIN = shutil.which("clickhouse-server") or shutil.which("clickhouse-server", path="/usr/sbin:/usr/bin")
-READY_S = 30.0
 
 pytestmark = [
     pytest.mark.clickhouse,
@@ -47,130 +44,20 @@ pytestmark = [
     ),
 ]
 
-CONFIG = """<?xml version="1.0"?>
-<yandex>
-  <logger><level>warning</level><log>{dir}/server.log</log><errorlog>{dir}/error.log</errorlog>
-    <size>10M</size><count>1</count></logger>
-  <listen_host>127.0.0.1</listen_host>
-  <http_port>{http}</http_port>
-  <tcp_port>{tcp}</tcp_port>
-  <path>{dir}/data/</path>
-  <tmp_path>{dir}/tmp/</tmp_path>
-  <user_files_path>{dir}/user_files/</user_files_path>
-  <format_schema_path>{dir}/format_schemas/</format_schema_path>
-  <mark_cache_size>67108864</mark_cache_size>
-  <uncompressed_cache_size>67108864</uncompressed_cache_size>
-  <max_concurrent_queries>50</max_concurrent_queries>
-  <users_config>{dir}/users.xml</users_config>
-  <default_profile>default</default_profile>
-  <default_database>default</default_database>
-  <remote_servers><{cluster}>{shards}</{cluster}></remote_servers>
-</yandex>
-"""
-SHARD = "<shard><replica><host>127.0.0.1</host><port>{tcp}</port></replica></shard>"
-USERS = """<?xml version="1.0"?>
-<yandex>
-  <profiles><default><max_memory_usage>2000000000</max_memory_usage></default></profiles>
-  <users><default><password></password><networks><ip>127.0.0.1</ip></networks>
-    <profile>default</profile><quota>default</quota></default></users>
-  <quotas><default><interval><duration>3600</duration><queries>0</queries><errors>0</errors>
-    <result_rows>0</result_rows><read_rows>0</read_rows><execution_time>0</execution_time></interval></default></quotas>
-</yandex>
-"""
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class Server:
-    """One clickhouse-server process with its own directory; ``stop(kill=True)`` is a crash."""
-
-    def __init__(self, root: Path, http: int, tcp: int) -> None:
-        self.dir, self.http, self.tcp = root, http, tcp
-        self.url = f"http://127.0.0.1:{http}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def configure(self, tcps: list[int]) -> None:
-        for sub in ("data", "tmp", "user_files", "format_schemas"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        shards = "".join(SHARD.format(tcp=t) for t in tcps)
-        (self.dir / "config.xml").write_text(
-            CONFIG.format(dir=self.dir, http=self.http, tcp=self.tcp, cluster=CLUSTER, shards=shards)
-        )
-        (self.dir / "users.xml").write_text(USERS)
-
-    def start(self) -> None:
-        assert SERVER_BIN is not None
-        out = open(self.dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child, closed at stop
-        self.proc = subprocess.Popen(
-            [SERVER_BIN, f"--config-file={self.dir / 'config.xml'}"],
-            cwd=self.dir,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        out.close()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_S
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(self.url + "/ping", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        tail = ""
-        for name in ("stdout.log", "error.log"):
-            p = self.dir / name
-            if p.exists():
-                tail += p.read_text(errors="replace")[-1500:]
-        raise RuntimeError(f"clickhouse-server on {self.url} not ready in {READY_S}s: {tail}")
-
-    def stop(self, *, kill: bool = False) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def restart(self) -> None:
-        self.start()
-        self.wait_ready()
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    root = tmp_path_factory.mktemp("clickhouse")
-    h1, t1, h2, t2 = _free_ports(4)
-    servers = [Server(root / "s1", h1, t1), Server(root / "s2", h2, t2)]
-    for s in servers:
-        s.configure([t1, t2])
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready()
-        assert main(["clickhouse-schema", "--cluster", CLUSTER, "--apply", ",".join(s.url for s in servers)]) == 0
+    with local_cluster(tmp_path_factory.mktemp("clickhouse")) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.stop(kill=True)  # throwaway data: a graceful shutdown only costs seconds
+
+
+def test_the_schema_applies_through_the_command(cluster: list[Server]) -> None:
+    """``clickhouse-schema --apply`` on a running cluster: idempotent (IF NOT EXISTS) on every server."""
+    assert main(["clickhouse-schema", "--cluster", CLUSTER, "--apply", ",".join(s.url for s in cluster)]) == 0
+    with ClickHouse(cluster[0].url) as ch:
+        engines = dict(ch.select("SELECT name, engine FROM system.tables WHERE database = 'default'").rows)
+    for t in TABLES:
+        assert (engines[t.name], engines[t.local]) == ("Distributed", "ReplacingMergeTree")
 
 
 def _clear(cluster: list[Server]) -> None:
