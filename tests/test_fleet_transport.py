@@ -20,7 +20,7 @@ from ingero.fleet.client import FleetClient
 from ingero.fleet.outcome import Kind, NodeFailure, classify
 from ingero.fleet.settings import ClientSettings
 from ingero.fleet.skew import RECEIVE_HEADER, TRANSMIT_HEADER
-from tests.fleet_agents import AgentSpec, Pki, client_settings, make_pki, node_specs, start_agents
+from tests.fleet_agents import AgentSpec, Pki, client_settings, closed_port, make_pki, node_specs, start_agents
 
 MAX = 1000
 Piece = bytes | float | Callable[[], bytes]  # bytes to write, seconds to wait, or bytes made at that moment
@@ -283,3 +283,39 @@ def test_one_ssl_context_for_every_node_and_no_certifi_bundle(
     assert [o.kind for o in seen["outcomes"]] == [Kind.OK] * 3
     assert len(built) == 1 and seen["contexts"] == {id(built[0])}
     assert seen["trust_env"] == {False}
+
+
+def test_the_system_store_is_loaded_once_right_before_the_first_handshake(
+    pki: Pki, samples: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --ca-cert: the system store (here our CA, through OpenSSL's SSL_CERT_FILE) is parsed once, before
+    the first handshake, and never for a fan-out whose nodes all refuse."""
+    import ssl
+
+    loads: list[object] = []
+    real = ssl.SSLContext.load_default_certs
+
+    def counted(self: ssl.SSLContext, purpose: ssl.Purpose = ssl.Purpose.SERVER_AUTH) -> None:
+        loads.append(self)
+        real(self, purpose)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_default_certs", counted)
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))
+    settings = client_settings(pki, ca_cert=None)
+    specs = [AgentSpec(samples / f"sample-gpu-node-0{i}.db", f"gpu-node-0{i}") for i in (1, 2, 3)]
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nodes = node_specs(await start_agents(nursery, pki, specs))
+            async with FleetClient([NodeSpec("127.0.0.1", closed_port())], settings) as fc:
+                seen["refused"] = await fc.request_all("GET", "/api/v1/health")
+                seen["loads_refused"] = len(loads)
+            async with FleetClient(nodes, settings) as fc:
+                seen["ok"] = await fc.request_all("GET", "/api/v1/health")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert [o.kind for o in seen["refused"]] == [Kind.REFUSED] and seen["loads_refused"] == 0
+    assert [o.kind for o in seen["ok"]] == [Kind.OK] * 3  # verified against the store loaded just in time
+    assert len(loads) == 1

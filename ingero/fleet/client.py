@@ -15,6 +15,7 @@ from __future__ import annotations
 import json as _json
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlencode
@@ -26,7 +27,7 @@ from ingero.config import NodeSpec
 from ingero.fleet import skew as skewmod
 from ingero.fleet.budget import AnswerBudget, BudgetExceeded, parsed_size
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, classify
-from ingero.fleet.settings import ClientSettings, build_ssl_context, check_plaintext
+from ingero.fleet.settings import ClientSettings, build_ssl_context, check_plaintext, load_system_trust
 from ingero.fleet.transport import NodeTransport, Origin, Request, Response
 
 NodeJob = Callable[["NodeClient"], Awaitable[Any]]
@@ -187,8 +188,10 @@ class FleetClient:
         self.settings = s = settings or ClientSettings()
         check_plaintext(self.nodes, s)
         self._open = False
+        ctx = build_ssl_context(s, defer_system_trust=True)  # the system store: at the first handshake
         self.transport = NodeTransport(
-            build_ssl_context(s),
+            ctx,
+            before_tls=partial(load_system_trust, ctx) if ctx is not None and s.system_trust else None,
             headers=common_headers(s),
             timeout_s=s.timeout_s,
             per_node=2,

@@ -49,6 +49,11 @@ class ClientSettings:
     def scheme(self) -> str:
         return "http" if self.plaintext else "https"
 
+    @property
+    def system_trust(self) -> bool:
+        """Whether the agents' certificates are verified against the system store (no CA given)."""
+        return not self.plaintext and self.ca_cert is None and not self.insecure_skip_verify
+
     def with_(self, **changes: object) -> ClientSettings:
         return replace(self, **changes)  # type: ignore[arg-type]
 
@@ -135,8 +140,13 @@ def check_plaintext(nodes: Sequence[NodeSpec], settings: ClientSettings) -> None
         )
 
 
-def build_ssl_context(settings: ClientSettings) -> ssl.SSLContext | None:
-    """The one client SSL context of a fan-out (None for plaintext)."""
+def build_ssl_context(settings: ClientSettings, *, defer_system_trust: bool = False) -> ssl.SSLContext | None:
+    """The one client SSL context of a fan-out (None for plaintext).
+
+    With ``defer_system_trust`` a context that verifies against the system store (``settings.system_trust``)
+    comes without it: the caller loads it before the first handshake (:func:`load_system_trust`), so a
+    fan-out whose nodes all refuse never parses it.
+    """
     if settings.plaintext:
         return None
     from ingero.tls.context import client_ssl_context
@@ -147,6 +157,7 @@ def build_ssl_context(settings: ClientSettings) -> ssl.SSLContext | None:
             client_cert=settings.client_cert,
             client_key=settings.client_key,
             insecure=settings.insecure_skip_verify,
+            system_trust=not defer_system_trust,
         )
         ctx.set_alpn_protocols(["http/1.1"])  # the fan-out transport speaks HTTP/1.1
         return ctx
@@ -155,3 +166,8 @@ def build_ssl_context(settings: ClientSettings) -> ssl.SSLContext | None:
     except (OSError, ssl.SSLError, ValueError) as e:
         where = settings.client_cert or settings.ca_cert or "client TLS"
         raise TLSConfigError(f"{where}: cannot load certificates: {' '.join(str(e).split())}") from None
+
+
+def load_system_trust(ctx: ssl.SSLContext) -> None:
+    """Load the system store into a context built with ``defer_system_trust``."""
+    ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)

@@ -3,7 +3,9 @@
 :class:`NodeTransport` keeps one :class:`httpx.AsyncClient` per node (its own pool: HTTP/1.1, at most
 ``per_node`` connections; one shared pool grows costly at 128+ origins), every client built on the one
 :class:`ssl.SSLContext` of the fan-out (``verify=ctx``: no certifi bundle is loaded) with
-``trust_env=False`` and explicit :class:`httpx.Timeout`\\ s. Each answer is streamed
+``trust_env=False`` and explicit :class:`httpx.Timeout`\\ s. A context that verifies against the system
+store gets that store (~25 ms to parse) right before the first TLS handshake (``before_tls``): a fan-out
+whose nodes all refuse never loads it. Each answer is streamed
 (``client.stream`` + ``aiter_raw``) within a per-answer cap and a byte budget shared by the whole
 fan-out (:class:`~ingero.fleet.budget.AnswerBudget`), charged chunk by chunk as the bytes arrive; a
 declared ``Content-Length`` past the cap stops the answer before its body is read. A node's client can
@@ -29,7 +31,7 @@ import contextlib
 import re
 import ssl
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -189,6 +191,8 @@ class _Exchange:
         elif name == "connection.connect_tcp.started":
             self.fresh = True
             self.owner.connections_opened += 1
+        elif name == "connection.start_tls.started":
+            self.owner.before_handshake()
 
     def wall(self, pc: int) -> int:
         """Wall-clock nanoseconds of the monotonic stamp ``pc`` (0 when the request never went out)."""
@@ -255,6 +259,7 @@ class NodeTransport:
         patience: float = 0.5,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
         budget: AnswerBudget | None = None,
+        before_tls: Callable[[], None] | None = None,
     ) -> None:
         import httpx
 
@@ -266,6 +271,7 @@ class NodeTransport:
         self.max_answer_bytes = max_answer_bytes
         self.budget = budget if budget is not None else AnswerBudget()
         self.connections_opened = 0
+        self._before_tls = before_tls  # runs once, right before the first TLS handshake
         self._headers = httpx.Headers({"accept-encoding": "identity", **dict(headers)})
         self._timeout = httpx.Timeout(timeout_s)
         self._limits = httpx.Limits(max_connections=self.per_node, max_keepalive_connections=self.per_node)
@@ -288,6 +294,11 @@ class NodeTransport:
             )
             node = self._nodes[origin] = _Node(client, origin)
         return node
+
+    def before_handshake(self) -> None:
+        if self._before_tls is not None:
+            before, self._before_tls = self._before_tls, None
+            before()
 
     async def request(self, request: Request) -> Response:
         """Send ``request`` on its node's client, after that node's requests in flight (up to ``patience``)."""

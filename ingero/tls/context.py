@@ -64,8 +64,13 @@ def client_ssl_context(
     client_cert: str | Path | None = None,
     client_key: str | Path | None = None,
     insecure: bool = False,
+    system_trust: bool = True,
 ) -> ssl.SSLContext:
-    """TLS 1.3 client context. ``insecure`` skips verification (only for callers that pin a fingerprint)."""
+    """TLS 1.3 client context. ``insecure`` skips verification (only for callers that pin a fingerprint).
+
+    Without ``ca_cert`` it verifies against the system store; ``system_trust=False`` leaves loading that
+    store (``load_default_certs``, ~25 ms) to the caller, who must do it before the first handshake.
+    """
     if (client_cert is None) != (client_key is None):
         raise TLSConfigError("client certificate and client key go together", hint="give both or neither")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -76,7 +81,7 @@ def client_ssl_context(
         ctx.verify_mode = ssl.CERT_NONE
     elif ca_cert is not None:
         _load_ca(ctx, Path(ca_cert).expanduser(), "CA certificate")
-    else:
+    elif system_trust:
         ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
     if client_cert is not None and client_key is not None:
         _load_chain(ctx, Path(client_cert).expanduser(), Path(client_key).expanduser())
