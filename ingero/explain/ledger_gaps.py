@@ -1,0 +1,218 @@
+"""How the time of a GPU thread's gaps splits by what the thread did: the ledger's bucket names, and
+the classification of its off-CPU intervals (:mod:`ingero.explain.offcpu`), wakeups, socket calls and
+block I/O into them, painted over the gaps with exact integer sums (see :mod:`ingero.explain.ledger`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ingero.explain.frame import I64
+from ingero.explain.offcpu import INVOL, IOWAIT, UNKNOWN, VOL, Intervals, OffCpu, union
+from ingero.timeutil import NS_PER_MS
+
+BUCKETS = (
+    "gpu_steady",
+    "gpu_slow",
+    "host_code",
+    "preempted",
+    "asleep_workers",
+    "asleep_disk",
+    "asleep_network",
+    "asleep_timer",
+    "asleep_unknown",
+    "offcpu_unknown",
+    "not_recorded",
+)
+(
+    GPU_STEADY,
+    GPU_SLOW,
+    HOST_CODE,
+    PREEMPTED,
+    ASLEEP_WORKERS,
+    ASLEEP_DISK,
+    ASLEEP_NETWORK,
+    ASLEEP_TIMER,
+    ASLEEP_UNKNOWN,
+    OFFCPU_UNKNOWN,
+    NOT_RECORDED,
+) = BUCKETS
+GAP_BUCKETS = BUCKETS[2:]
+IDX = {b: i for i, b in enumerate(BUCKETS)}
+# gap classes, strongest first (host_code is what no class covers)
+_GAP_ORDER = (
+    NOT_RECORDED,
+    PREEMPTED,
+    ASLEEP_DISK,
+    ASLEEP_WORKERS,
+    ASLEEP_NETWORK,
+    ASLEEP_TIMER,
+    ASLEEP_UNKNOWN,
+    OFFCPU_UNKNOWN,
+)
+# where the time of unstored GPU calls is taken from: the thread is on-CPU when it makes a call
+TAKE_ORDER = (
+    HOST_CODE,
+    ASLEEP_UNKNOWN,
+    ASLEEP_TIMER,
+    OFFCPU_UNKNOWN,
+    ASLEEP_NETWORK,
+    ASLEEP_WORKERS,
+    ASLEEP_DISK,
+    PREEMPTED,
+)
+
+GAP_NS = NS_PER_MS  # shorter gaps, and this much of each bucket in a gap (turnaround), are not idle to the chains
+TURNAROUND_X = 2.0  # own host code in a gap beyond this many times the loop's median per gap is idle
+NET_NEAR_NS = NS_PER_MS  # a sleep this close to the thread's own socket call is a wait on the network
+
+
+def _covered(starts: I64, ends: I64, points: I64) -> npt.NDArray[np.bool_]:
+    """Which ``points`` fall inside the sorted, disjoint intervals [starts, ends)."""
+    k = np.searchsorted(starts, points, side="right") - 1
+    kk = np.maximum(k, 0)
+    out: npt.NDArray[np.bool_] = (k >= 0) & (points < ends[kk]) if starts.size else np.zeros(points.size, bool)
+    return out
+
+
+def _near(ts: I64, end: I64, s: I64, e: I64, slack: int) -> npt.NDArray[np.bool_]:
+    """Which intervals [s, e) lie within ``slack`` of one of the calls [ts, end) (ts sorted)."""
+    if ts.size == 0:
+        return np.zeros(s.size, dtype=bool)
+    k = np.searchsorted(ts, e + slack, side="right") - 1
+    reach = np.maximum.accumulate(end)
+    out: npt.NDArray[np.bool_] = (k >= 0) & (reach[np.maximum(k, 0)] >= s - slack)
+    return out
+
+
+@dataclass
+class ThreadEvidence:
+    """The rows of one node the ledger reads beside the GPU calls: per kind (wakeups: ts, waker; the
+    thread's own socket calls and block I/O: ts, end), with their tids."""
+
+    off: OffCpu
+    rows: dict[str, tuple[I64, I64, I64]]
+    holes: tuple[I64, I64]
+
+    def of(self, kind: str, tid: int) -> tuple[I64, I64]:
+        """The ``kind`` rows of thread ``tid``, in time order."""
+        tids, ts, other = self.rows[kind]
+        m = tids == tid
+        order = np.argsort(ts[m], kind="stable")
+        return ts[m][order], other[m][order]
+
+
+def gap_classes(ev: ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tuple[I64, I64]]:
+    """The thread's off-CPU intervals by gap bucket (each class sorted and disjoint)."""
+    off = ev.off
+    wts, wby = ev.of("wakeup", tid)
+    (nts, nend), (dts, dend) = ev.of("net", tid), ev.of("disk", tid)
+    kid_arr = np.asarray(sorted(kids), dtype=np.int64)
+    parts: dict[str, list[tuple[I64, I64]]] = {b: [] for b in _GAP_ORDER}
+    parts[NOT_RECORDED].append(ev.holes)
+    for kind, bucket in ((INVOL, PREEMPTED), (IOWAIT, ASLEEP_DISK)):
+        th = off.threads[kind].get(tid)
+        if th is not None:
+            parts[bucket].append((th.start, th.end))
+
+    def asleep(s: I64, e: I64, who: I64 | None, woken: npt.NDArray[np.bool_]) -> None:
+        """Sleeps by what ended them: a forked child, the thread's own block I/O or socket call in
+        flight, a wakeup from no process (a timer); the rest ``unknown`` (``who`` None: no sleep known)."""
+        workers = np.isin(who, kid_arr) if who is not None else np.zeros(s.size, dtype=bool)
+        disk = ~workers & _near(dts, dend, s, e, 0)
+        net = ~workers & ~disk & _near(nts, nend, s, e, NET_NEAR_NS)
+        timer = ~workers & ~disk & ~net & woken & ((who == 0) if who is not None else woken)
+        other = ~workers & ~disk & ~net & ~timer
+        for m, bucket in ((workers, ASLEEP_WORKERS), (disk, ASLEEP_DISK), (net, ASLEEP_NETWORK), (timer, ASLEEP_TIMER)):
+            parts[bucket].append((s[m], e[m]))
+        parts[ASLEEP_UNKNOWN if who is not None else OFFCPU_UNKNOWN].append((s[other], e[other]))
+
+    # a wakeup ends the sleep it follows (a little after its end: sleeps clipped where rows overlap)
+    vol = off.threads[VOL].get(tid)
+    if vol is not None:
+        k = np.minimum(np.searchsorted(wts, vol.start, side="left"), max(0, wts.size - 1))
+        woken = (wts[k] >= vol.start) & (wts[k] <= vol.end + NET_NEAR_NS) if wts.size else vol.start < 0
+        asleep(vol.start, vol.end, vol.who, woken)
+    unk = off.threads[UNKNOWN].get(tid)
+    if unk is not None:  # no prev_state: asleep only until a recorded wakeup; the rest stays unknown
+        s, e = unk.start, unk.end
+        k = np.maximum(np.searchsorted(wts, e, side="right") - 1, 0)  # the last wakeup before it ran again
+        woke = (wts[k] > s) & (wts[k] <= e) if wts.size else s < 0
+        w = np.minimum(np.where(woke, wts[k] if wts.size else s, s), e)
+        asleep(s[woke], w[woke], wby[k][woke] if wts.size else w[woke], woke[woke])
+        parts[OFFCPU_UNKNOWN].append((w[woke], e[woke]))
+        asleep(s[~woke], e[~woke], None, woke[~woke])
+    out = {}
+    for b, ps in parts.items():
+        s = np.concatenate([p[0] for p in ps]) if ps else np.zeros(0, dtype=np.int64)
+        e = np.concatenate([p[1] for p in ps]) if ps else np.zeros(0, dtype=np.int64)
+        keep = e > s
+        out[b] = union(s[keep], e[keep])
+    return out
+
+
+def paint(
+    g0: I64, g1: I64, idle: npt.NDArray[np.bool_], classes: dict[str, tuple[I64, I64]], minutes: I64 | None
+) -> tuple[I64, I64, npt.NDArray[np.float64] | None, npt.NDArray[np.float64]]:
+    """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
+    ``idle``, beyond the loop's turnaround), (with ``minutes``, the minute edges inside the wall) its
+    time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap. Gaps no class interval touches are own host code
+    whole: only the touched ones are cut up (the work grows with the scheduler rows, not the calls)."""
+    n, host = len(BUCKETS), IDX[HOST_CODE]
+    glen = (g1 - g0).astype(np.float64)
+    marks = np.zeros(g0.size + 1, dtype=np.int64)
+    for s, e in classes.values():  # interval [s, e) touches the gaps [first ending after s, first starting at e)
+        if s.size:
+            marks += np.bincount(np.searchsorted(g1, s, side="right"), minlength=g0.size + 1)
+            marks -= np.bincount(np.searchsorted(g0, e, side="left"), minlength=g0.size + 1)
+    hit = np.cumsum(marks)[:-1] > 0
+    t0, t1 = g0[hit], g1[hit]
+    per_gap = np.zeros((t0.size, n), dtype=np.float64)
+    left = label = w = np.zeros(0, dtype=np.int64)
+    if t0.size:
+        lo, hi = int(t0[0]), int(t1[-1])
+        edges = [t0, t1] + [np.clip(x, lo, hi) for se in classes.values() for x in se]
+        if minutes is not None:
+            edges.append(minutes)
+        b = np.sort(np.concatenate(edges))
+        b = b[np.concatenate(([True], b[1:] != b[:-1]))]
+        left, length = b[:-1], np.diff(b)
+        k = np.searchsorted(t0, left, side="right") - 1
+        in_gap = (k >= 0) & (left < t1[np.maximum(k, 0)])
+        left, length, k = left[in_gap], length[in_gap], k[in_gap]
+        label = np.full(left.size, host, dtype=np.int64)
+        for bucket in reversed(_GAP_ORDER):
+            s, e = classes[bucket]
+            if s.size:
+                label[_covered(s, e, left)] = IDX[bucket]
+        w = length.astype(np.float64)
+        per_gap = np.bincount(k * n + label, weights=w, minlength=t0.size * n).reshape(-1, n).astype(np.float64)
+    total = per_gap.sum(axis=0)
+    total[host] += glen[~hit].sum()
+    # in each gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
+    # (dispatching the next step, a handoff from a ready queue, an ordinary preemption); own host code
+    # counts beyond twice the loop's typical turnaround (a steady loop's own pace)
+    host_of = glen.copy()
+    host_of[hit] = per_gap[:, host]
+    sure_host = host_of[idle]
+    allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
+    others = np.maximum(per_gap - GAP_NS, 0)
+    others[:, host] = 0
+    gap_idle = np.maximum(host_of - allowance, 0)  # per gap: what counts as GPU idle in it
+    gap_idle[hit] += others.sum(axis=1)
+    in_idle_f = others[idle[hit]].sum(axis=0)
+    in_idle_f[host] = np.maximum(sure_host - allowance, 0).sum()
+    in_idle: I64 = np.rint(in_idle_f).astype(np.int64)
+    per_minute: npt.NDArray[np.float64] | None = None
+    if minutes is not None:
+        m = np.searchsorted(minutes, left, side="right")
+        per_minute = np.bincount(m * n + label, weights=w, minlength=(minutes.size + 1) * n).astype(np.float64)
+        per_minute = per_minute.reshape(-1, n)
+        u0, u1 = g0[~hit], g1[~hit]  # untouched gaps: host code, split at the minute edges
+        cum = np.concatenate(([0], np.cumsum(u1 - u0)))
+        before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
+        per_minute[:, host] += np.diff(before).astype(np.float64)
+    return np.rint(total).astype(np.int64), in_idle, per_minute, gap_idle[idle]
