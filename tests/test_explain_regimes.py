@@ -3,14 +3,12 @@ explain on real SQLite databases written through the store writer.
 
 Every disturbance is tied to the slow calls it causes (a sync returns late by exactly the off-CPU time
 written inside it); every scenario runs over several seeds, with magnitudes on both sides of the
-thresholds, as recorded and again rewritten to Ingero's layout (sched_switch without prev_state:
-arg0 = 0, arg1 = the thread itself). Every figure of every chain is checked against its invariant.
+thresholds, as recorded and again rewritten to Ingero's layout (:mod:`tests.scenarios.ingero_layout`:
+sched_switch without prev_state, arg0 = 0, arg1 = the thread itself). Every figure of every chain is checked against its invariant.
 """
 
 from __future__ import annotations
 
-import shutil
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,11 +23,11 @@ from ingero.explain.model import Chain
 from ingero.store.catalog import CUDA, op_id
 from ingero.store.db import open_readonly
 from ingero.timeutil import NS_PER_MS, NS_PER_S
+from tests.scenarios import ingero_layout
 
 BASE = 1_776_100_000_000_000_000
 TRAINER, HOG, PEER = 100, 900, 4242
 LAUNCH, SYNC = op_id("cudaLaunchKernel"), op_id("cudaStreamSync")
-SCHED_SWITCH = op_id("sched_switch")
 SEEDS = [1, 2, 3, 4, 5]
 LAYOUTS = ["recorded", "ingero"]
 Disturb = Callable[[SyntheticNode, float, float], float]  # (rec, t, sync_ns) -> extra ns of this sync
@@ -146,19 +144,7 @@ def record(path: Path, seconds: float, disturb: Disturb | None, seed: int, layou
     trainer(rec, seconds, disturb)
     rec.background(0.0, seconds, TRAINER, 2, 40_000)
     rec.write(path)
-    if layout == "ingero":
-        to_ingero_layout(path)
-    return path
-
-
-def to_ingero_layout(path: Path) -> None:
-    """Ingero's recordings: no prev_state on sched_switch (arg0 = 0, arg1 = the thread itself), no
-    sched_wakeup rows."""
-    conn = sqlite3.connect(path)
-    with conn:
-        conn.execute("UPDATE events SET arg0 = 0, arg1 = tid WHERE source = ? AND op = ?", SCHED_SWITCH)
-        conn.execute("DELETE FROM events WHERE source = ? AND op = ?", op_id("sched_wakeup"))
-    conn.close()
+    return ingero_layout.rewrite(path, path.with_suffix(".ingero.db")) if layout == "ingero" else path
 
 
 def report_of(path: Path) -> ExplainReport:
@@ -362,12 +348,10 @@ def test_cold_start_is_low_unless_it_takes_a_fifth_of_the_run(
 
 def test_both_layouts_agree_on_the_lost_time(tmp_path: Path) -> None:
     """The Ingero-layout run of the same recording reports the same lost time (it only cannot say why)."""
-    figures = []
-    for layout in LAYOUTS:
-        lost: list[float] = []
-        db = record(tmp_path / f"{layout}.db", 9.0, hog((3.0, 7.0), 0.9, 3.0, lost), 7, "recorded")
-        if layout == "ingero":
-            shutil.copy(db, tmp_path / "copy.db")
-            to_ingero_layout(db)
-        figures.append(tails(report_of(db))[0].evidence["lost_ms"])
-    assert figures[0] == pytest.approx(figures[1], rel=0.01)
+    lost: list[float] = []
+    db = record(tmp_path / "h.db", 9.0, hog((3.0, 7.0), 0.9, 3.0, lost), 7, "recorded")
+    recorded = tails(report_of(db))[0]
+    ingero = tails(report_of(ingero_layout.rewrite(db, tmp_path / "h.ingero.db")))[0]
+    assert (recorded.family, ingero.family) == ("tail/cpu", "tail/offcpu")
+    assert ingero.evidence["lost_ms"] == pytest.approx(recorded.evidence["lost_ms"], rel=0.01)
+    assert ingero.evidence["prev_state"] == "unknown" and recorded.evidence["prev_state"] == "recorded"
