@@ -299,10 +299,11 @@ def test_fleet_client_import_does_not_import_numpy() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_numpy_loads_once_the_answers_are_in_and_only_when_a_sample_came(tmp_path: Path, samples: Path) -> None:
-    """In a process of its own (the agent too, so nothing else brings numpy in): a fan-out to a refused
-    node never imports numpy; one to a live agent has neither sent its request nor received its answers
-    (the node's outcome is complete) with numpy imported, and its estimates come from the numpy pass."""
+def test_numpy_only_for_the_fleet_pass_and_only_once_the_answers_are_in(tmp_path: Path, samples: Path) -> None:
+    """In a process of its own (the agent too, so nothing else brings numpy in): a query never imports
+    numpy, nor does a status of a refused node (no sample); a status of a live agent has neither sent its
+    first request nor received its answers (its outcome is complete) with numpy imported, and its drift
+    (3 samples) comes from the numpy pass."""
     ready = tmp_path / "ready.json"
     agent = subprocess.Popen(
         [sys.executable, "-m", "ingero", "serve", "--db", str(samples / "sample-gpu-node-02.db"), "--node", "live",
@@ -313,38 +314,43 @@ def test_numpy_loads_once_the_answers_are_in_and_only_when_a_sample_came(tmp_pat
         _, info = local_agents.wait_ready(agent, ready, "live")
         script = f"""
 import socket, sys, trio
+from functools import partial
 from ingero.config import NodeSpec
-from ingero.fleet.client import FleetClient
+from ingero.fleet import client
+from ingero.fleet.operations import fleet_query, fleet_status
 from ingero.fleet.settings import ClientSettings
 
 s = socket.socket(); s.bind(("127.0.0.1", 0)); dead = s.getsockname()[1]; s.close()
+live = [NodeSpec("{info["host"]}", {info["port"]})]
 settings = ClientSettings(plaintext=True, timeout_s=20)
 seen = []
+send = client.NodeClient.send
 
-async def job(conn):
-    seen.append("numpy" in sys.modules)  # before this node's first request
-    return await conn.get("/api/v1/info")
+async def watched_send(self, *a, **kw):
+    seen.append("numpy" in sys.modules)  # before each request goes out
+    return await send(self, *a, **kw)
+
+client.NodeClient.send = watched_send
 
 def done(outcome):
     seen.append("numpy" in sys.modules)  # this node's answers and samples are all in
 
-async def run(nodes):
-    async with FleetClient(nodes, settings) as fc:
-        return await fc.fan_out(job, on_outcome=done)
-
-refused = trio.run(run, [NodeSpec("127.0.0.1", dead)])
-print("refused", refused[0].kind, "numpy" in sys.modules)
-live = trio.run(run, [NodeSpec("{info["host"]}", {info["port"]})])
-est = live[0].skew
-print("live", live[0].kind, seen, "numpy" in sys.modules, est.samples, est.as_dict()["drift_ppm"], est.points != ())
+q = trio.run(partial(fleet_query, live, settings, "SELECT count(*) AS n FROM events"))
+print("query", len(q.answered), q.outcomes[0].skew is not None, "numpy" in sys.modules)
+refused = trio.run(partial(fleet_status, [NodeSpec("127.0.0.1", dead)], settings))
+print("refused", refused.outcomes[0].kind, "numpy" in sys.modules)
+st = trio.run(partial(fleet_status, live, settings, samples=3, interval_s=0.01, on_outcome=done))
+est = st.outcomes[0].skew
+print("status", st.outcomes[0].kind, seen, "numpy" in sys.modules, est.samples, est.drift_ppm is not None)
 """
         out = _python(script)
     finally:
         local_agents.stop([agent])
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert lines[0] == "refused refused False"
-    assert lines[1] == "live ok [False, False, False, False] True 2 None True"
+    assert lines[0] == "query 1 True False"
+    assert lines[1] == "refused refused False"
+    assert lines[2] == "status ok [False, False, False, False] True 3 True"  # query, refused, /info; done
 
 
 # --- fleet status end to end ----------------------------------------------------------------------------

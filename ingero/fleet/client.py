@@ -248,7 +248,7 @@ class FleetClient:
                     nursery.start_soon(one, i, spec)
         finally:
             self._active -= 1
-        return await skewmod.refine(flag_duplicates([o for o in outcomes if o is not None]))
+        return flag_duplicates([o for o in outcomes if o is not None])
 
     async def _run_node(self, spec: NodeSpec, job: NodeJob, want_skew: bool) -> NodeOutcome:
         s = self.settings

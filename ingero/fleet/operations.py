@@ -3,6 +3,12 @@
 Each takes the node list and :class:`~ingero.fleet.settings.ClientSettings` (or an open
 :class:`~ingero.fleet.client.FleetClient` through ``client=``), fans out once with clock-skew
 sampling alongside, and returns merged data together with every node's outcome.
+
+``fleet_status`` and ``fleet_explain`` then compute the fleet's clock estimates together
+(:func:`ingero.fleet.skew.refine`, numpy: drift, fleet median, MAD outliers); ``fleet_query`` keeps each
+node's own estimate (the same offset ± bound) and no numpy: measured on 4 local agents, the numpy pass
+added ~150 ms to a query's wall time (its import, after the answers), and a query shows no drift or
+outlier column.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ingero.fleet.client import FleetClient, NodeClient, OutcomeCallback
 from ingero.fleet.merge import FleetChains, FleetResult, merge_chains, merge_rows
 from ingero.fleet.outcome import Kind, NodeFailure, NodeOutcome, Outcomes
 from ingero.fleet.settings import ClientSettings
+from ingero.fleet.skew import refine
 from ingero.timeutil import NS_PER_MS, fmt_ts
 
 
@@ -116,7 +123,7 @@ async def fleet_explain(
 
     started = time.perf_counter()
     async with _client(nodes, settings, client) as fc:
-        outcomes = await fc.fan_out(job, on_outcome=on_outcome)
+        outcomes = await refine(await fc.fan_out(job, on_outcome=on_outcome))
     fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000, op=op, node=node, stored=stored)
     calls = node_calls(outcomes)  # where nodes recorded collectives, their verdict replaces the host one
     if any(len(c) for c in calls):
@@ -255,7 +262,7 @@ async def fleet_status(
 
     started = time.perf_counter()
     async with _client(nodes, settings, client) as fc:
-        outcomes = await fc.fan_out(job, on_outcome=on_outcome)
+        outcomes = await refine(await fc.fan_out(job, on_outcome=on_outcome))
     return FleetStatus(outcomes, (time.perf_counter() - started) * 1000)
 
 

@@ -23,8 +23,9 @@ of ``t1..t4`` over every node's samples give each node its lowest-delay sample, 
 ≥ 3 samples), and the fleet's median offset and MAD outliers.
 
 numpy's import (~80 ms of CPU) never delays the first byte on the wire, nor a sample's stamps: this
-module and the fan-out's path import no numpy, and :func:`refine` — once the fan-out's last answer is
-in, and only when some node has a sample — imports it in a worker thread. Not earlier, overlapping the
+module and the fan-out's path import no numpy, and :func:`refine` — which ``fleet status`` and ``explain
+--nodes`` call once their fan-out's last answer is in, and only when some node has a sample — imports it
+in a worker thread (a query keeps each node's own estimate and no numpy). Not earlier, overlapping the
 answers in flight: answers that arrive while an import holds the interpreter are stamped late (``t4``),
 which widens every bound they give. Measured (6 local agents, fresh processes, a loaded 2-core host):
 starting the import at a fan-out's first sample doubled the median uncertainty (5.1 ms vs 2.3 ms; one
