@@ -542,3 +542,35 @@ def test_fleet_explain_carries_every_nodes_ledger(tmp_path: Path, capsys: pytest
         assert r["tid"] == PID and sum(r["buckets"].values()) == r["wall_ns"]
     assert rows["gpu-node-01"]["buckets"]["host_code"] / rows["gpu-node-01"]["wall_ns"] > 0.2
     assert any(c["family"] == "idle/host_code" and c["node"] == "gpu-node-01" for c in doc["chains"])
+
+
+@pytest.mark.parametrize("layout", ["recorded", "ingero"])
+def test_a_slower_stretch_of_a_third_of_the_syncs_is_gpu_slow(tmp_path: Path, layout: str) -> None:
+    """A third of the run the GPU takes 2.5x longer (thermal/power): the thread sleeps inside its syncs.
+    The ledger measures the excess as gpu_slow; a chain names cudaStreamSync, never CPU contention."""
+    lp = Loop(95)
+    rec = lp.rec
+    extra = 0.0
+    while lp.t < HEALTHY_S:
+        slow = 2.0 <= lp.t < 3.7
+        for _ in range(4):
+            rec.ev(lp.t, PID, *LAUNCH, rec.jitter(8 * NS_PER_US, 0.1))
+            lp.t += 30e-6
+        gpu = rec.jitter(8 * NS_PER_MS, 0.04) * (2.5 if slow else 1.0)
+        extra += gpu * 0.6 if slow else 0.0
+        rec.ev(lp.t, PID, *STREAM_SYNC, gpu)
+        rec.ev(lp.t + 100e-6 + (gpu - 150_000) / 1e9, PID, *SCHED_WAKEUP, gpu - 150_000)
+        rec.sched(lp.t + 100e-6, PID, gpu - 150_000, state=1)
+        lp.t += gpu / 1e9 + 0.5e-3
+    path = lp.write(tmp_path / "slow.db")
+    if layout == "ingero":
+        path = ingero_layout(path, tmp_path / "ingero.db")
+    r = report_of(path)
+    assert_conserved(r)
+    row = r.ledger[0]
+    assert row.buckets[GPU_SLOW] / row.wall_ns == pytest.approx(extra / row.wall_ns, rel=0.2), row.buckets
+    assert [c for c in r.chains if c.cuda_op == "cudaStreamSync"], _shown(r)
+    assert not named(r, CPU_NAMES), _shown(r)
+    mine = named(r, ("slow/",))
+    for c in mine:
+        assert c.family in ("slow/gpu", "slow/offcpu") and min(c.evidence["inside_slow"].values()) >= 0, c.evidence
