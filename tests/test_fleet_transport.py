@@ -319,3 +319,27 @@ def test_the_system_store_is_loaded_once_right_before_the_first_handshake(
     assert [o.kind for o in seen["refused"]] == [Kind.REFUSED] and seen["loads_refused"] == 0
     assert [o.kind for o in seen["ok"]] == [Kind.OK] * 3  # verified against the store loaded just in time
     assert len(loads) == 1
+
+
+def test_httpcore_is_loaded_without_its_unused_http2_and_socks_extras() -> None:
+    """A fresh process: a fan-out to a refused node imports httpcore without h2/socksio (start-up), and
+    h2 stays importable afterwards (hypercorn's HTTP/2 in the same process)."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, sys
+from ingero.config import NodeSpec
+from ingero.fleet.operations import query_sync
+from ingero.fleet.settings import ClientSettings
+result = query_sync([NodeSpec("127.0.0.1", {closed_port()})], ClientSettings(), "SELECT 1")
+loaded = {{m: m in sys.modules for m in ("httpcore", "h2", "socksio")}}
+import h2.connection
+print(json.dumps({{"kinds": [str(o.kind) for o in result.outcomes], "loaded": loaded}}))
+"""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc == {"kinds": ["refused"], "loaded": {"httpcore": True, "h2": False, "socksio": False}}

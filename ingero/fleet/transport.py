@@ -246,6 +246,30 @@ async def _close(client: httpx.AsyncClient) -> None:
         await client.aclose()
 
 
+# httpcore's optional HTTP/2 and SOCKS support: the fan-out speaks HTTP/1.1 only (http2=False).
+_UNUSED_EXTRAS = ("h2", "socksio")
+
+
+def _load_httpx() -> None:
+    """Import httpx and httpcore, the latter without its optional extras when nothing loaded them yet:
+    h2/hpack/socksio are ~30 ms of CPU at start-up (a fifth of ``import trio, ssl, httpx``). They stay
+    importable afterwards: hypercorn imports h2 as usual, and httpcore imports its HTTP/2 connection when
+    a client (not the fan-out's) asks for HTTP/2."""
+    import sys
+
+    if "httpcore" not in sys.modules:
+        blocked = [name for name in _UNUSED_EXTRAS if name not in sys.modules]
+        for name in blocked:
+            sys.modules[name] = None  # type: ignore[assignment]  # import fails: httpcore's optional path
+        try:
+            import httpcore  # noqa: F401
+        finally:
+            for name in blocked:
+                if sys.modules.get(name, "") is None:
+                    del sys.modules[name]
+    import httpx  # noqa: F401
+
+
 class NodeTransport:
     """httpx on trio, one ``AsyncClient`` per node (see the module docstring)."""
 
@@ -261,6 +285,7 @@ class NodeTransport:
         budget: AnswerBudget | None = None,
         before_tls: Callable[[], None] | None = None,
     ) -> None:
+        _load_httpx()
         import httpx
 
         check_headers(headers)
