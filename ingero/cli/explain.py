@@ -24,6 +24,8 @@ examples:
   ingero explain --db investigations/sample-cluster.db --op cuLaunchKernel --json
   ingero explain --db tests/data/ingero-samples/sample-cluster.db --chains   chains stored while tracing
   ingero explain --nodes gpu-node-01:8080,gpu-node-02:8080   fleet: every node + straggler verdict
+  ingero explain --db trace.db --by step                one line per step: wall time, lost time, top cause
+  ingero explain --db trace.db --annotation step=12     only the span labelled step=12 (ingero annotate)
 
 A causal chain ties a GPU-side symptom (an op's p99 >= 3x its p50, a >= 40% throughput drop, the GPU
 idle between calls, slow first launches or recompilation, copies dominating wall time, allocator churn,
@@ -70,6 +72,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         action="store_true",
         help="summarise the window's labels (ingero annotate: step, epoch, ...): values, spans, processes",
     )
+    by = p.add_mutually_exclusive_group()
+    by.add_argument(
+        "--by",
+        metavar="KEY",
+        help="one line per value of label KEY (step, epoch, ...): its wall time, lost time (the wall-time ledger) "
+        "and top cause",
+    )
+    by.add_argument(
+        "--annotation",
+        metavar="KEY=VALUE",
+        help="explain only the span(s) labelled KEY=VALUE (e.g. step=12), for the process they are scoped to",
+    )
     common.add_fleet_args(p)
     add_clickhouse_arg(p, "explain one --node's window of the fleet's history in ClickHouse")
     add_output_args(p, csv_ok=False)
@@ -84,10 +98,13 @@ def run(args: argparse.Namespace) -> int:
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 
-        if args.annotations:
+        if args.annotations or args.by or args.annotation:
             from ingero.errors import UsageError
 
-            raise UsageError("--annotations is local for now", hint="run it on a merged database (ingero merge)")
+            raise UsageError(
+                "--annotations, --by and --annotation are local for now",
+                hint="run it on a merged database (ingero merge)",
+            )
         return fleet_cmds.run_explain(args)
     return run_local(args)
 
@@ -114,11 +131,16 @@ def run_local(args: argparse.Namespace) -> int:
                 and not conn.execute("SELECT 1 FROM events WHERE node = ? LIMIT 1", (args.node,)).fetchone()
             ):
                 raise UsageError(f"no node {args.node!r} in {path}", hint="nodes: " + ", ".join(known))
+        if args.by:
+            return _by_label(conn, args, path, window)
+        label = None
+        if args.annotation:
+            window, label = _annotation_window(conn, args, window)
         if args.chains:
             return _stored(conn, args, path, window, op_name)
         if args.per_cgroup:
             return _per_cgroup(conn, args, path, window)
-        return _computed(conn, args, path, window, op_name)
+        return _computed(conn, args, path, window, op_name, label=label)
     except sqlite3.Error as e:
         raise translate(e, path) from None
     finally:
@@ -149,7 +171,9 @@ def _stored(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_name
     return 0
 
 
-def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_name: str | None) -> int:
+def _computed(
+    conn: Any, args: argparse.Namespace, path: Any, window: Any, op_name: str | None, *, label: Any = None
+) -> int:
     from ingero.explain.engine import explain
     from ingero.explain.model import stored_chains
     from ingero.explain.render import render_report
@@ -169,8 +193,14 @@ def _computed(conn: Any, args: argparse.Namespace, path: Any, window: Any, op_na
         doc["annotations"] = [a.as_dict() for a in marks]
         if args.annotations:
             doc["labels"] = _label_summary(conn, window, args.node)
+        if label is not None:
+            doc["label"] = label[1].as_dict()
         emit_json(doc)
         return 0
+    if label is not None:
+        from ingero.explain.by_label import render_value
+
+        print(render_value(*label))
     print(render_report(report, source=str(path), stored=len(stored) if not report.chains else 0), end="")
     if marks:
         from ingero.timeutil import fmt_ts
@@ -205,6 +235,35 @@ def _label_summary(conn: Any, window: Any, node: str | None) -> dict[str, Any]:
     from ingero.store.annotation_join import label_summary
 
     return label_summary(conn, window.start_ns, window.end_ns, node)
+
+
+def _by_label(conn: Any, args: argparse.Namespace, path: Any, window: Any) -> int:
+    from ingero.explain.by_label import by_label, render
+
+    result = by_label(conn, args.by, window, node=args.node, threads=read_threads())
+    if args.format == "json":
+        emit_json({"db": str(path), "window": window.as_dict(), "by": result.as_dict()})
+        return 0
+    print(render(result), end="")
+    for msg in result.notes:
+        note(msg)
+    return 0
+
+
+def _annotation_window(conn: Any, args: argparse.Namespace, window: Any) -> tuple[Any, tuple[str, Any]]:
+    """``--annotation step=12``: the window of that value's span(s) (their process when they have one),
+    and the value's ledger among its key's values (the span's own start, before its first GPU call, too)."""
+    from ingero.explain.by_label import by_label, label_spans, parse_selector, span_window
+    from ingero.timeutil import fmt_ts
+
+    key, value = parse_selector(args.annotation)
+    span, pid = span_window(label_spans(conn, key, window, args.node), key, value)
+    if args.pid is None and pid is not None:
+        args.pid = pid
+    scope = f", pid {args.pid}" if args.pid is not None else ""
+    note(f"{key}={value}: {fmt_ts(span.start_ns)} to {fmt_ts(span.end_ns)}{scope}")
+    every = by_label(conn, key, window, node=args.node, threads=read_threads())
+    return span, (key, next(v for v in every.values if v.value == value))
 
 
 def _per_cgroup(conn: Any, args: argparse.Namespace, path: Any, window: Any) -> int:

@@ -1,0 +1,407 @@
+"""Explain by label: the wall-time ledger of each labelled span (``explain --by step``,
+``explain --annotation step=12``).
+
+A label value's spans come from the annotations (:mod:`ingero.store.annotations`): a span row
+(``span_start``/``span_end``) is its own span; an instant (``point(step=12)``) holds from its timestamp
+until the next instant of the same key in the same scope (node, pid), or the end of the recording. A
+pid-scoped span covers that process's GPU threads; an unscoped one every GPU thread of its node.
+
+Each GPU thread's ledger (:mod:`ingero.explain.ledger`: every nanosecond of its wall time in one bucket)
+is cut at the spans' edges: the frame is loaded once, the thread's calls, busy stretches and off-CPU
+classes are computed once, and one painting of its gaps at every span edge gives each span's buckets
+(cumulative sums: a span costs O(log n) whatever the count). A span's wall time for a thread is the
+part of the span inside the thread's wall (first GPU call to last); its buckets add up to it exactly.
+Steady levels are the node's over the whole loaded window, so a step whose calls are all slow shows
+as ``gpu_slow``.
+
+Lost time of a value is measured against the typical value: ``gpu_slow`` (time beyond the op's steady
+level), plus each gap bucket's time beyond the median value's time in that bucket (a step's usual
+host code, its usual sleep on the timer are the loop's own pace). ``not_recorded`` is never lost. The
+top cause is the bucket holding most of the lost time; it is named only when the lost time reaches the
+ledger chains' MEDIUM share of the value's wall time (and their absolute floor) — a healthy step has
+none — and called the root cause when it holds the dominant share (at least half).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ingero.errors import StoreError, UsageError
+from ingero.explain.frame import I64, Frame, load_frames
+from ingero.explain.ledger import DRAINING, children, steady_ns
+from ingero.explain.ledger_gaps import (
+    BUCKETS,
+    GAP_BUCKETS,
+    GAP_NS,
+    GPU_SLOW,
+    GPU_STEADY,
+    HOST_CODE,
+    IDX,
+    NOT_RECORDED,
+    ThreadEvidence,
+    gap_classes,
+    paint,
+)
+from ingero.explain.offcpu import SCHED_WAKEUP, Intervals, OffCpu, union
+from ingero.explain.rules_ledger import DOMINANT, MIN_LOST_NS, SHARES
+from ingero.explain.storage import load_storage
+from ingero.store.annotation_join import MAX_ANNOTATIONS
+from ingero.store.annotations import TABLE, has_annotations
+from ingero.store.catalog import IO, NET
+from ingero.store.window import Window
+from ingero.timeutil import fmt_latency
+
+MARGIN_NS = 10 * 1_000_000_000  # loaded around the spans: the calls that bound a gap a span starts in
+NAMED_SHARE = dict(SHARES)["MEDIUM"]  # lost share of a value's wall time that names a cause
+CAUSES = {
+    GPU_SLOW: "GPU calls slower than steady",
+    HOST_CODE: "own host code (CPU-bound)",
+    "preempted": "preempted (CPU contention)",
+    "asleep_workers": "asleep on forked workers (input starvation)",
+    "asleep_disk": "asleep on disk I/O",
+    "asleep_network": "asleep on the network",
+    "asleep_timer": "asleep on a timer (a chosen sleep)",
+    "asleep_unknown": "asleep, woken by another task",
+    "offcpu_unknown": "off-CPU (kind unknown: no prev_state)",
+}
+LOSABLE = tuple(b for b in GAP_BUCKETS if b != NOT_RECORDED)
+_DRAIN_KEYS = np.asarray([(s & 0xF) << 8 | (o & 0xFF) for s, o in DRAINING], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class LabelSpan:
+    """Where one label value held: [start_ns, end_ns) on ``node`` for ``pid`` (0: every process)."""
+
+    value: str
+    node: str
+    pid: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class ValueLedger:
+    """One label value: its spans' elapsed time and the ledger of the GPU threads inside them."""
+
+    value: str
+    start_ns: int
+    end_ns: int
+    spans: int = 0
+    threads: int = 0
+    wall_ns: int = 0  # thread time: the sum of each thread's part of the spans
+    buckets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
+    lost: dict[str, int] = field(default_factory=dict)
+    median_ratio: float = 0.0
+    cause: str | None = None
+
+    @property
+    def elapsed_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def lost_ns(self) -> int:
+        return sum(self.lost.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "value": self.value,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "elapsed_ns": self.elapsed_ns,
+            "x_median": round(self.median_ratio, 2),
+            "spans": self.spans,
+            "threads": self.threads,
+            "wall_ns": self.wall_ns,
+            "buckets": dict(self.buckets),
+            "lost_ns": self.lost_ns,
+            "lost": dict(self.lost),
+            "cause": self.cause,
+            "cause_share": round(self.lost[self.cause] / self.lost_ns, 3) if self.cause else None,
+        }
+
+
+@dataclass
+class ByLabel:
+    key: str
+    values: list[ValueLedger]
+    median_ns: int
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "median_ns": self.median_ns,
+            "values": [v.as_dict() for v in self.values],
+            "notes": list(self.notes),
+        }
+
+
+def label_spans(
+    conn: sqlite3.Connection, key: str, window: Window | None = None, node: str | None = None
+) -> list[LabelSpan]:
+    """Every span of label ``key`` in ``window`` (see the module docstring), in time order."""
+    window = window or Window()
+    if not has_annotations(conn):
+        return []
+    lo = -(1 << 63) if window.start_ns is None else window.start_ns
+    hi = (1 << 63) - 1 if window.end_ns is None else window.end_ns
+    cols = {r[1] for r in conn.execute(f"PRAGMA table_info({TABLE})")}
+    nd = "node" if "node" in cols else "''"
+    value = "json_extract(labels, ?)"
+    rows = conn.execute(
+        f"SELECT {nd}, pid, timestamp, span_start, span_end, {value} FROM {TABLE} "
+        f"WHERE json_valid(labels) AND {value} IS NOT NULL "
+        "AND (timestamp BETWEEN ? AND ? OR (span_end >= ? AND span_start <= ? AND span_start > 0)) "
+        "ORDER BY timestamp, id LIMIT ?",
+        (_path(key), _path(key), lo, hi, lo, hi, MAX_ANNOTATIONS),
+    ).fetchall()
+    out: list[LabelSpan] = []
+    points: dict[tuple[str, int], list[tuple[int, str]]] = {}
+    for n, pid, ts, a, b, v in rows:
+        n, pid, v = str(n or ""), int(pid or 0), v if isinstance(v, str) else json.dumps(v)
+        if node is not None and n and n != node:
+            continue
+        if a or b:
+            out.append(LabelSpan(v, n, pid, int(a), int(b)))
+        else:
+            points.setdefault((n, pid), []).append((int(ts), v))
+    if points:
+        last = _last_event(conn, window)
+        for (n, pid), seq in points.items():  # in time order: each holds until the next
+            ends = [t for t, _ in seq[1:]] + [max(last, seq[-1][0])]
+            out += [LabelSpan(v, n, pid, t, e) for (t, v), e in zip(seq, ends, strict=True)]
+    return sorted((s for s in out if s.end_ns > s.start_ns), key=lambda s: (s.start_ns, s.node, s.pid))
+
+
+def _path(key: str) -> str:
+    """The JSON path of a label key (quoted: keys may hold dots; SQLite's paths cannot quote a quote)."""
+    if '"' in key:
+        raise UsageError(f"label key {key!r}: a key with a double quote cannot be selected")
+    return f'$."{key}"'
+
+
+def _last_event(conn: sqlite3.Connection, window: Window) -> int:
+    row = conn.execute("SELECT max(timestamp) FROM events").fetchone()
+    last = int(row[0]) if row and row[0] is not None else 0
+    return min(last, window.end_ns) if window.end_ns is not None else last
+
+
+def parse_selector(text: str) -> tuple[str, str]:
+    """``step=12`` -> ("step", "12"); a one-line UsageError otherwise."""
+    k, sep, v = text.partition("=")
+    if not sep or not k.strip() or not v.strip():
+        raise UsageError(f"--annotation {text!r}: expected KEY=VALUE", hint="e.g. --annotation step=12")
+    return k.strip(), v.strip()
+
+
+def span_window(spans: list[LabelSpan], key: str, value: str) -> tuple[Window, int | None]:
+    """The window of one label value's spans, and the process they are scoped to (None: several or none)."""
+    mine = [s for s in spans if s.value == value]
+    if not mine:
+        raise UsageError(f"no span of {key}={value} in the window", hint=f"list them: ingero explain --by {key}")
+    pids = {s.pid for s in mine}
+    pid = next(iter(pids)) if len(pids) == 1 and 0 not in pids else None
+    return Window(min(s.start_ns for s in mine), max(s.end_ns for s in mine) - 1), pid  # [start, end)
+
+
+def by_label(
+    conn: sqlite3.Connection, key: str, window: Window | None = None, *, node: str | None = None, threads: int = 1
+) -> ByLabel:
+    """The ledger of every value of label ``key`` (see the module docstring)."""
+    window = window or Window()
+    try:
+        spans = label_spans(conn, key, window, node)
+        if not spans:
+            return ByLabel(key, [], 0, [f"no annotations with the label {key!r} in the window"])
+        lo, hi = min(s.start_ns for s in spans), max(s.end_ns for s in spans)
+        load = Window(lo - MARGIN_NS, hi + MARGIN_NS)
+        frames = load_frames(conn, load, node=node, threads=threads)
+        holes = load_storage(conn, load, None).holes if len(frames) == 1 else []
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot read the trace database: {e}") from None
+    index: dict[str, int] = {}
+    of = np.asarray([index.setdefault(s.value, len(index)) for s in spans], dtype=np.int64)
+    s0 = np.asarray([s.start_ns for s in spans], dtype=np.int64)
+    s1 = np.asarray([s.end_ns for s in spans], dtype=np.int64)
+    first = np.full(len(index), np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(len(index), np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, of, s0)
+    np.maximum.at(last, of, s1)
+    acc = np.zeros((len(index), len(BUCKETS)), dtype=np.int64)
+    threads_in = np.zeros(len(index), dtype=np.int64)
+    scope = np.asarray([s.pid for s in spans], dtype=np.int64)
+    for fr in frames.values():
+        here = np.asarray([not s.node or s.node == fr.node for s in spans], dtype=bool)
+        for k, part in _node_parts(fr, s0, s1, scope, here, holes):
+            np.add.at(acc, of[k], part)
+            np.add.at(threads_in, of[k], 1)
+    counts = np.bincount(of, minlength=len(index))
+    out = [ValueLedger(v, int(first[i]), int(last[i]), int(counts[i]), int(threads_in[i])) for v, i in index.items()]
+    median = int(np.median(last - first))
+    _judge(out, acc, median)
+    notes = [] if frames else ["no events around the labelled spans"]
+    return ByLabel(key, out, median, notes)
+
+
+def _node_parts(
+    fr: Frame, s0: I64, s1: I64, scope: I64, here: npt.NDArray[np.bool_], holes: list[Any]
+) -> Iterator[tuple[I64, I64]]:
+    """Per GPU thread of the node: the spans it has a part in (indices) and their buckets (rows)."""
+    gpu = fr.select(fr.gpu_mask())
+    if gpu.size == 0 or not here.any():
+        return
+    a = fr.args
+    wk, net, io = a.is_op(SCHED_WAKEUP), fr.source == NET, fr.source == IO
+    h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
+    ev = ThreadEvidence(
+        OffCpu(a),
+        {
+            "wakeup": (a.tid[wk], a.ts_ns[wk], a.arg0[wk]),
+            "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
+            "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
+        },
+        (h[:, 0], h[:, 1]),
+    )
+    steady = steady_ns(gpu.source, gpu.op, gpu.dur)
+    order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
+    pid, tid, ts = gpu.pid[order], gpu.tid[order], gpu.ts_ns[order]
+    end, st = ts + gpu.dur[order], ts + steady[order]
+    key = (((gpu.source & 0xF) << 8) | (gpu.op & 0xFF))[order]
+    cut = np.flatnonzero((np.diff(pid) != 0) | (np.diff(tid) != 0)) + 1
+    for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [ts.size])), strict=True):
+        p, t = int(pid[lo]), int(tid[lo])
+        mine = np.flatnonzero(here & ((scope == 0) | (scope == p)))
+        if mine.size:
+            sl = slice(lo, hi)
+            th = _ThreadCut(ts[sl], end[sl], st[sl], key[sl], ev, t, set(children(a, p)), s0[mine], s1[mine])
+            rows, inside = th.parts()
+            yield mine[inside], rows[inside]
+
+
+class _ThreadCut:
+    """One GPU thread's ledger, cut at the edges of the spans [s0, s1)."""
+
+    def __init__(
+        self,
+        ts: I64,
+        end: I64,
+        steady_end: I64,
+        key: I64,
+        ev: ThreadEvidence,
+        tid: int,
+        kids: set[int],
+        s0: I64,
+        s1: I64,
+    ) -> None:
+        reach = np.maximum.accumulate(end)
+        w0, w1 = int(ts[0]), int(reach[-1])
+        new = np.concatenate(([True], ts[1:] > reach[:-1]))
+        b0 = ts[new]
+        b1 = reach[np.concatenate((np.flatnonzero(new)[1:] - 1, [ts.size - 1]))]
+        busy_of = np.cumsum(new) - 1
+        drained = np.bincount(busy_of[np.isin(key, _DRAIN_KEYS) & (end == b1[busy_of])], minlength=b0.size) > 0
+        slow = steady_end < end
+        ss, se = union(np.maximum(steady_end[slow], ts[slow]), end[slow])
+        self.busy, self.slow = _cumulative(b0, b1), _cumulative(ss, se)
+        self.c0, self.c1 = np.clip(s0, w0, w1), np.clip(s1, w0, w1)
+        g0, g1 = b1[:-1], b0[1:]
+        self.gaps = np.zeros((s0.size, len(BUCKETS)), dtype=np.int64)
+        if g0.size:
+            edges = np.unique(np.clip(np.concatenate((self.c0, self.c1)), g0[0], g1[-1]))
+            idle = ((g1 - g0) >= GAP_NS) & drained[:-1]
+            per_edge = paint(g0, g1, idle, gap_classes(ev, tid, kids), edges)[2]
+            assert per_edge is not None
+            before = np.cumsum(per_edge, axis=0)  # row i: gap time of each bucket before edges[i]
+            i0 = np.searchsorted(edges, np.clip(self.c0, g0[0], g1[-1]))
+            i1 = np.searchsorted(edges, np.clip(self.c1, g0[0], g1[-1]))
+            self.gaps = np.rint(before[i1] - before[i0]).astype(np.int64)
+
+    def parts(self) -> tuple[I64, npt.NDArray[np.bool_]]:
+        """Per span, its buckets for this thread (rows, in BUCKETS order; they add up to the span's part
+        of the thread's wall exactly), and which spans have a part (inside the thread's wall)."""
+        wall = self.c1 - self.c0
+        busy = self.busy.covered(self.c0, self.c1)
+        slow = self.slow.covered(self.c0, self.c1)
+        rows = self.gaps.copy()
+        rows[:, IDX[GPU_SLOW]] = slow
+        rows[:, IDX[GPU_STEADY]] = busy - slow
+        host = IDX[HOST_CODE]
+        rows[:, host] += wall - rows.sum(axis=1)  # what no class covers (and rounding) is own host code
+        return rows, wall > 0
+
+
+def _cumulative(start: I64, end: I64) -> Intervals:
+    """Sorted disjoint intervals, to sum their time between any two instants (none: one empty one)."""
+    if start.size == 0:
+        start = end = np.zeros(1, dtype=np.int64)
+    return Intervals(start, end, np.concatenate(([0], np.cumsum(end - start))), start)
+
+
+def _judge(values: list[ValueLedger], acc: I64, median: int) -> None:
+    """Each value's buckets (``acc``, rows in ``values`` order); its lost time against the median value,
+    and the top cause where the lost time is worth naming."""
+    losable = [IDX[b] for b in LOSABLE]
+    lost = np.zeros_like(acc)
+    lost[:, IDX[GPU_SLOW]] = acc[:, IDX[GPU_SLOW]]
+    typical = np.median(acc[:, losable], axis=0)
+    lost[:, losable] = np.maximum(0, np.rint(acc[:, losable] - typical)).astype(np.int64)
+    wall = acc.sum(axis=1)
+    total = lost.sum(axis=1)
+    named = (wall > 0) & (total >= np.maximum(MIN_LOST_NS, NAMED_SHARE * wall))
+    top = lost.argmax(axis=1)
+    for i, v in enumerate(values):
+        v.wall_ns = int(wall[i])
+        v.buckets = dict(zip(BUCKETS, acc[i].tolist(), strict=True))
+        v.lost = {b: ns for b, ns in zip(BUCKETS, lost[i].tolist(), strict=True) if ns > 0}
+        v.median_ratio = v.elapsed_ns / median if median > 0 else 0.0
+        v.cause = BUCKETS[int(top[i])] if named[i] else None
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f} %" if whole > 0 else "0 %"
+
+
+def render_value(key: str, v: ValueLedger) -> str:
+    """'step 7: 3.1 s (3.0x the median) — 2.2 s lost: 71 % asleep on forked workers (input starvation)'."""
+    line = f"{key} {v.value}: {fmt_latency(v.elapsed_ns)} ({v.median_ratio:.1f}x the median)"
+    if v.cause is not None:
+        line += f" — {fmt_latency(v.lost_ns)} lost: {_pct(v.lost[v.cause], v.lost_ns)} {CAUSES[v.cause]}"
+        if v.lost[v.cause] < DOMINANT * v.lost_ns:
+            rest = sorted(((ns, b) for b, ns in v.lost.items() if b != v.cause), reverse=True)[:1]
+            line += "".join(f", {_pct(ns, v.lost_ns)} {CAUSES[b]}" for ns, b in rest) + " (no dominant cause)"
+    elif v.threads == 0:
+        line += " — no GPU thread inside"
+    return line
+
+
+def render(result: ByLabel) -> str:
+    """One line per value: 'step 7: 3.1 s (3.0x the median) — 2.2 s lost: 71 % asleep on forked workers ...'."""
+    if not result.values:
+        return ""
+    worst = max(result.values, key=lambda v: v.elapsed_ns)
+    lines = [
+        f"by {result.key} ({len(result.values):,} value(s), median {fmt_latency(result.median_ns)}; slowest: "
+        f"{result.key} {worst.value}, {worst.median_ratio:.1f}x the median):"
+    ]
+    lines += ["  " + render_value(result.key, v) for v in result.values]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "ByLabel",
+    "LabelSpan",
+    "ValueLedger",
+    "by_label",
+    "label_spans",
+    "parse_selector",
+    "render",
+    "render_value",
+    "span_window",
+]
