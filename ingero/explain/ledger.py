@@ -306,13 +306,17 @@ def build_ledger(
         (h[:, 0], h[:, 1]),
     )
     steady, levels = _steady(gpu.source, gpu.op, gpu.dur)
-    if (gpu.pid == gpu.pid[0]).all() and (gpu.tid == gpu.tid[0]).all():
-        order = np.argsort(gpu.ts_ns, kind="stable")  # one thread (the common case): time order only
+    pid, tid, ts, dur, src, op = gpu.pid, gpu.tid, gpu.ts_ns, gpu.dur, gpu.source, gpu.op
+    if (pid == pid[0]).all() and (tid == tid[0]).all():  # one thread, the common case: time order only
+        cut = np.zeros(0, dtype=np.int64)
+        if not (ts[1:] >= ts[:-1]).all():
+            order = np.argsort(ts, kind="stable")
+            ts, dur, src, op, steady = ts[order], dur[order], src[order], op[order], steady[order]
     else:
-        order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
-    pid, tid, ts = gpu.pid[order], gpu.tid[order], gpu.ts_ns[order]
-    end, st, src, op = ts + gpu.dur[order], ts + steady[order], gpu.source[order], gpu.op[order]
-    cut = np.flatnonzero((np.diff(pid) != 0) | (np.diff(tid) != 0)) + 1
+        order = np.lexsort((ts, tid, pid))
+        pid, tid, ts, dur, src, op, steady = (x[order] for x in (pid, tid, ts, dur, src, op, steady))
+        cut = np.flatnonzero((np.diff(pid) != 0) | (np.diff(tid) != 0)) + 1
+    end, st = ts + dur, ts + steady
     kids_of: dict[int, set[int]] = {}
     un = _less_stored(unstored or Unstored(), gpu)
     owner = _unstored_owner(pid, tid, src, op, un)

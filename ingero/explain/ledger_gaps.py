@@ -159,8 +159,9 @@ def paint(
 ) -> tuple[I64, I64, npt.NDArray[np.float64] | None, npt.NDArray[np.float64]]:
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
     ``idle``, beyond the loop's turnaround), (with ``minutes``, the minute edges inside the wall) its
-    time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap. Gaps no class interval touches are own host code
-    whole: only the touched ones are cut up (the work grows with the scheduler rows, not the calls)."""
+    time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap. Gaps no class
+    interval touches are own host code whole: only the touched ones are cut up (the work grows with the
+    scheduler rows, not the calls)."""
     n, host = len(BUCKETS), IDX[HOST_CODE]
     glen = (g1 - g0).astype(np.float64)
     marks = np.zeros(g0.size + 1, dtype=np.int64)
@@ -170,8 +171,8 @@ def paint(
             marks -= np.bincount(np.searchsorted(g0, e, side="left"), minlength=g0.size + 1)
     hit = np.cumsum(marks)[:-1] > 0
     t0, t1 = g0[hit], g1[hit]
-    per_gap = np.zeros((t0.size, n), dtype=np.float64)
-    left = label = w = np.zeros(0, dtype=np.int64)
+    left = label = k = np.zeros(0, dtype=np.int64)
+    w = np.zeros(0, dtype=np.float64)
     if t0.size:
         lo, hi = int(t0[0]), int(t1[-1])
         edges = [t0, t1] + [np.clip(x, lo, hi) for se in classes.values() for x in se]
@@ -189,21 +190,24 @@ def paint(
             if s.size:
                 label[_covered(s, e, left)] = IDX[bucket]
         w = length.astype(np.float64)
-        per_gap = np.bincount(k * n + label, weights=w, minlength=t0.size * n).reshape(-1, n).astype(np.float64)
-    total = per_gap.sum(axis=0)
+    total = np.bincount(label, weights=w, minlength=n).astype(np.float64)
     total[host] += glen[~hit].sum()
     # in each gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
     # (dispatching the next step, a handoff from a ready queue, an ordinary preemption); own host code
     # counts beyond twice the loop's typical turnaround (a steady loop's own pace)
+    on = label == host
     host_of = glen.copy()
-    host_of[hit] = per_gap[:, host]
+    host_of[hit] = np.bincount(k[on], weights=w[on], minlength=t0.size)
     sure_host = host_of[idle]
     allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
-    others = np.maximum(per_gap - GAP_NS, 0)
-    others[:, host] = 0
     gap_idle = np.maximum(host_of - allowance, 0)  # per gap: what counts as GPU idle in it
-    gap_idle[hit] += others.sum(axis=1)
-    in_idle_f = others[idle[hit]].sum(axis=0)
+    # the other buckets, per (touched gap, bucket): grouped over the off-CPU segments only
+    pairs, inv = np.unique(k[~on] * n + label[~on], return_inverse=True)
+    beyond = np.maximum(np.bincount(inv, weights=w[~on], minlength=pairs.size) - GAP_NS, 0)
+    gap_of = np.flatnonzero(hit)[pairs // n]
+    gap_idle += np.bincount(gap_of, weights=beyond, minlength=g0.size)
+    sure = idle[gap_of]
+    in_idle_f = np.bincount(pairs[sure] % n, weights=beyond[sure], minlength=n).astype(np.float64)
     in_idle_f[host] = np.maximum(sure_host - allowance, 0).sum()
     in_idle: I64 = np.rint(in_idle_f).astype(np.int64)
     per_minute: npt.NDArray[np.float64] | None = None
