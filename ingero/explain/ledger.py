@@ -34,6 +34,14 @@ the calls counted but not stored is moved, per minute, from the thread's gaps (i
 first) into ``not_recorded``: which gap each unstored call fell in cannot be told at that resolution,
 so the idle figures of such minutes are upper bounds — but a busy GPU is never reported idle.
 
+What counts as GPU idle (``LedgerRow.idle_ns``, ``gpu_idle`` in JSON; the chains' lost time): a gap's
+time only where the GPU had nothing queued — gaps of at least ``GAP_NS`` that follow a draining call
+(a sync, a blocking copy: :data:`DRAINING`) — less each bucket's first ``GAP_NS`` in the gap (the
+loop's turnaround: dispatch, a handoff, an ordinary preemption), and own host code only beyond twice
+the loop's median per gap (a steady loop's own pace; a loop CPU-bound at every step shows it in its
+line, not as an incident). A gap after an asynchronous launch may overlap queued GPU work: it is in
+the buckets, never called idle.
+
 ``steady_ns`` is the one definition of an op's steady level (the median of the op's calls on the node
 plus their noise band); a regime-aware level can replace it there.
 """
