@@ -208,7 +208,8 @@ def ledger_chain(
 def explanation(ctx: Context, row: LedgerRow) -> str:
     """Where the GPU thread's wall time went (its ledger line), and what counts as lost."""
     return (
-        f"The thread that drives the GPU ({ctx.proc(int(row.pid or 0))}, tid {row.tid}) spent its "
+        f"The thread that drives the GPU (tid {row.tid} of {ctx.proc(int(row.pid or 0))}) spent its "
         f"{describe(row)}. Only gaps of ≥ 1 ms after a synchronizing call (a sync, a blocking copy) count as GPU "
-        "idle: the GPU had no work queued then, so that time is lost, not overlapped."
+        "idle — the GPU had no work queued then, so that time is lost, not overlapped — and only beyond the "
+        "loop's own turnaround in each gap (its first millisecond; own host code beyond twice its usual time)."
     )

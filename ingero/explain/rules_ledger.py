@@ -152,9 +152,9 @@ def _host(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any)
         row,
         "idle/host_code",
         f"GPU idle {pct:.0f}% of wall time while its thread ran its own host code ({ms(lost)} between GPU calls)",
-        f"CPU-bound host loop — after its synchronizing GPU calls the thread driving the GPU ({ctx.proc(pid)}, tid "
-        f"{row.tid}) stayed on-CPU running its own code for {ms(lost)} ({pct:.0f}% of its wall time) before queueing "
-        "more GPU work: sampling, detokenising, Python overhead or data preparation in the loop",
+        f"CPU-bound host loop — after its synchronizing GPU calls the thread driving the GPU (tid {row.tid} of "
+        f"{ctx.proc(pid)}) stayed on-CPU running its own code for {ms(lost)} ({pct:.0f}% of its wall time) before "
+        "queueing more GPU work: sampling, detokenising, Python overhead or data preparation in the loop",
         [
             f"Profile the host code between GPU calls: py-spy record --native -p {pid} (or py-spy top) shows where "
             "the time goes",
