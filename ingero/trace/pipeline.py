@@ -51,11 +51,11 @@ class EventSource(Protocol):
 @dataclass(frozen=True)
 class PipelineOptions:
     drain_interval_s: float = 0.05
-    # A drain that found fewer than quiet_events doubles the wait before the next, up to this (an idle
-    # host: 4 wakeups a second, not 20); a busier one is back to drain_interval_s at once. A burst
-    # from rest waits at most this long: 300 k events/s fill 75 k of the 16 MiB ring's 262 k records.
+    # A drain that found nothing doubles the wait before the next, up to this (an idle host: 4 wakeups
+    # a second, not 20); any event brings it back to drain_interval_s (names of short-lived processes
+    # are read while they live). A burst from rest waits at most this long: 300 k events/s fill 75 k
+    # of the 16 MiB ring's 262 k records.
     idle_drain_interval_s: float = 0.25
-    quiet_events: int = 1024
     channel_items: int = 256
     max_pending_events: int = 1 << 21  # ~128 MiB of records waiting for the writer, at most
     max_items_per_write: int = 64
@@ -160,8 +160,7 @@ class Pipeline:
                     self.drain_deferred += 1  # the writer is behind: the records wait in the kernel ring
                     continue
                 item = self.drain_once()
-                busy = item is not None and item.events is not None and item.events.size >= opts.quiet_events
-                interval = opts.drain_interval_s if busy else min(2 * interval, opts.idle_drain_interval_s)
+                interval = opts.drain_interval_s if item is not None else min(2 * interval, opts.idle_drain_interval_s)
                 if item is not None:
                     send.send_nowait(item)  # room checked above; this task is the only sender of events
             # Final reads: everything the kernel produced before the probes were detached.
