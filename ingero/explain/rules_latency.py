@@ -184,8 +184,8 @@ def _episodes(
     its host evidence, measured shares and causes (root first; none when no cause dominates)."""
     scale, ignore = _call_shape(ctx, st, rows)
     reg = regimes.find(rows.ts_ns, rows.dur, rows.tid, scale=scale, ignore=ignore)
-    if reg.n == 0:
-        return None
+    if not cz.worth_a_chain(reg.lost_total_ns, max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)):
+        return None  # no family's share of it could make a chain: its windows need no evidence
     g = ctx.grid
     slow = reg.slow
     spans = runs(_mask(ctx, rows.ts_ns[slow]), max_gap=2)  # runs ± one bucket that touch merge
