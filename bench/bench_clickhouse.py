@@ -41,6 +41,7 @@ SHIP_RATE = Target(200_000, " events/s", at_least=True, fmt="{:,.0f}")
 FULL_SHIP_EVENTS = 1_000_000
 FULL_AGENTS, PER_AGENT = 1000, 10_000
 BASE_NS = 1_800_000_000 * 10**9
+FILL_CHUNK = 100  # nodes per INSERT … SELECT when filling the store
 
 
 def write_recording(db: Path, events: int, node: str) -> None:
@@ -114,10 +115,12 @@ def fill_store(servers: list[Server], agents: int) -> None:
     for shard, server in enumerate(servers):
         with ClickHouse(server.url, timeout_s=600) as ch:
             ch.execute("TRUNCATE TABLE IF EXISTS events_local")
-            ch.execute(
-                f"INSERT INTO events_local ({', '.join(cols)}) SELECT * FROM (SELECT {sel} FROM {src} "
-                f"ARRAY JOIN range({agents}) AS k) WHERE {SHARDING_KEY} % {len(servers)} = {shard}"
-            )
+            for lo in range(0, agents, FILL_CHUNK):  # ~1 M rows per insert: within the servers' memory limit
+                nodes = f"arrayMap(x -> x + {lo}, range({min(FILL_CHUNK, agents - lo)}))"
+                ch.execute(
+                    f"INSERT INTO events_local ({', '.join(cols)}) SELECT * FROM (SELECT {sel} FROM {src} "
+                    f"ARRAY JOIN {nodes} AS k) WHERE {SHARDING_KEY} % {len(servers)} = {shard}"
+                )
 
 
 def bench_query(urls: list[str], agents: int, per_agent: int, repeat: int) -> tuple[float, bool]:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ingero.clickhouse.client import ClickHouse
     from ingero.clickhouse.shipper import BackgroundShipping, Shipper, ShipResult
     from ingero.fleet.collective_ops import StragglerReport
+    from ingero.store.guard import QueryResult
 
 EXAMPLES = """\
 examples:
@@ -82,10 +83,11 @@ def run_schema(args: argparse.Namespace) -> int:
 # --- query / explain / stragglers over the store -------------------------------------------------
 
 
-def run_query(args: argparse.Namespace, sql: str) -> int:
-    from ingero.cli.output import emit_rows
-    from ingero.clickhouse.query import run_query as ch_query
+def query_result(args: argparse.Namespace, sql: str) -> QueryResult:
+    """``ingero query --clickhouse``: the statement, read-only, through one server (all shards)."""
+    from ingero.clickhouse.query import run_query
     from ingero.errors import UsageError
+    from ingero.store.budget import DEFAULT_TIMEOUT_MS
 
     if args.db or args.nodes or args.since or args.from_ or args.to or args.op or args.pid or args.annotations:
         raise UsageError(
@@ -93,24 +95,7 @@ def run_query(args: argparse.Namespace, sql: str) -> int:
             hint="put the window and filters in the SQL (WHERE node = ... AND timestamp >= ...)",
         )
     with connect(args) as ch:
-        result = ch_query(ch, sql, limit=args.limit, timeout_ms=args.timeout_ms or 2000)
-    emit_rows(
-        result.columns,
-        result.rows,
-        args.format,
-        headers=args.headers,
-        meta={
-            "truncated": result.truncated,
-            "truncated_reason": result.truncated_reason,
-            "elapsed_ms": round(result.elapsed_ms, 3),
-        },
-    )
-    if args.format == "table":
-        note(
-            f"{len(result.rows)} row(s)"
-            + (" — truncated (rows); raise --limit or narrow the query" if result.truncated else "")
-        )
-    return 0
+        return run_query(ch, sql, limit=args.limit, timeout_ms=args.timeout_ms or DEFAULT_TIMEOUT_MS)
 
 
 def run_explain(args: argparse.Namespace, computed: Callable[..., int]) -> int:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ingero.cli import common
 from ingero.cli.clickhouse import add_clickhouse_arg
 from ingero.cli.output import add_output_args, emit_rows, note
+
+if TYPE_CHECKING:
+    from ingero.store.guard import QueryResult
 
 DEFAULT_SQL = (
     "SELECT e.id, e.timestamp, s.name AS source, o.name AS op, e.duration/1000.0 AS dur_us, e.pid, e.tid, "
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "clickhouse", None):
         from ingero.cli import clickhouse
 
-        return clickhouse.run_query(args, sql_from(args))
+        return emit_result(args, clickhouse.query_result(args, sql_from(args)))
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 
@@ -123,6 +127,11 @@ def run_local(args: argparse.Namespace) -> int:
         finally:
             conn.close()
         result.columns = [*result.columns, "labels"]
+    return emit_result(args, result)
+
+
+def emit_result(args: argparse.Namespace, result: QueryResult) -> int:
+    """Print a result set in the chosen format, with the row count (and truncation) on stderr."""
     emit_rows(
         result.columns,
         result.rows,

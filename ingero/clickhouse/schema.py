@@ -71,8 +71,8 @@ class Table:
         return tuple(c.name for c in self.columns)
 
 
-# What is shipped, in shipping order (events last: the rows it points at are already there).
-TABLES: tuple[Table, ...] = (
+# What can be shipped, in shipping order (events last: the rows it points at are already there).
+DECLARED: tuple[Table, ...] = (
     Table("sessions", ("node", "id"), "started_at"),
     Table("process_names", ("node", "pid"), keyed=True),
     Table("cgroup_metadata", ("node", "cgroup_id"), keyed=True),
@@ -84,14 +84,15 @@ TABLES: tuple[Table, ...] = (
     # minute buckets are updated in place while their minute (and the writer's flush) is open
     Table("event_aggregates", ("node", "bucket", "source", "op", "pid"), "bucket", closed_after_ns=180 * 10**9),
     Table("nccl_calls", ("node", "pid", "tid", "timestamp"), "timestamp"),
+    Table("engine_metrics", ("node", "ts", "pid", "engine", "metric", "labels"), "ts"),  # from schema 5
     Table("events", ("node", "timestamp", "id"), "timestamp"),
 )
-BY_NAME = {t.name: t for t in TABLES}
 
 
 @cache
 def _reference() -> dict[str, list[tuple[str, str, bool]]]:
-    """Every shipped table's SQLite columns from ingero's schema: (name, declared type, never NULL)."""
+    """Every declared table's SQLite columns in ingero's schema: (name, declared type, never NULL); none
+    for a table this version's schema does not create."""
     conn = sqlite3.connect(":memory:", isolation_level=None)
     try:
         migrate(conn)
@@ -99,10 +100,15 @@ def _reference() -> dict[str, list[tuple[str, str, bool]]]:
             t.name: [
                 (r[1], (r[2] or "").upper(), bool(r[3] or r[5])) for r in conn.execute(f"PRAGMA table_info({t.name})")
             ]
-            for t in TABLES
+            for t in DECLARED
         }
     finally:
         conn.close()
+
+
+# What is shipped: the declared tables ingero's schema has.
+TABLES: tuple[Table, ...] = tuple(t for t in DECLARED if _reference()[t.name])
+BY_NAME = {t.name: t for t in TABLES}
 
 
 @cache
