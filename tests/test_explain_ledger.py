@@ -574,3 +574,20 @@ def test_a_slower_stretch_of_a_third_of_the_syncs_is_gpu_slow(tmp_path: Path, la
     mine = named(r, ("slow/",))
     for c in mine:
         assert c.family in ("slow/gpu", "slow/offcpu") and min(c.evidence["inside_slow"].values()) >= 0, c.evidence
+
+
+def test_one_long_wait_on_a_child_right_after_its_fork_is_waiting_on_a_child(tmp_path: Path) -> None:
+    """A compile step or a checkpoint writer: forked, then the loop sleeps until it is done."""
+
+    def child_wait(lp: Loop, s: float) -> None:
+        kid = PID + 50
+        lp.rec.process(kid, "python3 -m torch._inductor.compile_worker", lp.t, exec_event=False)
+        lp.rec.ev(lp.t, PID, *PROCESS_FORK, 0, arg1=kid)
+        lp.rec.sleep(lp.t + 1e-4, PID, s * NS_PER_S - 200_000, waker=kid)
+        lp.t += s
+
+    r = report_of(Loop(97).run(child_wait, 0.3, k=1).write(tmp_path / "c.db"))
+    assert_conserved(r)
+    c = named(r, ("idle/child",))
+    assert c and c[0].severity == "HIGH", _shown(r)
+    assert "right after it was forked" in c[0].summary and "compile_worker" in c[0].root_cause
