@@ -26,9 +26,10 @@ import pytest
 
 from ingero.cli.main import main
 from ingero.clickhouse.client import ClickHouse
+from ingero.clickhouse.progress import lag
 from ingero.clickhouse.query import READONLY_SETTINGS
 from ingero.clickhouse.schema import BY_NAME, TABLES
-from ingero.clickhouse.shipper import Shipper, ShipResult, lag
+from ingero.clickhouse.shipper import Shipper, ShipResult
 from ingero.errors import ClickHouseUnavailableError, QueryRejectedError
 from tests.clickhouse_cluster import CLUSTER, SERVER_BIN, Server, local_cluster
 from tests.collective_sim import Job, Rank, simulate, write_calls_db
@@ -317,6 +318,7 @@ def test_a_down_store_stalls_shipping_never_recording_and_it_resumes(store: list
         _wait(lambda: sum(1 for _, e in rounds if e) >= 2, "stalled rounds")
         behind = {r.table: r for r in lag(db)}["events"]
         assert behind.unshipped_rows == 3000 and behind.oldest_unshipped_ns is not None
+        assert _metrics_lag(db, node) == (3000.0, True)  # the agent's /metrics says it too
         assert sh.last_error is not None and "ClickHouse" in sh.last_error
         entry.restart()
         n = _sqlite_counts(db)["events"]
@@ -328,6 +330,20 @@ def test_a_down_store_stalls_shipping_never_recording_and_it_resumes(store: list
         ch.close()
     assert _store_counts(store[1].url, node) == (n, n)
     assert rounds[-1][1] is None
+    assert _metrics_lag(db, node) == (0.0, False)
+
+
+def _metrics_lag(db: Path, node: str) -> tuple[float, bool]:
+    """The events row of ``ingero_clickhouse_unshipped_rows`` and whether its lag in seconds is positive,
+    as the agent's /metrics provider (trace and serve) reports them."""
+    from ingero.identity import Identity
+    from ingero.metrics import registry as r
+    from ingero.metrics.dbfeed import database_provider
+    from ingero.metrics.state import MetricState
+
+    samples = database_provider(MetricState(Identity(node), "serve"), db)()
+    got = {(s.metric.name, s.labels[-1]): s.value for s in samples if s.metric in (r.SHIP_BEHIND, r.SHIP_LAG)}
+    return got[("ingero_clickhouse_unshipped_rows", "events")], got[("ingero_clickhouse_lag_seconds", "events")] > 0
 
 
 def _wait(cond: object, what: str, timeout_s: float = 20.0) -> None:

@@ -100,7 +100,7 @@ def _follow(args: argparse.Namespace, shipper: Shipper) -> int:
 
 
 def _status(args: argparse.Namespace, db: Path) -> int:
-    from ingero.clickhouse.shipper import lag
+    from ingero.clickhouse.progress import lag
     from ingero.timeutil import fmt_ts
 
     rows = lag(db, args.ch_target)

@@ -34,25 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from ingero.clickhouse.client import ClickHouse
-from ingero.clickhouse.schema import BY_NAME, TABLES, Table
-from ingero.errors import ClickHouseUnavailableError, DatabaseNotFoundError, StoreError
+from ingero.clickhouse.progress import FIRST_ROWID, PROGRESS_DDL
+from ingero.clickhouse.schema import TABLES, Table
+from ingero.errors import ClickHouseUnavailableError, DatabaseNotFoundError
 from ingero.store.db import is_live, recorded_node, translate
 from ingero.timeutil import now_ns
 
 DEFAULT_BATCH_ROWS = 100_000
-FIRST_ROWID = -(2**63)  # rowids may be negative (an INTEGER PRIMARY KEY holding a hash)
-PROGRESS_DDL = """
-CREATE TABLE IF NOT EXISTS clickhouse_progress (
-	target       TEXT NOT NULL,              -- the ClickHouse store shipped to (ingero ship --target)
-	tbl          TEXT NOT NULL,              -- the shipped table
-	shipped      INTEGER NOT NULL,           -- rowid of the last row known to be in ClickHouse
-	pending      INTEGER,                    -- last rowid of a batch sent whose answer was not seen
-	pending_key  TEXT,                       -- JSON: that row's identity (schema key columns), for the probe
-	pending_rows INTEGER NOT NULL DEFAULT 0,
-	rows         INTEGER NOT NULL DEFAULT 0, -- rows shipped so far
-	updated_at   INTEGER NOT NULL DEFAULT 0, -- unix nanos
-	PRIMARY KEY (target, tbl)
-)"""
 INSERT_SETTINGS = {"insert_distributed_sync": 1}  # the answer means every shard has the rows
 
 
@@ -73,14 +61,6 @@ class ShipResult:
     @property
     def rows(self) -> int:
         return sum(t.rows for t in self.tables.values())
-
-
-@dataclass(frozen=True)
-class TableLag:
-    table: str
-    shipped_rows: int
-    unshipped_rows: int
-    oldest_unshipped_ns: int | None  # time column of the oldest unshipped row (None: caught up / no time)
 
 
 @dataclass
@@ -433,38 +413,3 @@ class BackgroundShipping:
         self._thread.join(timeout_s)
 
 
-def lag(db: str | Path, target: str = "default") -> list[TableLag]:
-    """How far shipping to ``target`` is behind, per table (read-only; no progress yet = all unshipped)."""
-    from ingero.store.db import open_readonly
-
-    conn = open_readonly(db)
-    try:
-        have = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        progress: dict[str, tuple[int, int]] = {}
-        if "clickhouse_progress" in have:
-            for tbl, shipped, rows in conn.execute(
-                "SELECT tbl, shipped, rows FROM clickhouse_progress WHERE target = ?", (target,)
-            ):
-                progress[tbl] = (int(shipped), int(rows))
-        out: list[TableLag] = []
-        for t in TABLES:
-            if t.name not in have:
-                continue
-            shipped, rows = progress.get(t.name, (FIRST_ROWID, 0))
-            if t.keyed:
-                continue  # shipped by difference with the store: no local cursor to measure against
-            unshipped = conn.execute(f"SELECT count(*) FROM {t.name} WHERE rowid > ?", (shipped,)).fetchone()[0]
-            oldest = None
-            if t.time and unshipped:
-                oldest = conn.execute(
-                    f"SELECT {t.time} FROM {t.name} WHERE rowid > ? ORDER BY rowid LIMIT 1", (shipped,)
-                ).fetchone()[0]
-            out.append(TableLag(t.name, rows, int(unshipped), oldest))
-        return out
-    except sqlite3.Error as e:
-        raise StoreError(f"cannot read shipping progress of {db}: {e}") from None
-    finally:
-        conn.close()
-
-
-__all__ = ["BY_NAME", "ShipResult", "Shipper", "TableLag", "lag"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ingero.clickhouse.progress import TableLag, lag_of, targets
 from ingero.errors import IngeroError
 from ingero.metrics import registry as r
 from ingero.metrics.state import MetricState, Provider
@@ -46,6 +47,7 @@ def db_size(path: Path) -> int:
 
 def database_provider(state: MetricState, path: Path) -> Provider:
     cache: dict[str, int] = {}
+    shipping: list[tuple[str, TableLag]] = []  # (target, lag) of each store the recording is shipped to
     stamp = [-CHAINS_TTL_S]
     lock = threading.Lock()
 
@@ -54,11 +56,13 @@ def database_provider(state: MetricState, path: Path) -> Provider:
             if time.monotonic() - stamp[0] >= CHAINS_TTL_S:
                 stamp[0] = time.monotonic()
                 cache.clear()
+                shipping.clear()
                 try:
                     conn = open_readonly(path, check_same_thread=False)
                     try:
                         for sev, n in conn.execute("SELECT severity, count(*) FROM causal_chains GROUP BY severity"):
                             cache[str(sev).upper()] = int(n)
+                        shipping.extend((t, lg) for t in targets(conn) for lg in lag_of(conn, t))
                     finally:
                         conn.close()
                 except (IngeroError, sqlite3.Error, OSError):  # busy, missing or pre-chains file: no chain series
@@ -71,6 +75,11 @@ def database_provider(state: MetricState, path: Path) -> Provider:
         out = [r.Sample(r.DB_SIZE, base, float(db_size(path)))]
         for sev in r.SEVERITIES:
             out.append(r.Sample(r.CHAINS, (*base, sev), float(found.get(sev, 0))))
+        now = time.time_ns()
+        for target, lg in list(shipping):
+            age = max(0.0, (now - lg.oldest_unshipped_ns) / 1e9) if lg.oldest_unshipped_ns else 0.0
+            out.append(r.Sample(r.SHIP_BEHIND, (*base, target, lg.table), float(lg.unshipped_rows)))
+            out.append(r.Sample(r.SHIP_LAG, (*base, target, lg.table), age))
         return out
 
     return provide

@@ -103,6 +103,19 @@ STORED = _m("ingero_events_stored", "counter", "Events stored as rows (the rest 
 LOST = _m("ingero_events_lost", "counter", "Events the kernel could not deliver, by reason", ("reason",))
 DB_SIZE = _m("ingero_db_size_bytes", "gauge", "Size of the trace database (with its WAL)", (), "By")
 CHAINS = _m("ingero_causal_chains", "gauge", "Causal chains stored in the database, by severity", ("severity",))
+SHIP_BEHIND = _m(
+    "ingero_clickhouse_unshipped_rows",
+    "gauge",
+    "Rows not yet shipped to a ClickHouse store (ingero ship / trace --clickhouse), per store and table",
+    ("target", "table"),
+)
+SHIP_LAG = _m(
+    "ingero_clickhouse_lag_seconds",
+    "gauge",
+    "Age of the oldest row not yet shipped to a ClickHouse store (0: caught up)",
+    ("target", "table"),
+    "s",
+)
 EXPORT_SENT = _m("ingero_export_batches", "counter", "Metric batches an exporter delivered", ("exporter",))
 EXPORT_DROPPED = _m(
     "ingero_export_dropped", "counter", "Batches an exporter dropped (queue full or collector failed)", ("exporter",)
@@ -122,6 +135,8 @@ METRICS: tuple[MetricDef, ...] = (
     LOST,
     DB_SIZE,
     CHAINS,
+    SHIP_BEHIND,
+    SHIP_LAG,
     EXPORT_SENT,
     EXPORT_DROPPED,
 )
