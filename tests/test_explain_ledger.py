@@ -303,6 +303,17 @@ def test_ingero_layout_reports_the_lost_time_without_guessing(tmp_path: Path, fa
         assert c[0].summary.startswith("GPU idle") and "off-CPU (kind unknown)" in c[0].summary
 
 
+def test_ingero_layout_gpu_idle_most_of_the_run_is_medium_and_names_the_missing_signal(tmp_path: Path) -> None:
+    """The issue's case: starvation rewritten to Ingero's layout, the GPU idle ~70 % of the time."""
+    recorded = Loop(42).run(workers, 0.7, k=8).write(tmp_path / "rec.db")
+    r = report_of(ingero_layout(recorded, tmp_path / "ingero.db"))
+    assert_conserved(r)
+    c = named(r, ("idle/offcpu_unknown",))
+    assert c and c[0].severity == "MEDIUM", _shown(r)
+    assert c[0].summary.startswith("GPU idle 7") and "off-CPU (kind unknown)" in c[0].summary, c[0].summary
+    assert not named(r, CPU_NAMES) and not [x for x in r.chains if x.severity == "HIGH"], _shown(r)
+
+
 def test_ingero_layout_with_wakeups_still_names_the_workers(tmp_path: Path) -> None:
     """Without prev_state, a recorded wakeup still proves a sleep, and its waker says on what."""
     recorded = Loop(41).run(workers, 0.3).write(tmp_path / "rec.db")

@@ -16,9 +16,11 @@ Not every idle second is somebody's fault:
   first has no work, the second loses time. Without the protocol they cannot be told apart, so the
   chain is at most LOW and says both.
 * ``asleep_unknown`` and ``offcpu_unknown`` — the cause is not measured (woken by another task; or no
-  prev_state, as in Ingero's recordings): the lost time is reported, at most LOW, with what the
-  recording can still say (children active meanwhile, wakeups and their wakers, the thread's own
-  on-CPU time) and the signal that is missing. CPU contention is never guessed.
+  prev_state, as in Ingero's recordings): the lost time is reported with what the recording can still
+  say (children active meanwhile, wakeups and their wakers, the thread's own on-CPU time) and the
+  signal that is missing; CPU contention is never guessed. At most LOW — a healthy loop's voluntary
+  sleeps look the same without prev_state — except ``offcpu_unknown`` over half the wall time (the GPU
+  idle most of the run, whatever the kind): MEDIUM.
 * ``not_recorded`` — no chain: a note says what selective storage or a hole hides.
 
 ``gpu_slow`` makes a chain only for an op no other rule explains (the latency and launch rules name
@@ -61,6 +63,7 @@ MIN_CALLS = 10  # a thread with fewer GPU calls is not a GPU loop
 MIN_LOST_NS = 10 * NS_PER_MS  # below this, nothing worth a chain whatever the share
 DOMINANT = 0.5  # a share that names the root cause
 AT_MOST_LOW = frozenset((ASLEEP_NETWORK, ASLEEP_UNKNOWN, OFFCPU_UNKNOWN))
+MOSTLY_IDLE = 0.5  # offcpu_unknown: the GPU idle most of the run is MEDIUM whatever the kind (never HIGH)
 CHOSEN_SHARE = 0.5  # asleep_timer: a chain only past this share of wall time
 STARTUP_SHARE = 0.1  # idle mostly in gaps in this first share of a thread's wall time: its start-up ...
 STARTUP_MAX = 0.2  # ... at most LOW unless it takes this share of the run
@@ -94,7 +97,7 @@ def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chai
             if sev is None or bucket == NOT_RECORDED:
                 continue
             if bucket in AT_MOST_LOW:
-                sev = "LOW"
+                sev = "MEDIUM" if bucket == OFFCPU_UNKNOWN and lost >= MOSTLY_IDLE * row.wall_ns else "LOW"
             if bucket == ASLEEP_TIMER and lost < CHOSEN_SHARE * row.wall_ns:
                 continue
             if bucket != GPU_SLOW and _start_up(row) and lost < STARTUP_MAX * row.wall_ns:
