@@ -226,6 +226,7 @@ async def fleet_action(
             "straggler": fleet.verdict.as_dict(),
             "limit": limit,
             "chains": [chain_dict(c) for c in fleet.chains[:limit]],
+            "ledger": fleet.ledger,  # every node's GPU threads: where their wall time went
             "windows": fleet.windows,
         }
     if action == "ops":
