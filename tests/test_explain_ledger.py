@@ -602,3 +602,15 @@ def test_one_long_wait_on_a_child_right_after_its_fork_is_waiting_on_a_child(tmp
     c = named(r, ("idle/child",))
     assert c and c[0].severity == "HIGH", _shown(r)
     assert "right after it was forked" in c[0].summary and "compile_worker" in c[0].root_cause
+
+
+def test_a_throughput_drop_of_the_same_cause_keeps_one_chain() -> None:
+    """A drop/cpu chain already tells the preempted gap time: the ledger adds its figure, not a chain."""
+    from ingero.explain.rules_ledger import _same_drop
+
+    row = LedgerRow("n", 7, 7, 0, 100, dict.fromkeys(BUCKETS, 0))
+    drop = Chain("n:drop", "n", 0, "HIGH", "s", "r", "e", family="drop/cpu", evidence={"pid": 7})
+    other = Chain("n:drop2", "n", 0, "HIGH", "s", "r", "e", family="drop/io-write", evidence={"pid": 7})
+    assert _same_drop([other, drop], "n", row, "preempted") is drop
+    assert _same_drop([other], "n", row, "asleep_disk") is other
+    assert _same_drop([drop], "n", row, "host_code") is None and _same_drop([drop], "m", row, "preempted") is None

@@ -104,11 +104,32 @@ def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chai
                 if cold:
                     continue  # the cold-start chain tells the start-up story
                 sev = "LOW"
+            drop = _same_drop(prior, ctx.node, row, bucket)
+            if drop is not None:  # a throughput drop already names this lost time: one chain, the ledger's figure
+                drop.evidence[f"ledger_{bucket}_ms"] = round(lost / 1e6, 1)
+                continue
             base = _evidence(row, bucket, lost)
             chain = _BUILDERS[bucket](ctx, row, "LOW" if bucket == ASLEEP_TIMER else sev, base, ledger, explained)
             if chain is not None:
                 out.append(chain)
     return out
+
+
+DROP_CAUSES = {PREEMPTED: ("drop/cpu",), ASLEEP_DISK: ("drop/io",), ASLEEP_NETWORK: ("drop/network",)}
+
+
+def _same_drop(prior: list[Chain], node: str, row: LedgerRow, bucket: str) -> Chain | None:
+    """A throughput-drop chain of the same node and process blaming the same cause as ``bucket``: the
+    drop's missing calls are this bucket's gap time, told once."""
+    causes = DROP_CAUSES.get(bucket, ())
+    return next(
+        (
+            c
+            for c in prior
+            if causes and c.node == node and c.family.startswith(causes) and c.evidence.get("pid") in (None, row.pid)
+        ),
+        None,
+    )
 
 
 def _start_up(row: LedgerRow) -> bool:
