@@ -167,6 +167,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
         metavar="GID",
         help="let this group connect too (directory 0750, socket 0660 of group GID)",
     )
+    p.add_argument(
+        "--inference",
+        action="store_true",
+        help="find serving engines (vLLM, SGLang, TGI, Triton) by command line, again every 5 s, and record their "
+        "metrics endpoint once a second into engine_metrics (names as each engine publishes them)",
+    )
     p.add_argument("--ready-file", metavar="PATH", help="write {pid, session, probes, url} as JSON here once recording")
     add_clickhouse_arg(p, "also ship the recording to the fleet's history in ClickHouse while tracing")
     metrics_flags.add_metrics_args(p)
@@ -238,6 +244,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         serve=listen,
         annotate=args.annotate,
         annotate_gid=args.annotate_socket_gid,
+        inference=args.inference,
     )
 
 

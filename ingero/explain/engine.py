@@ -28,6 +28,7 @@ from ingero.explain import (
     rules_ledger,
     rules_memory,
     rules_periodic,
+    rules_serving,
 )
 from ingero.explain.cgroups import pid_cgroups, with_cgroups
 from ingero.explain.context import Context
@@ -130,6 +131,7 @@ def explain(
         notes += n
     try:
         rules_leak.add_stacks(conn, chains, window)
+        chains += rules_serving.serving_chains(conn, window, list(frames), node)
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
     if not frames:

@@ -55,7 +55,7 @@ from ingero.timeutil import NS_PER_S
 
 AGGREGATE_BUCKET_NS = 60 * NS_PER_S  # event_aggregates.bucket: one row per minute (Ingero's layout)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 INGERO_LAYOUT = "0.9"
 
 # Ingero's DDL, column for column (comments kept: they are what `.schema` shows users), with the
@@ -384,8 +384,21 @@ def _migrate_to_4(conn: sqlite3.Connection) -> None:
         conn.execute("ALTER TABLE cgroup_metadata ADD COLUMN seen_at INTEGER NOT NULL DEFAULT 0")
 
 
+def _migrate_to_5(conn: sqlite3.Connection) -> None:
+    """Schema 5: ``engine_metrics`` (``ingero trace --inference``: serving engines' own series)."""
+    from ingero.store.engine_metrics import TABLE_SQL
+
+    _exec_script(conn, TABLE_SQL)
+
+
 # MIGRATIONS[i] takes user_version i to i + 1.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_1, _migrate_to_2, _migrate_to_3, _migrate_to_4]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+    _migrate_to_1,
+    _migrate_to_2,
+    _migrate_to_3,
+    _migrate_to_4,
+    _migrate_to_5,
+]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

@@ -37,6 +37,7 @@ from ingero.identity import Identity, validate_node_name
 from ingero.store.annotations import insert_sql as annotations_insert_sql
 from ingero.store.budget import errorname
 from ingero.store.db import is_disk_full, open_writable, translate
+from ingero.store.engine_metrics import insert_sql as engine_metrics_insert_sql
 from ingero.store.schema import AGGREGATE_BUCKET_NS
 from ingero.store.writer_lock import WriterLock
 from ingero.timeutil import now_ns
@@ -224,6 +225,7 @@ class StoreWriter:
         nccl_comms: Iterable[tuple[int, ...]] = (),
         nccl_calls: Iterable[tuple[int, ...]] = (),
         annotations: Iterable[tuple[int | str, ...]] = (),
+        engine_metrics: Iterable[tuple[int | str | float, ...]] = (),
     ) -> int:
         """Write everything given in one transaction. Returns the number of events written.
 
@@ -231,7 +233,8 @@ class StoreWriter:
         seq, op, timestamp, duration, datatype, redop, count, bytes, peer, ret_code) — a call written
         again with the same (pid, tid, timestamp) replaces the first row (an entry record, duration
         −1, completed by its return); ``annotations``: rows of :data:`ingero.store.annotations.ROW_COLUMNS`
-        (the annotation socket's); see :mod:`ingero.store.schema`."""
+        (the annotation socket's); ``engine_metrics``: rows of :data:`ingero.store.engine_metrics.ROW_COLUMNS`
+        (``trace --inference``); see :mod:`ingero.store.schema`."""
         try:
             self._begin()
             n = self._insert_events(events)
@@ -258,6 +261,7 @@ class StoreWriter:
                 nccl_calls,
             )
             self.conn.executemany(annotations_insert_sql(self._node_lit), annotations)
+            self.conn.executemany(engine_metrics_insert_sql(self._node_lit), engine_metrics)
             self._commit()
         except sqlite3.Error as e:
             self._rollback()

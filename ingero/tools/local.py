@@ -354,6 +354,27 @@ def _names(conn: sqlite3.Connection) -> dict[tuple[str, int], str]:
     return names
 
 
+@tool("Serving engines' metrics", scope="local")
+def get_engine_metrics(env: ToolEnv, since: Since = None, node: Node = None) -> dict[str, Any]:
+    """Serving engines recorded with `ingero trace --inference` (vLLM, SGLang, TGI, Triton): per engine
+    process its scrapes and the last value of each series, named as the engine publishes them
+    (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, sglang:token_usage, tgi_queue_size, ...), and the
+    serving chains (KV-cache pressure, queue growth / TTFT regression) over the window."""
+    from ingero.explain.rules_serving import serving_chains
+    from ingero.store.engine_metrics import summary
+
+    db = env.need_db()
+    with _reader(db) as conn:
+        window = _window(conn, since)
+        engines = summary(conn, window.start_ns, window.end_ns, node or None)
+        chains = serving_chains(conn, window, [], node or None)
+    return {
+        "window": window_dict(window),
+        "engines": engines,
+        "chains": [chain_dict(c) for c in sort_chains(chains)],
+    }
+
+
 @tool("Can this host trace?", scope="host")
 def get_check(env: ToolEnv) -> dict[str, Any]:
     """Whether this machine can trace: kernel, BTF, headers, tracefs, uprobes, bcc, privileges, GPU

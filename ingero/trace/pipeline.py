@@ -285,6 +285,7 @@ class Pipeline:
                             nccl_comms=batch.nccl_comms,
                             nccl_calls=batch.nccl_calls,
                             annotations=batch.annotations,
+                            engine_metrics=batch.engine_metrics,
                         )
                         done = max(1, len(chunk)) if events else 1
                     else:

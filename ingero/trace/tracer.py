@@ -77,6 +77,7 @@ class TraceOptions:
     observer: TraceObserver | None = None  # e.g. ingero.metrics (--prometheus / --otlp)
     annotate: bool = False  # --annotate: the annotation socket (ingero.trace.annotate_socket)
     annotate_gid: int | None = None  # --annotate-socket-gid: one group may connect too
+    inference: bool = False  # --inference: serving engines' metrics (ingero.trace.engine_scrape)
 
 
 class TraceObserver(Protocol):
@@ -338,6 +339,8 @@ async def run_trace(
             if opts.duration_s is not None:
                 nursery.start_soon(_stop_after, control, opts.duration_s)
             nursery.start_soon(_maintenance_loop, follower, probes, pipeline, view, control)
+            if opts.inference:
+                nursery.start_soon(_inference_loop, pipeline)
             if view is not None:
                 nursery.start_soon(tick_loop, view, live, pipeline)
             ready = TraceReady(
@@ -429,6 +432,13 @@ async def _annotate_server(
         return pipeline.add_rows(WriteBatch(annotations=rows))
 
     await serve_annotations(sink, gid=opts.annotate_gid, task_status=task_status)
+
+
+async def _inference_loop(pipeline: Pipeline) -> None:
+    """--inference: the engines' metrics go into the pipeline's next write (its single writer)."""
+    from ingero.trace.engine_scrape import Scraper
+
+    await Scraper(lambda rows: pipeline.add_rows(WriteBatch(engine_metrics=list(rows)))).run()
 
 
 async def _run_pipeline(pipeline: Pipeline, done: trio.Event) -> None:

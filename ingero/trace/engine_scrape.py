@@ -1,0 +1,159 @@
+"""``ingero trace --inference``: scrape every serving engine's metrics once a second into the recording.
+
+Engines are found by command line (:mod:`ingero.trace.engines`), again every ``detect_every`` seconds,
+so one started after the agent is picked up and one that exited is dropped. Each tick fetches every
+endpoint at once (httpx on the trio loop, a short timeout: a slow engine never holds the others or the
+recording back), keeps the families the engine publishes under its own prefix, parses them with
+prometheus_client's parser, and hands the rows to the tracer's single writer (``sink``: the pipeline's
+``add_rows``). Names are kept exactly as published (:mod:`ingero.store.engine_metrics`); a sample is
+stored when it changed since the engine's previous scrape, and every sample once a minute.
+
+A failing endpoint (refused, timed out, not Prometheus text) is noted once — a warning on the
+``ingero.inference`` logger, and in :attr:`Scraper.failing` — and retried at every tick; its recovery
+is noted too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from ingero.store.engine_metrics import EngineMetricRow, labels_text
+from ingero.trace.engines import PREFIXES, Engine, detect
+
+log = logging.getLogger("ingero.inference")
+INTERVAL_S = 1.0
+DETECT_EVERY_S = 5.0
+TIMEOUT_S = 0.5
+FULL_EVERY_NS = 60 * 1_000_000_000  # every sample stored at least this often
+MAX_BODY = 4 << 20  # a metrics page larger than this is not read whole
+
+
+def parse(engine: str, text: str) -> list[tuple[str, str, float]]:
+    """(metric, labels, value) of every sample ``engine`` publishes under its prefix, names as published."""
+    prefixes = PREFIXES[engine]
+    keep = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(prefixes):
+            keep.append(line)
+    out = []
+    for family in text_string_to_metric_families("\n".join(keep) + "\n"):
+        for s in family.samples:
+            if not math.isnan(s.value):
+                out.append((s.name, labels_text(dict(s.labels)), float(s.value)))
+    return out
+
+
+@dataclass
+class _State:
+    engine: Engine
+    last: dict[tuple[str, str], float] = field(default_factory=dict)
+    full_at: int = 0  # when every sample was last stored
+    failing: str | None = None
+
+
+class Scraper:
+    """The scrape loop; :meth:`run` in the tracer's nursery."""
+
+    def __init__(
+        self,
+        sink: Callable[[list[EngineMetricRow]], bool],
+        *,
+        interval_s: float = INTERVAL_S,
+        detect_every_s: float = DETECT_EVERY_S,
+        timeout_s: float = TIMEOUT_S,
+        find: Callable[[], list[Engine]] = detect,
+    ) -> None:
+        self.sink, self.interval_s, self.detect_every_s, self.timeout_s = sink, interval_s, detect_every_s, timeout_s
+        self.find = find
+        self.engines: dict[tuple[int, str], _State] = {}
+        self.scrapes = self.rows = self.errors = 0
+        self.cpu_s = 0.0  # this loop's CPU time on its thread (parsing, detection)
+
+    @property
+    def failing(self) -> dict[str, str]:
+        """url -> why, of the endpoints failing now."""
+        return {s.engine.url: s.failing for s in self.engines.values() if s.failing}
+
+    async def run(self) -> None:
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False) as client:
+            next_detect = 0.0
+            tick = trio.current_time()
+            while True:
+                if trio.current_time() >= next_detect:
+                    await self._detect()
+                    next_detect = trio.current_time() + self.detect_every_s
+                async with trio.open_nursery() as nursery:
+                    for st in list(self.engines.values()):
+                        nursery.start_soon(self._scrape, client, st)
+                tick += self.interval_s
+                await trio.sleep_until(max(tick, trio.current_time()))
+
+    async def _detect(self) -> None:
+        found = await trio.to_thread.run_sync(self.find)
+        keys = {(e.pid, e.url): e for e in found}
+        for key in list(self.engines):
+            if key not in keys:
+                del self.engines[key]
+        for key, e in keys.items():
+            if key not in self.engines:
+                self.engines[key] = _State(e)
+                log.info("inference: %s (pid %d): scraping %s", e.engine, e.pid, e.url)
+
+    async def _scrape(self, client: httpx.AsyncClient, st: _State) -> None:
+        e = st.engine
+        ts = time.time_ns()
+        try:
+            resp = await client.get(e.url)
+            resp.raise_for_status()
+            text = resp.text[:MAX_BODY]
+        except httpx.HTTPError as exc:
+            self._failed(st, type(exc).__name__)
+            return
+        t0 = time.thread_time()
+        try:
+            samples = parse(e.engine, text)
+        except ValueError as exc:  # prometheus_client's parser: not the text format
+            self.cpu_s += time.thread_time() - t0
+            self._failed(st, f"not Prometheus text ({type(exc).__name__})")
+            return
+        full = ts - st.full_at >= FULL_EVERY_NS
+        rows: list[EngineMetricRow] = []
+        for metric, labels, value in samples:
+            key = (metric, labels)
+            if full or st.last.get(key) != value:
+                rows.append((ts, e.pid, e.engine, metric, labels, value))
+            st.last[key] = value
+        if full:
+            st.full_at = ts
+        self.cpu_s += time.thread_time() - t0
+        self.scrapes += 1
+        if st.failing:
+            log.warning("inference: %s (pid %d) at %s answers again", e.engine, e.pid, e.url)
+            st.failing = None
+        if rows and self.sink(rows):
+            self.rows += len(rows)
+
+    def _failed(self, st: _State, why: str) -> None:
+        self.errors += 1
+        if st.failing is None:  # noted once; retried at every tick
+            log.warning(
+                "inference: %s (pid %d) at %s: %s (retrying every tick)",
+                st.engine.engine,
+                st.engine.pid,
+                st.engine.url,
+                why,
+            )
+        st.failing = why
+
+
+__all__ = ["Scraper", "parse"]

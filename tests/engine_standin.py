@@ -1,0 +1,147 @@
+"""A stand-in serving engine for the inference tests: an HTTP server publishing an engine's real metric
+names (through prometheus_client, as vLLM, SGLang and TGI publish theirs), with values that move at
+every scrape along a scenario.
+
+Run as a process whose command line looks like the engine's (``<dir>/vllm serve MODEL --port N``,
+``<dir>/python3 -m sglang.launch_server --port N``, ``<dir>/text-generation-launcher --port N``) so the
+tracer's detection finds it; or in-process with :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+ROOT = Path(__file__).resolve().parents[1]
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# scenario: at scrape k of n -> (running, waiting, kv usage 0..1, preemptions added, TTFT seconds)
+State = tuple[float, float, float, int, float]
+N = 30
+
+
+def healthy_busy(k: int) -> State:
+    """A full batch, a cache well used, a queue that comes and goes, steady first tokens."""
+    return (64.0, float((k * 7) % 5), 0.80 + 0.05 * ((k * 3) % 3), 0, 0.08 + 0.01 * (k % 3))
+
+
+def full_cache_no_preemption(k: int) -> State:
+    """The cache near full, nothing preempted: well used, not a problem."""
+    return (48.0, float(k % 3), 0.97, 0, 0.09)
+
+
+def kv_pressure(k: int) -> State:
+    """From a third in, the cache is full and preemptions rise (recomputed prefill)."""
+    hot = k >= N // 3
+    return (48.0, float(k % 3), 0.985 if hot else 0.7, 3 if hot else 0, 0.09)
+
+
+def queue_growth(k: int) -> State:
+    """Arrivals beyond capacity: the queue grows every scrape and first tokens slow; the cache is fine."""
+    return (32.0, float(2 + 6 * k), 0.75, 0, 0.08 * (1 + k / 3))
+
+
+SCENARIOS: dict[str, Callable[[int], State]] = {
+    f.__name__: f for f in (healthy_busy, full_cache_no_preemption, kv_pressure, queue_growth)
+}
+NAMES = {  # engine: (running, waiting, kv usage, preemptions counter, TTFT histogram), as each publishes
+    "vllm": (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions",
+        "vllm:time_to_first_token_seconds",
+    ),
+    "sglang": (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:num_retracted_reqs",
+        "sglang:time_to_first_token_seconds",
+    ),
+}
+
+
+class Engine:
+    """The metrics of one stand-in engine; each :meth:`page` is one scrape (the scenario advances)."""
+
+    def __init__(self, engine: str, scenario: str) -> None:
+        self.scenario = SCENARIOS[scenario]
+        self.k = 0
+        self.lock = threading.Lock()
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        run, wait, kv, pre, ttft = NAMES[engine]
+        self.running = Gauge(run, "Number of requests running", labels, registry=self.registry)
+        self.waiting = Gauge(wait, "Number of requests waiting", labels, registry=self.registry)
+        self.kv = Gauge(kv, "KV-cache usage (1 = 100%)", labels, registry=self.registry)
+        self.pre = Counter(pre, "Cumulative preemptions", labels, registry=self.registry)
+        self.ttft = Histogram(ttft, "Time to first token", labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        Gauge("process_open_fds", "not the engine's own", registry=self.registry).set(12)
+
+    def page(self) -> bytes:
+        with self.lock:
+            running, waiting, kv, pre, ttft = self.scenario(self.k)
+            m = "llama-3-8b"
+            self.running.labels(m).set(running)
+            self.waiting.labels(m).set(waiting)
+            self.kv.labels(m).set(kv)
+            self.pre.labels(m).inc(pre)
+            for _ in range(4):
+                self.ttft.labels(m).observe(ttft)
+            self.k += 1
+            return generate_latest(self.registry)
+
+
+def serve(engine: Engine, port: int = 0) -> ThreadingHTTPServer:
+    """Serve ``engine`` on 127.0.0.1:``port`` (0: any) from a daemon thread; ``server_address`` says where."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/metrics":
+                self.send_error(404)
+                return
+            body = engine.page()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def launcher(directory: Path, name: str) -> Path:
+    """An executable named like the engine's entry point (``vllm``, ``text-generation-launcher``) that
+    runs :func:`main`: its command line is the engine's."""
+    path = directory / name
+    path.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+        "from tests.engine_standin import main\nmain(sys.argv)\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    """``<launcher> ... --port N [--scenario NAME] [--engine vllm|sglang]``: serve until killed."""
+
+    def arg(name: str, default: str) -> str:
+        return argv[argv.index(name) + 1] if name in argv else default
+
+    server = serve(Engine(arg("--engine", "vllm"), arg("--scenario", "healthy_busy")), int(arg("--port", "0")))
+    print(server.server_address[1], flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

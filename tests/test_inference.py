@@ -1,0 +1,274 @@
+"""``ingero trace --inference``: engines found by command line, their metrics scraped into the
+recording with the names they publish, and the serving chains explain draws from them.
+
+Stand-in engines (tests/engine_standin.py) publish the engines' real metric names through
+prometheus_client, as vLLM and SGLang do, with values that move at every scrape; detection runs on
+real processes whose command lines are the engines'. Each serving scenario has must-name and
+must-not-name assertions; a busy but healthy server gets no HIGH or MEDIUM chain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from ingero.explain.engine import explain
+from ingero.identity import Identity
+from ingero.store.db import open_readonly
+from ingero.store.engine_metrics import EngineMetricRow, summary
+from ingero.store.schema import SCHEMA_VERSION
+from ingero.store.writer import StoreWriter
+from ingero.tools.local import get_engine_metrics
+from ingero.tools.registry import ToolEnv
+from ingero.trace.engine_scrape import Scraper, parse
+from ingero.trace.engines import Engine, detect, endpoint, kind_of
+from tests.engine_standin import SCENARIOS, N, launcher, serve
+from tests.engine_standin import Engine as StandIn
+
+NODE = "serve-node-01"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind", "url"),
+    [
+        (["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"], "vllm", "http://127.0.0.1:8000/metrics"),
+        (
+            ["python", "-m", "vllm.entrypoints.openai.api_server", "--port=8100"],
+            "vllm",
+            "http://127.0.0.1:8100/metrics",
+        ),
+        (["python3", "-m", "sglang.launch_server", "--host", "10.0.0.5"], "sglang", "http://10.0.0.5:30000/metrics"),
+        (["/usr/bin/text-generation-launcher", "-p", "8080"], "tgi", "http://127.0.0.1:8080/metrics"),
+        (
+            ["text-generation-launcher", "--port", "80", "--prometheus-port", "9000"],
+            "tgi",
+            "http://127.0.0.1:9000/metrics",
+        ),
+        (["/opt/tritonserver/bin/tritonserver", "--model-repository=/m"], "triton", "http://127.0.0.1:8002/metrics"),
+        (["tritonserver", "--metrics-port", "9102", "--http-port", "8000"], "triton", "http://127.0.0.1:9102/metrics"),
+        (["vllm", "serve", "m", "--host", "::1", "--port", "9"], "vllm", "http://[::1]:9/metrics"),
+    ],
+)
+def test_engines_by_command_line_and_their_endpoints(argv: list[str], kind: str, url: str) -> None:
+    assert kind_of(argv) == kind
+    assert endpoint(kind, argv) == url
+
+
+def test_not_engines() -> None:
+    assert kind_of(["python3", "train.py", "--serve"]) is None
+    assert kind_of(["vllm", "bench", "latency"]) is None
+    assert endpoint("triton", ["tritonserver", "--allow-metrics=false"]) is None
+
+
+def test_parse_keeps_the_published_names_buckets_and_counters() -> None:
+    text = StandIn("vllm", "kv_pressure").page().decode()
+    got = {m for m, _, _ in parse("vllm", text)}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= got
+    assert "vllm:num_preemptions_total" in got  # a counter as published, _total
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum"} <= got
+    assert "process_open_fds" not in got  # only the engine's own families
+    buckets = [json.loads(lb)["le"] for m, lb, _ in parse("vllm", text) if m.endswith("_bucket")]
+    assert "+Inf" in buckets and "0.1" in buckets
+
+
+def scrape(
+    find: Callable[[], list[Engine]], seconds: float, interval: float = 0.02, **kw: float
+) -> tuple[Scraper, list[EngineMetricRow]]:
+    rows: list[EngineMetricRow] = []
+
+    def sink(batch: list[EngineMetricRow]) -> bool:
+        rows.extend(batch)
+        return True
+
+    scraper = Scraper(sink, interval_s=interval, find=find, **kw)
+
+    async def main() -> None:
+        with trio.move_on_after(seconds):
+            await scraper.run()
+
+    trio.run(main)
+    return scraper, rows
+
+
+def record(path: Path, rows: list[EngineMetricRow]) -> Path:
+    with StoreWriter(path, Identity(NODE)) as w:
+        w.write_batch(engine_metrics=rows)
+    return path
+
+
+def scenario_db(tmp_path: Path, engine: str, scenario: str) -> Path:
+    server = serve(StandIn(engine, scenario))
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        scraper, rows = scrape(lambda: [Engine(4242, engine, url)], seconds=N * 0.01 + 0.25, interval=0.01)
+    finally:
+        server.shutdown()
+    assert scraper.scrapes >= N // 2 and not scraper.failing
+    return record(tmp_path / f"{scenario}.db", rows)
+
+
+def chains_of(path: Path) -> list[tuple[str, str]]:
+    conn = open_readonly(path)
+    try:
+        return [(c.family, c.severity) for c in explain(conn).chains]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize(
+    ("scenario", "named", "not_named"),
+    [
+        ("kv_pressure", ("serving/kv-cache",), ("serving/queue",)),
+        ("queue_growth", ("serving/queue",), ("serving/kv-cache",)),
+        ("healthy_busy", (), ("serving/kv-cache", "serving/queue")),
+        ("full_cache_no_preemption", (), ("serving/kv-cache", "serving/queue")),
+    ],
+)
+def test_serving_scenarios(
+    tmp_path: Path, engine: str, scenario: str, named: tuple[str, ...], not_named: tuple[str, ...]
+) -> None:
+    got = chains_of(scenario_db(tmp_path, engine, scenario))
+    families = {f for f, _ in got}
+    for f in named:
+        assert f in families, got
+        assert dict(got)[f] in ("HIGH", "MEDIUM"), got  # two thirds of the window: not a sliver
+    assert not families & set(not_named), got
+    if not named:
+        assert not [c for c in got if c[1] in ("HIGH", "MEDIUM")], got
+
+
+def test_queue_chain_names_kv_pressure_as_its_root_when_both(tmp_path: Path) -> None:
+    """Preempted requests go back to the queue: when the queue grows under KV pressure, that is its root."""
+    SCENARIOS["both"] = lambda k: (
+        *SCENARIOS["queue_growth"](k)[:2],
+        *SCENARIOS["kv_pressure"](k)[2:4],
+        SCENARIOS["queue_growth"](k)[4],
+    )
+    try:
+        path = scenario_db(tmp_path, "vllm", "both")
+    finally:
+        del SCENARIOS["both"]
+    conn = open_readonly(path)
+    try:
+        chains = {c.family: c for c in explain(conn).chains}
+    finally:
+        conn.close()
+    assert "serving/kv-cache" in chains and "KV-cache pressure" in chains["serving/queue"].root_cause
+
+
+def test_only_changes_are_stored_and_a_full_snapshot_first(tmp_path: Path) -> None:
+    path = scenario_db(tmp_path, "vllm", "full_cache_no_preemption")
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        kv = conn.execute("SELECT count(*) FROM engine_metrics WHERE metric = 'vllm:kv_cache_usage_perc'").fetchone()[0]
+        waits = conn.execute(
+            "SELECT count(*) FROM engine_metrics WHERE metric = 'vllm:num_requests_waiting'"
+        ).fetchone()[0]
+        nodes = {r[0] for r in conn.execute("SELECT DISTINCT node FROM engine_metrics")}
+    finally:
+        conn.close()
+    assert kv == 1  # 0.97 throughout: stored once (carried forward)
+    assert waits > N // 2  # moves every scrape
+    assert nodes == {NODE}
+
+
+def test_get_engine_metrics_tool(tmp_path: Path) -> None:
+    path = scenario_db(tmp_path, "vllm", "kv_pressure")
+    doc = get_engine_metrics(ToolEnv(path))
+    assert isinstance(doc, dict)  # a local tool answers at once
+    (e,) = doc["engines"]
+    assert e["engine"] == "vllm" and e["pid"] == 4242 and e["scrapes"] >= N // 2
+    assert e["last"]["vllm:kv_cache_usage_perc"] == pytest.approx(0.985)
+    assert [c["family"] for c in doc["chains"]] == ["serving/kv-cache"]
+    conn = open_readonly(path)
+    try:
+        assert summary(conn) == doc["engines"]
+    finally:
+        conn.close()
+
+
+def spawn(tmp_path: Path, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    exe = launcher(tmp_path, name)
+    return subprocess.Popen([str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def wait_ready(p: subprocess.Popen[bytes]) -> None:
+    assert p.stdout is not None
+    p.stdout.readline()  # the port, once serving
+
+
+def test_detect_finds_real_processes_and_a_late_engine(tmp_path: Path) -> None:
+    port_a, port_b = free_port(), free_port()
+    a = spawn(tmp_path, "vllm", ["serve", "facebook/opt-125m", "--port", str(port_a)])
+    procs = [a]
+    try:
+        wait_ready(a)
+        found = {e.pid: e for e in detect()}
+        assert found[a.pid] == Engine(a.pid, "vllm", f"http://127.0.0.1:{port_a}/metrics")
+        assert os.getpid() not in found
+
+        late: list[int] = []  # detections so far, then the late engine's pid
+
+        def find() -> list[Engine]:
+            late.append(0)
+            if len(late) == 2:  # an engine started after the agent: the next detection finds it
+                b = spawn(
+                    tmp_path, "launch", ["-m", "sglang.launch_server", "--port", str(port_b), "--engine", "sglang"]
+                )
+                procs.append(b)
+                wait_ready(b)
+                late[:] = [0, 0, b.pid]
+            return detect()
+
+        _, rows = scrape(find, seconds=2.0, interval=0.1, detect_every_s=0.3)
+        pids = {(r[1], r[2]) for r in rows}
+        assert len(procs) == 2 and (a.pid, "vllm") in pids and (procs[1].pid, "sglang") in pids
+        assert all(r[3].startswith("sglang:") for r in rows if r[2] == "sglang")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_failing_endpoint_is_noted_once_retried_and_never_stalls(caplog: pytest.LogCaptureFixture) -> None:
+    good = serve(StandIn("vllm", "healthy_busy"))
+    dead = free_port()
+    engines = [
+        Engine(1, "vllm", f"http://127.0.0.1:{good.server_address[1]}/metrics"),
+        Engine(2, "vllm", f"http://127.0.0.1:{dead}/metrics"),
+    ]
+    caplog.set_level(logging.INFO, logger="ingero.inference")
+    try:
+        scraper, rows = scrape(lambda: engines, seconds=1.0, interval=0.05)
+    finally:
+        good.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([w for w in warnings if str(dead) in w]) == 1, warnings  # noted once ...
+    assert scraper.errors >= 10  # ... retried at every tick ...
+    assert scraper.scrapes >= 10 and {r[1] for r in rows} == {1}  # ... and the good one never waited
+    assert list(scraper.failing) == [engines[1].url]
+
+
+def test_trace_has_the_inference_flag() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ingero", "trace", "--help"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert "--inference" in out
