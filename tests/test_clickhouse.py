@@ -139,7 +139,9 @@ def test_schema_prints_local_and_distributed_tables(capsys: pytest.CaptureFixtur
     assert main(["clickhouse-schema", "--cluster", "x; DROP TABLE events"]) == 2
 
 
-def test_three_recordings_through_one_server_seen_through_either(store: list[Server], tmp_path: Path) -> None:
+def test_three_recordings_through_one_server_seen_through_either(
+    store: list[Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     dbs = _copies(tmp_path)
     for db in dbs:
         _ship(db, store[0].url)
@@ -163,6 +165,9 @@ def test_three_recordings_through_one_server_seen_through_either(store: list[Ser
             assert sh.ship_once().rows == 0
         assert all(r.unshipped_rows == 0 for r in lag(db))
         n = _sqlite_counts(db)["events"]
+        assert main(["ship", "--db", str(db), "--status", "--json"]) == 0
+        status = {t["table"]: t for t in json.loads(capsys.readouterr().out)["tables"]}
+        assert status["events"]["shipped_rows"] == n and status["events"]["unshipped_rows"] == 0
         assert _store_counts(store[1].url, _node(db)) == (n, n)
 
 

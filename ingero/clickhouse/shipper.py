@@ -411,5 +411,3 @@ class BackgroundShipping:
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-
-
