@@ -162,13 +162,19 @@ def rank(sev: str | None) -> int:
 
 def ingero_layout(src: Path, dst: Path, *, wakeups: bool = False) -> Path:
     """``src`` as Ingero records it: no prev_state nor preemptor on sched_switch (arg0 = 0, arg1 = the
-    thread itself) and, unless ``wakeups``, no sched_wakeup rows."""
+    thread itself) and, unless ``wakeups``, no sched_wakeup rows; with them, each is the waker's event as
+    Ingero's host tracer emits it (pid = tid = the waker, duration 0, arg0 0, arg1 = the woken thread)."""
     shutil.copy(src, dst)
     conn = sqlite3.connect(dst)
     try:
         conn.execute("UPDATE events SET arg0 = 0, arg1 = tid WHERE source = 3 AND op = 1")
         if not wakeups:
             conn.execute("DELETE FROM events WHERE source = 3 AND op = 2")
+        else:
+            conn.execute(
+                "UPDATE events SET arg1 = tid, pid = arg0, tid = arg0, arg0 = 0, duration = 0 "
+                "WHERE source = 3 AND op = 2"
+            )
         conn.commit()
     finally:
         conn.close()

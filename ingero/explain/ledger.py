@@ -77,7 +77,7 @@ from ingero.explain.ledger_gaps import (
     gap_classes,
     paint,
 )
-from ingero.explain.offcpu import SCHED_WAKEUP, OffCpu, union
+from ingero.explain.offcpu import OffCpu, union, wakeups
 from ingero.explain.storage import MINUTE_NS, aggregates_where
 from ingero.store.catalog import IO, NCCL, NET, op_id, op_ids, op_name
 from ingero.store.window import Window
@@ -300,14 +300,13 @@ def build_ledger(
     if gpu.size == 0:
         return Ledger([])
     a = fr.args
-    wk = a.is_op(SCHED_WAKEUP)
     net = fr.source == NET
     h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
     io = fr.source == IO
     ev = ThreadEvidence(
         off,
         {
-            "wakeup": (a.tid[wk], a.ts_ns[wk], a.arg0[wk]),
+            "wakeup": wakeups(a),
             "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
             "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
         },

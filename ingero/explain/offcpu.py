@@ -86,13 +86,26 @@ def union(a: I64, b: I64) -> tuple[I64, I64]:
     return starts, ends
 
 
+def wakeups(args: ArgRows) -> tuple[I64, I64, I64]:
+    """Every ``sched_wakeup`` row as (woken tid, time, waker tgid), in either layout.
+
+    ingero's row is the woken thread's (``tid`` = woken, ``arg0`` = the waker's tgid). Ingero's host
+    tracer emits the waker's event instead (``pid`` = ``tid`` = the waker, ``arg0`` 0, ``arg1`` = the woken
+    thread); its databases are told by their ``sched_switch`` rows, which carry no ``prev_state``
+    (``arg1`` = the thread itself)."""
+    wk = args.is_op(SCHED_WAKEUP)
+    sw = args.is_op(SCHED_SWITCH)
+    if sw.any() and bool((args.arg1[sw] == args.tid[sw]).all()):
+        return args.arg1[wk], args.ts_ns[wk], args.pid[wk]
+    return args.tid[wk], args.ts_ns[wk], args.arg0[wk]
+
+
 class OffCpu:
     """Off-CPU intervals of every thread with scheduler rows in a frame's argument rows."""
 
     def __init__(self, args: ArgRows) -> None:
         self.threads: dict[str, dict[int, Intervals]] = {k: {} for k in KINDS}
         sw = args.is_op(SCHED_SWITCH)
-        wk = args.is_op(SCHED_WAKEUP)
         tid, end, dur = args.tid[sw], args.ts_ns[sw], args.dur[sw]
         state, prev = args.arg0[sw], args.arg1[sw]
         start = end - dur
@@ -104,7 +117,7 @@ class OffCpu:
         # a sleep ended by a wakeup: asleep until woken, then waiting in the run queue for a CPU
         wake_at = np.full(tid.size, -1, dtype=np.int64)
         waker = np.zeros(tid.size, dtype=np.int64)
-        w_tid, w_ts, w_by = args.tid[wk], args.ts_ns[wk], args.arg0[wk]
+        w_tid, w_ts, w_by = wakeups(args)
         if w_tid.size and sleep.any():
             for t in np.unique(w_tid).tolist():
                 mine = np.flatnonzero(sleep & (tid == t))

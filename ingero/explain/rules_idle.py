@@ -21,7 +21,7 @@ from ingero.explain.context import Context
 from ingero.explain.frame import I64
 from ingero.explain.ledger import ASLEEP_DISK, ASLEEP_WORKERS, LedgerRow, children, describe
 from ingero.explain.model import Chain, TimelineEntry
-from ingero.explain.offcpu import SCHED_WAKEUP
+from ingero.explain.offcpu import SCHED_WAKEUP, wakeups
 from ingero.explain.stats import OpStats
 from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration, fmt_ts
 
@@ -37,8 +37,9 @@ def _wakers(ctx: Context, row: LedgerRow, kids: set[int]) -> tuple[list[int], tu
     """The forked processes that woke the GPU thread inside its idle gaps, most often first, and the
     longest single sleep a child ended there: (waker, ns, start)."""
     a = ctx.frame.args
-    m = a.is_op(SCHED_WAKEUP) & (a.tid == row.tid) & np.isin(a.arg0, np.asarray(sorted(kids), dtype=np.int64))
-    ts, by, dur = a.ts_ns[m], a.arg0[m], a.dur[m]
+    w_tid, w_ts, w_by = wakeups(a)  # either layout; Ingero's rows carry no time since the thread left (0)
+    m = (w_tid == row.tid) & np.isin(w_by, np.asarray(sorted(kids), dtype=np.int64))
+    ts, by, dur = w_ts[m], w_by[m], a.dur[a.is_op(SCHED_WAKEUP)][m]
     k = np.searchsorted(row.gap_start, ts, side="right") - 1
     inside = (k >= 0) & (ts <= row.gap_end[np.maximum(k, 0)]) if row.gap_start.size else np.zeros(ts.size, bool)
     ts, by, dur, k = ts[inside], by[inside], dur[inside], k[inside]
@@ -46,7 +47,8 @@ def _wakers(ctx: Context, row: LedgerRow, kids: set[int]) -> tuple[list[int], tu
         return [], None
     who, counts = np.unique(by, return_counts=True)
     order = [int(w) for w in who[np.argsort(-counts, kind="stable")]]
-    asleep = np.minimum(dur, ts - row.gap_start[k])  # the sleep's part inside its gap
+    since_gap = ts - row.gap_start[k]
+    asleep = np.where(dur > 0, np.minimum(dur, since_gap), since_gap)  # the sleep's part inside its gap
     i = int(np.argmax(asleep))
     return order, (int(by[i]), int(asleep[i]), int(ts[i] - asleep[i]))
 

@@ -53,7 +53,7 @@ from ingero.explain.ledger import (
     children,
 )
 from ingero.explain.model import Chain, TimelineEntry
-from ingero.explain.offcpu import INVOL, SCHED_WAKEUP, UNKNOWN, VOL
+from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, wakeups
 from ingero.explain.rules_idle import ledger_chain, ms
 from ingero.store.catalog import op_name
 from ingero.timeutil import NS_PER_MS
@@ -294,13 +294,13 @@ def _offcpu(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: An
     in_gap = (k >= 0) & (fr.ts_ns <= row.gap_end[np.maximum(k, 0)]) if row.gap_start.size else fr.pid < 0
     kid_rows = in_gap & np.isin(fr.pid, kids)
     active = np.unique(fr.pid[kid_rows])
-    a = fr.args
-    wk = a.is_op(SCHED_WAKEUP) & (a.tid == tid)
+    w_tid, w_ts, w_by = wakeups(fr.args)
+    wk = w_tid == tid
     wk_in = wk.copy()
     if row.gap_start.size:
-        j = np.searchsorted(row.gap_start, a.ts_ns[wk], side="right") - 1
-        wk_in[wk] = (j >= 0) & (a.ts_ns[wk] <= row.gap_end[np.maximum(j, 0)])
-    wakers, counts = np.unique(a.arg0[wk_in], return_counts=True)
+        j = np.searchsorted(row.gap_start, w_ts[wk], side="right") - 1
+        wk_in[wk] = (j >= 0) & (w_ts[wk] <= row.gap_end[np.maximum(j, 0)])
+    wakers, counts = np.unique(w_by[wk_in], return_counts=True)
     said = [
         f"own host code {ms(row.idle_ns[HOST_CODE])} in the same gaps (on-CPU)",
         f"{kids.size} child process(es) forked by {ctx.proc(pid)}, {active.size} active in those gaps "
