@@ -39,7 +39,6 @@ NOT_YET: dict[tuple[str, float], str] = {
     ): "recorded: not named at HIGH (said: alloc-churn MEDIUM, slow/gpu MEDIUM) | ingero: not named at HIGH (said: alloc-churn MEDIUM, tail/offcpu LOW)",
     ("late-rank", 0.26): "recorded: not named at HIGH (said: nothing)",
     ("late-rank", 0.04): "recorded: not named at LOW (said: nothing)",
-    ("loader-fork", 0.26): "ingero: not named at HIGH (said: idle/offcpu_unknown LOW)",
     ("noisy-neighbour", 0.04): "both layouts: not named at LOW (said: nothing)",
     ("pageable-copy", 0.26): "both layouts: not named at HIGH (said: slow/gpu MEDIUM)",
     ("pageable-copy", 0.04): "both layouts: not named at LOW (said: nothing)",
