@@ -66,8 +66,9 @@ class ShipResult:
 @dataclass
 class _Batch:
     last_rowid: int
-    lines: list[bytes]
+    body: bytes  # TabSeparated rows, each ending in a newline
     node: str
+    rows: int
 
 
 def _escape_sql(expr: str) -> str:
@@ -211,23 +212,34 @@ class Shipper:
         node_expr = '"node"' if has_node else "''"
         time_expr = f'"{table.time}"' if table.time else "0"
         line = " || char(9) || ".join(parts)
+        window = f"{table.name} WHERE rowid > ? ORDER BY rowid LIMIT ?"
+        if closed_before is None:
+            # the usual batch (one node): built whole by SQLite, one value back
+            n, nodes, node, last, body = conn.execute(
+                f"SELECT count(*), count(DISTINCT n), min(n), max(r), CAST(group_concat(l, char(10)) AS BLOB) "
+                f"FROM (SELECT rowid AS r, {node_expr} AS n, {line} AS l FROM {window})",
+                (after, self.batch_rows),
+            ).fetchone()
+            if not n:
+                return None
+            if nodes == 1:
+                return _Batch(int(last), body + b"\n", node or self.node, int(n))
         rows = conn.execute(
-            f"SELECT rowid, {node_expr}, {time_expr}, CAST({line} AS BLOB) FROM {table.name} WHERE rowid > ? ORDER BY rowid LIMIT ?",
-            (after, self.batch_rows),
+            f"SELECT rowid, {node_expr}, {time_expr}, CAST({line} AS BLOB) FROM {window}", (after, self.batch_rows)
         ).fetchall()
         if not rows:
             return None
         first_node = rows[0][1]
         lines: list[bytes] = []
         last = after
-        for rowid, node, t, text in rows:
+        for rowid, node, t, text in rows:  # cut where the node changes, or at the first row still open
             if node != first_node or (closed_before is not None and t is not None and t >= closed_before):
                 break
             lines.append(text)
             last = rowid
         if not lines:
             return None
-        return _Batch(last, lines, first_node or self.node)
+        return _Batch(last, b"\n".join(lines) + b"\n", first_node or self.node, len(lines))
 
     def _reader(self) -> sqlite3.Connection:
         if self._read_conn is None:
@@ -309,7 +321,7 @@ class Shipper:
                     if max_batches is None or prog.batches < max_batches:
                         ahead = pool.submit(read, after=batch.last_rowid)
                     self._send(table, dest, names, batch)
-                    prog.rows += len(batch.lines)
+                    prog.rows += batch.rows
                     if max_batches is not None and prog.batches >= max_batches:
                         break
         except sqlite3.Error as e:
@@ -319,8 +331,8 @@ class Shipper:
     def _send(self, table: Table, dest: str, names: list[str], batch: _Batch) -> None:
         """Pending first, then the insert, then shipped: a crash anywhere leaves a state the next run settles."""
         key = self._key_of(table, batch.last_rowid, batch.node)
-        self._set_pending(table.name, batch.last_rowid, key, len(batch.lines))
-        self.ch.insert(dest, tuple(names), b"\n".join(batch.lines) + b"\n", INSERT_SETTINGS)
+        self._set_pending(table.name, batch.last_rowid, key, batch.rows)
+        self.ch.insert(dest, tuple(names), batch.body, INSERT_SETTINGS)
         self._settle(table.name, True)
 
     def ship_once(self, *, max_batches: int | None = None) -> ShipResult:
