@@ -25,18 +25,10 @@ from tests.scenarios.judge import Outcome, build, explain_file, judge
 
 # (family, magnitude) -> what explain said instead, on main 1977432 (strict: the mark goes with the fix)
 NOT_YET: dict[tuple[str, float], str] = {
-    ("cold-start", 0.26): "both layouts: not named at HIGH (said: cold-start LOW)",
     ("cpu-bimodal", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
     ("cpu-contention", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
-    ("fragmentation", 0.04): "both layouts: alloc-churn MEDIUM above LOW for 4.0%",
     ("hung-rank", 0.26): "both layouts: not named at HIGH (said: nothing)",
     ("hung-rank", 0.04): "both layouts: not named at LOW (said: nothing)",
-    ("kernel-drift", 0.26): "both layouts: not named at HIGH (said: nothing)",
-    ("kernel-drift", 0.04): "both layouts: not named at LOW (said: nothing)",
-    (
-        "kv-pressure",
-        0.26,
-    ): "recorded: not named at HIGH (said: alloc-churn MEDIUM, slow/gpu MEDIUM) | ingero: not named at HIGH (said: alloc-churn MEDIUM, tail/offcpu LOW)",
     ("late-rank", 0.26): "recorded: not named at HIGH (said: nothing)",
     ("late-rank", 0.04): "recorded: not named at LOW (said: nothing)",
     ("noisy-neighbour", 0.04): "both layouts: not named at LOW (said: nothing)",

@@ -15,7 +15,7 @@ from ingero.explain.frame import I64, member
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import TCP, op_ids, op_name
-from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
+from ingero.timeutil import NS_PER_MS, NS_PER_S, fmt_duration, fmt_ts
 
 MIN_CALLS = 10
 TCP_CHAIN = 10  # retransmits in the window before they make a chain of their own
@@ -24,6 +24,7 @@ BURST_NS = 10 * NS_PER_S
 CONTENTION = 1.5  # median latency while sharing / alone
 COLD_RATIO = 20.0
 COLD_GATE = 10.0
+CONTEXT_MIN_NS = 10 * NS_PER_MS  # a first call this long created the CUDA context
 TRANSFER_SHARE = 0.30
 PAGEABLE_MIN_BYTES = 1 << 20  # copies this large show their bandwidth
 PAGEABLE_CV = 0.15  # per-call bandwidth this constant: one path, the staging buffer
@@ -321,6 +322,22 @@ def _contention_chain(
 # --- cold start --------------------------------------------------------------------------------
 
 
+def _context_creation(src: I64, op: I64, dur: I64, ts: I64, counted: set[str]) -> tuple[str, float, float] | None:
+    """The process's first GPU call when it created the CUDA context (op, x its op's later median, excess
+    ns): at least CONTEXT_MIN_NS and COLD_GATE x the p95 of the op's later calls, if any; its excess over
+    their median (all of it without later calls). None when its op's cold calls are counted already."""
+    if ts.size == 0:
+        return None
+    i = int(np.argmin(ts))
+    s, o, d = int(src[i]), int(op[i]), float(dur[i])
+    name = op_name(s, o)
+    later = dur[(src == s) & (op == o) & (ts > ts[i])]
+    if name in counted or d < CONTEXT_MIN_NS or (later.size and d < COLD_GATE * float(np.percentile(later, 95))):
+        return None
+    base = float(np.median(later)) if later.size else 0.0
+    return name, d / base if base > 0 else 0.0, d - base  # 0: no later call to compare with
+
+
 def cold_start_chains(ctx: Context) -> list[Chain]:
     gpu = ctx.gpu
     found: list[tuple[int, list[tuple[str, float, float]], float, int]] = []  # pid, [(op, ratio, excess)], total, t
@@ -342,6 +359,9 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
             # must not look cold because its first calls happen to be the big ones
             if ratio >= COLD_RATIO and cold >= COLD_GATE * float(np.percentile(rest, 95)):
                 ops.append((op_name(s, o), ratio, float(np.clip(d[:n_cold] - steady, 0, None).sum())))
+        ctx_op = _context_creation(src, op, dur, ts, {n for n, _, _ in ops})
+        if ctx_op is not None:
+            ops.append(ctx_op)
         if ops:
             ops.sort(key=lambda x: x[2], reverse=True)
             found.append((int(pid), ops, sum(x[2] for x in ops), int(ts.min())))
@@ -349,13 +369,14 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
         return []
     span = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
     total = sum(f[2] for f in found)
-    ratios = [r for f in found for _, r, _ in f[1]]
+    ratios = [r for f in found for _, r, _ in f[1] if r > 0] or [0.0]
     lo, hi = min(ratios), max(ratios)
     worst = max((x for f in found for x in f[1]), key=lambda x: x[2])
     per_op: dict[str, float] = {}
     for f in found:
         for name, r, _ in f[1]:
-            per_op[name] = max(per_op.get(name, 0.0), r)
+            if r > 0:
+                per_op[name] = max(per_op.get(name, 0.0), r)
     top = ", ".join(f"{n} {r:.0f}x" for n, r in sorted(per_op.items(), key=lambda x: -x[1])[:3])
     share = total / span
     sev = cz.startup_severity(total, span)  # start-up is not an incident unless it takes over a fifth of the run
