@@ -20,6 +20,7 @@ import numpy as np
 
 from ingero.errors import StoreError
 from ingero.explain import (
+    rules_copies,
     rules_drift,
     rules_events,
     rules_graphs,
@@ -234,7 +235,8 @@ def _explain_node(
         periodic = rules_periodic.periodic_chains(ctx, [o for o in ctx.ops if o.name not in explained])
         chains += tail + periodic + rules_latency.drop_chains(ctx) + rules_memory.churn_chains(ctx, periodic)
         cold = rules_events.cold_start_chains(ctx)
-        chains += cold + rules_events.transfer_chains(ctx) + rules_drift.drift_chains(ctx)
+        chains += cold + rules_events.transfer_chains(ctx)
+        chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx)
         chains += rules_launch.first_launch_chains(ctx, ctx.notes)
         chains += rules_leak.leak_chains(ctx) + rules_graphs.graph_chains(ctx)
         chains += rules_ledger.ledger_chains(ctx, ledger, chains)
