@@ -31,7 +31,6 @@ NOT_YET: dict[tuple[str, float], str] = {
     ("hung-rank", 0.04): "both layouts: not named at LOW (said: nothing)",
     ("late-rank", 0.26): "recorded: not named at HIGH (said: nothing)",
     ("late-rank", 0.04): "recorded: not named at LOW (said: nothing)",
-    ("noisy-neighbour", 0.04): "both layouts: not named at LOW (said: nothing)",
     ("tool-call", 0.26): "both layouts: not named at HIGH (said: idle/asleep_network LOW)",
 }
 

@@ -21,7 +21,9 @@ MIN_CALLS = 10
 TCP_CHAIN = 10  # retransmits in the window before they make a chain of their own
 TCP_HIGH = 100
 BURST_NS = 10 * NS_PER_S
-CONTENTION = 1.5  # median latency while sharing / alone
+CONTENTION = 1.5  # an op this much slower in the TCP-burst windows than outside is affected by them
+MIN_SLOWDOWN = 0.03  # the shared median at least this much above the alone median ...
+MIN_SIGMAS = 4.0  # ... and this many standard errors above it
 COLD_RATIO = 20.0
 COLD_GATE = 10.0
 CONTEXT_MIN_NS = 10 * NS_PER_MS  # a first call this long created the CUDA context
@@ -201,6 +203,7 @@ def contention_chains(ctx: Context) -> list[Chain]:
             continue
         active = {p: np.bincount(g.index(gpu.ts_ns[gpu.pid == p]), minlength=g.n) > 0 for p in members}
         best: tuple[float, int, OpStats, np.ndarray, np.ndarray, I64] | None = None
+        best_lost = 0.0
         always_shared = True
         for p in members:
             others = np.logical_or.reduce([active[q] for q in members if q != p])
@@ -213,12 +216,13 @@ def contention_chains(ctx: Context) -> list[Chain]:
                 if shared.sum() < MIN_CALLS or (~shared).sum() < MIN_CALLS:
                     continue
                 ratio = float(np.median(dur[shared]) / max(1.0, float(np.median(dur[~shared]))))
-                if best is None or ratio > best[0]:
-                    best = (ratio, p, st, dur[shared], dur[~shared], ts)
+                lost = shared_loss(dur[shared], dur[~shared])
+                if lost > 0 and (best is None or lost > best_lost):
+                    best, best_lost = (ratio, p, st, dur[shared], dur[~shared], ts), lost
         procs = ", ".join(ctx.proc(p) for p in members[:4])
-        if best is not None and best[0] >= CONTENTION:
-            lost = float(np.clip(best[3] - np.median(best[4]), 0, None).sum())  # the victim's calls beyond alone-speed
+        if best is not None:
             wall = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
+            lost = min(best_lost, float(wall))
             if cz.worth_a_chain(lost, wall):
                 chains.append(_contention_chain(ctx, gid, members, best, lost, wall))
         elif best is None and always_shared:
@@ -240,6 +244,23 @@ def contention_chains(ctx: Context) -> list[Chain]:
                 )
             )
     return chains
+
+
+def shared_loss(shared: np.ndarray, alone: np.ndarray) -> float:
+    """Time a process's calls lost while another process used its GPU: the shared calls' total beyond
+    the alone median (their mean excess, so call-to-call noise adds nothing), never more than their own
+    time; 0 unless the shared median is above the alone median by MIN_SLOWDOWN of it and by
+    MIN_SIGMAS standard errors (robust: from the median absolute deviations). No ratio gate: a 10 %
+    slowdown on half the calls of a run is seconds lost."""
+    if shared.size < MIN_CALLS or alone.size < MIN_CALLS:
+        return 0.0
+    m_s, m_a = float(np.median(shared)), float(np.median(alone))
+    sd_s = 1.4826 * float(np.median(np.abs(shared - m_s)))
+    sd_a = 1.4826 * float(np.median(np.abs(alone - m_a)))
+    se = 1.2533 * float(np.sqrt(sd_s**2 / shared.size + sd_a**2 / alone.size))
+    if m_s - m_a < max(MIN_SLOWDOWN * m_a, MIN_SIGMAS * se):
+        return 0.0
+    return float(min(max(0.0, float(shared.sum()) - m_a * shared.size), float(shared.sum())))
 
 
 def _pid_ops(ctx: Context, pid: int) -> list[OpStats]:
