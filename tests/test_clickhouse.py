@@ -493,6 +493,25 @@ def test_background_shipping_follows_a_recording_that_starts_later(store: list[S
             time.sleep(0.1)
         n = _sqlite_counts(db)["events"]
         _wait(lambda: _store_counts(store[0].url, node) == (n, n), "background shipping")
+        # a session row the recorder updates in place (started, then stopped) is sent again when it changes
+        from ingero.identity import Identity
+        from ingero.store.writer import StoreWriter
+
+        with StoreWriter(db, Identity(node)) as w:
+            sid = w.start_session()
+            _wait(lambda: _stored_sessions(store[1].url, node).get(sid) == 0, "the open session")
+            w.end_session(sid)
+        stopped = sqlite3.connect(db).execute("SELECT stopped_at FROM sessions WHERE id = ?", (sid,)).fetchone()[0]
+        _wait(lambda: _stored_sessions(store[1].url, node).get(sid) == stopped, "the stopped session")
     finally:
         bg.stop()
     assert bg.error is None and not errors
+
+
+def _stored_sessions(url: str, node: str) -> dict[int, int]:
+    """id -> stopped_at of a node's sessions as readers see them (FINAL: the last version sent)."""
+    with ClickHouse(url) as ch:
+        return {
+            int(i): int(s)
+            for i, s in ch.select(f"SELECT id, stopped_at FROM sessions FINAL WHERE node = '{node}'").rows
+        }

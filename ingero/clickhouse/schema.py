@@ -58,6 +58,9 @@ class Table:
     # keyed: the rowid is the key itself (INTEGER PRIMARY KEY: a stack hash, a pid), not an insertion
     # order, so the shipper sends the rows whose key the store lacks instead of following the rowid
     keyed: bool = False
+    # keyed tables only: a column the recorder updates in place (a session's stopped_at); a row whose
+    # value changed is sent again (ReplacingMergeTree keeps the last one sent; readers use FINAL)
+    version: str | None = None
 
     @property
     def local(self) -> str:
@@ -73,7 +76,7 @@ class Table:
 
 # What can be shipped, in shipping order (events last: the rows it points at are already there).
 DECLARED: tuple[Table, ...] = (
-    Table("sessions", ("node", "id"), "started_at"),
+    Table("sessions", ("node", "id"), "started_at", keyed=True, version="stopped_at"),
     Table("process_names", ("node", "pid"), keyed=True),
     Table("cgroup_metadata", ("node", "cgroup_id"), keyed=True),
     Table("stack_traces", ("node", "hash"), keyed=True),

@@ -89,6 +89,11 @@ def _tsv_value(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
+def _sql_text_literal(v: str) -> str:
+    """A SQLite string literal."""
+    return "'" + v.replace("'", "''") + "'"
+
+
 def _sql_literal(v: Any) -> str:
     if v is None:
         return "NULL"
@@ -125,7 +130,7 @@ class Shipper:
             self._look()
         except sqlite3.Error as e:
             raise translate(e, self.path) from None
-        self._keyed_seen: dict[str, tuple[int, float]] = {}
+        self._keyed_seen: dict[str, tuple[int, float, float]] = {}
         self._read_conn: sqlite3.Connection | None = None
         self.last_error: str | None = None
         self.last_ok_ns: int | None = None
@@ -197,7 +202,7 @@ class Shipper:
                 continue  # an older layout: ClickHouse fills the column's default
             names.append(c.name)
             if not c.in_sqlite:
-                parts.append("'" + _tsv_value(self.node).replace("'", "''") + "'")
+                parts.append(_sql_text_literal(_tsv_value(self.node)))
             else:
                 expr = f'"{c.name}"'
                 if "String" in c.type:
@@ -265,20 +270,27 @@ class Shipper:
     # --- shipping -------------------------------------------------------------------------------
 
     def _ship_keyed(self, table: Table, names: list[str], parts: list[str], prog: TableProgress) -> None:
-        """Send the rows whose key the store lacks for this node (exact after any crash: no progress kept)."""
+        """Send the rows whose identity (and version) the store lacks: exact after any crash, no progress kept."""
         (key,) = (k for k in table.key if k != "node")
-        fingerprint = self.conn.execute(f"SELECT count(*), total(rowid) FROM {table.name}").fetchone()
+        has_node = any(c.name == "node" and c.in_sqlite for c in table.columns)
+        node_expr = '"node"' if has_node else _sql_text_literal(self.node)
+        ver = f'"{table.version}"' if table.version else "0"
+        fingerprint = self.conn.execute(f"SELECT count(*), total(rowid), total({ver}) FROM {table.name}").fetchone()
         if self._keyed_seen.get(table.name) == fingerprint:
             return  # unchanged since it was last found complete in the store
         line = " || char(9) || ".join(parts)
-        rows = self.conn.execute(f'SELECT "{key}", CAST({line} AS BLOB) FROM {table.name} ORDER BY rowid').fetchall()
+        rows = self.conn.execute(
+            f'SELECT {node_expr}, "{key}", {ver}, CAST({line} AS BLOB) FROM {table.name} ORDER BY rowid'
+        ).fetchall()
         if not rows:
             return
+        nodes = ", ".join(sorted({_sql_literal(r[0]) for r in rows}))
+        ver_ch = f"`{table.version}`" if table.version else "0"
         stored = self.ch.select(
-            f"SELECT `{key}` FROM {self.database}.{table.name} WHERE node = {_sql_literal(self.node)}"
+            f"SELECT node, `{key}`, {ver_ch} FROM {self.database}.{table.name} WHERE node IN ({nodes})"
         ).rows
-        have = {r[0] for r in stored}
-        missing = [text for k, text in rows if k not in have]
+        have = {(n, k, v) for n, k, v in stored}
+        missing = [text for n, k, v, text in rows if (n, k, v) not in have]
         for at in range(0, len(missing), self.batch_rows):
             chunk = missing[at : at + self.batch_rows]
             self.ch.insert(f"{self.database}.{table.name}", tuple(names), b"\n".join(chunk) + b"\n", INSERT_SETTINGS)
