@@ -132,7 +132,7 @@ def store_stragglers(args: argparse.Namespace) -> StragglerReport:
     import sqlite3
 
     from ingero.clickhouse.history import COLLECTIVE_TABLES, load, nodes, store_window
-    from ingero.fleet.collective_ops import StragglerReport, collective_verdict
+    from ingero.fleet.collective_ops import StragglerReport, _span_s, collective_verdict
     from ingero.fleet.collectives import NodeCalls
     from ingero.fleet.cost import wait_cost
     from ingero.fleet.straggler import verdict, with_collectives
@@ -161,8 +161,8 @@ def store_stragglers(args: argparse.Namespace) -> StragglerReport:
     )
     cv = collective_verdict(calls) if any(len(c) for c in calls) else None
     v = with_collectives(verdict([]), cv)
-    span = (window.end_ns or 0) - (window.start_ns or 0)
-    return StragglerReport([], v, wait_cost(cv.ranks if cv else [], rates, window_s=span / 1e9), truncated=truncated)
+    cost = wait_cost(cv.ranks if cv else [], rates, window_s=_span_s(calls))  # the job time the calls cover
+    return StragglerReport([], v, cost, truncated=truncated)
 
 
 # --- shipping from a tracer ----------------------------------------------------------------------

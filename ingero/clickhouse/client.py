@@ -33,7 +33,6 @@ _CODE = re.compile(rb"\s*Code:\s*(\d+)")
 READONLY = 164
 TIMEOUT_EXCEEDED = 159
 TOO_MANY_ROWS_OR_BYTES = 396
-QUERY_IS_TOO_LARGE = 62  # SYNTAX_ERROR is 62 too: both are the statement's fault
 UNAVAILABLE = frozenset(
     {
         209,  # SOCKET_TIMEOUT
@@ -133,6 +132,15 @@ class ClickHouse:
             return self._http.get(self.url + "ping").status_code == 200
         except httpx.HTTPError:
             return False
+
+
+def ch_literal(v: Any) -> str:
+    """A ClickHouse SQL literal of a value read from SQLite (NULL, a number, or a quoted string)."""
+    if v is None:
+        return "NULL"
+    if isinstance(v, int | float):
+        return repr(v)
+    return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def exception_code(r: httpx.Response) -> int | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ingero.clickhouse.client import ClickHouse
+from ingero.clickhouse.client import ClickHouse, ch_literal
 from ingero.clickhouse.schema import BY_NAME, Table
 from ingero.errors import UsageError
 from ingero.store.schema import migrate
@@ -40,10 +40,6 @@ COLLECTIVE_TABLES: tuple[str, ...] = ("sessions", "nccl_comms", "nccl_calls")
 BUCKET_NS = 60 * 1_000_000_000  # event_aggregates buckets: a bucket that started before the window overlaps it
 
 
-def literal(v: str) -> str:
-    return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _bounds(table: Table, window: Window) -> str:
     if table.time is None or table.name == "sessions":
         return ""
@@ -61,7 +57,7 @@ def _bounds(table: Table, window: Window) -> str:
 def newest(ch: ClickHouse, database: str, table: str, node: str | None = None) -> int | None:
     """The newest time of ``table`` in the store (one node's, or the whole store's); None when empty."""
     t = BY_NAME[table]
-    where = f" WHERE node = {literal(node)}" if node is not None else ""
+    where = f" WHERE node = {ch_literal(node)}" if node is not None else ""
     res = ch.select(f"SELECT count(), max(`{t.time}`) FROM {database}.{table}{where}")
     count, last = res.rows[0]
     return int(last) if int(count) else None
@@ -116,7 +112,7 @@ def load(
             sel = ", ".join(f"`{c}`" for c in cols)
             # FINAL: a row the tracer rewrote (a call's entry, then its return) is read as its last version
             res = ch.select(
-                f"SELECT {sel} FROM {database}.{name} FINAL WHERE node = {literal(node)}{_bounds(t, window)}"
+                f"SELECT {sel} FROM {database}.{name} FINAL WHERE node = {ch_literal(node)}{_bounds(t, window)}"
             )
             marks = ", ".join("?" for _ in cols)
             quoted = ", ".join(f'"{c}"' for c in cols)

@@ -13,10 +13,14 @@ row identity (:mod:`ingero.clickhouse.schema`) is the second line.
 
 The shipper only reads the recording (and writes its small progress row, in WAL mode): a down
 cluster stalls shipping, never the tracer. :meth:`Shipper.follow` keeps going with bounded backoff
-and resumes where it stopped; :func:`lag` says how far behind it is.
+and resumes where it stopped; :func:`ingero.clickhouse.progress.lag` says how far behind it is.
 
-Rows are formatted as ``TabSeparated`` by SQLite itself (one concatenated column per row, read as
-bytes), which keeps the Python work per row to a list append.
+Tables whose ``rowid`` is a key rather than an insertion order (a stack hash, a pid) and ``sessions``
+(updated in place when they stop) are shipped by difference instead: the rows whose identity (and
+version) the store lacks.
+
+Rows are formatted as ``TabSeparated`` by SQLite itself: a one-node batch comes back as one value
+(``group_concat`` of the rows' concatenated columns), so Python does no work per row.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ingero.clickhouse.client import ClickHouse
+from ingero.clickhouse.client import ClickHouse, ch_literal
 from ingero.clickhouse.progress import FIRST_ROWID, PROGRESS_DDL
 from ingero.clickhouse.schema import TABLES, Table
 from ingero.errors import ClickHouseUnavailableError, DatabaseNotFoundError
@@ -92,14 +96,6 @@ def _tsv_value(v: str) -> str:
 def _sql_text_literal(v: str) -> str:
     """A SQLite string literal."""
     return "'" + v.replace("'", "''") + "'"
-
-
-def _sql_literal(v: Any) -> str:
-    if v is None:
-        return "NULL"
-    if isinstance(v, int | float):
-        return repr(v)
-    return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 class Shipper:
@@ -257,7 +253,7 @@ class Shipper:
         return json.dumps({"node": node, **dict(zip(cols, row, strict=True))})
 
     def _landed(self, table: Table, key: str) -> bool:
-        where = " AND ".join(f"`{k}` = {_sql_literal(v)}" for k, v in json.loads(key).items())
+        where = " AND ".join(f"`{k}` = {ch_literal(v)}" for k, v in json.loads(key).items())
         res = self.ch.select(f"SELECT count() FROM {self.database}.{table.name} WHERE {where}")
         return bool(res.rows and int(res.rows[0][0]) > 0)
 
@@ -284,7 +280,7 @@ class Shipper:
         ).fetchall()
         if not rows:
             return
-        nodes = ", ".join(sorted({_sql_literal(r[0]) for r in rows}))
+        nodes = ", ".join(sorted({ch_literal(r[0]) for r in rows}))
         ver_ch = f"`{table.version}`" if table.version else "0"
         stored = self.ch.select(
             f"SELECT node, `{key}`, {ver_ch} FROM {self.database}.{table.name} WHERE node IN ({nodes})"
