@@ -236,7 +236,7 @@ def _explain_node(
         chains += tail + periodic + rules_latency.drop_chains(ctx) + rules_memory.churn_chains(ctx, periodic)
         cold = rules_events.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx)
-        chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx)
+        chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx, chains)
         chains += rules_launch.first_launch_chains(ctx, ctx.notes)
         chains += rules_leak.leak_chains(ctx) + rules_graphs.graph_chains(ctx)
         chains += rules_ledger.ledger_chains(ctx, ledger, chains)

@@ -38,7 +38,10 @@ NOMINAL_GBPS = 11.0  # bytes per ns: PCIe Gen3 x16 pinned copies
 SLOW = 0.5  # a copy below this share of the reference bandwidth is slow
 
 
-def pageable_chains(ctx: Context) -> list[Chain]:
+def pageable_chains(ctx: Context, chains: list[Chain]) -> list[Chain]:
+    """A chain per process whose slow copies lose ≥ 1 % of wall time; where the transfer-bound rule
+    already blamed that process's copies (``chains``), the measured loss goes into its chain instead
+    (one diagnosis)."""
     g, a = ctx.gpu, ctx.frame.args
     wall = max(1, g.last_ns - g.first_ns)
     is_copy = np.zeros(a.source.size, dtype=bool)
@@ -58,6 +61,11 @@ def pageable_chains(ctx: Context) -> list[Chain]:
         if not slow.any() or not cz.worth_a_chain(lost, wall):
             continue
         name = op_name(int(a.source[k][0]), int(a.op[k][0]))
+        bound = next((c for c in chains if c.family == "transfer" and c.evidence.get("pid") == pid), None)
+        if bound is not None:
+            bound.evidence.update(lost_ms=round(lost / 1e6, 1), lost_share=round(lost / wall, 4))
+            bound.explanation += f" Against {ref:.1f} GB/s the slow copies lost {short_ns(lost)} ({100 * lost / wall:.1f}% of wall time)."
+            continue
         out.append(_chain(ctx, int(pid), name, bw, slow, nbytes, ref, lost, wall, int(a.ts_ns[k].max())))
     return out
 
