@@ -33,6 +33,7 @@ from ingero.clickhouse.shipper import Shipper, ShipResult
 from ingero.errors import ClickHouseUnavailableError, QueryRejectedError
 from tests.clickhouse_cluster import CLUSTER, SERVER_BIN, Server, local_cluster
 from tests.collective_sim import Job, Rank, simulate, write_calls_db
+from tests.conftest import SEED_QUERY
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = [ROOT / "investigations" / f"sample-gpu-node-0{i}.db" for i in (1, 2, 3)]
@@ -376,7 +377,7 @@ def shipped(cluster: list[Server], tmp_path_factory: pytest.TempPathFactory) -> 
     return dbs
 
 
-SEED = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
+SEED = SEED_QUERY
 
 
 def test_the_seed_query_runs_unchanged_through_clickhouse(
@@ -515,3 +516,21 @@ def _stored_sessions(url: str, node: str) -> dict[int, int]:
             int(i): int(s)
             for i, s in ch.select(f"SELECT id, stopped_at FROM sessions FINAL WHERE node = '{node}'").rows
         }
+
+
+@pytest.mark.bpf
+def test_trace_ships_while_it_records(store: list[Server], tmp_path: Path) -> None:
+    """``ingero trace --clickhouse``: a real eBPF recording (host events of this machine) shipped from the
+    tracer's own thread; when it stops, the store holds every event it recorded, under its node."""
+    db = tmp_path / "trace.db"
+    cmd = [sys.executable, "-m", "ingero", "trace", "--db", str(db), "--duration", "4s", "--quiet"]
+    proc = subprocess.run(
+        [*cmd, "--node", "traced-node", "--clickhouse", store[0].url], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n = _sqlite_counts(db)["events"]
+    assert n > 0 and _node(db) == "traced-node"
+    assert _store_counts(store[1].url, "traced-node") == (n, n)
+    assert _stored_sessions(store[1].url, "traced-node") == dict(
+        sqlite3.connect(db).execute("SELECT id, stopped_at FROM sessions").fetchall()
+    )
