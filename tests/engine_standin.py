@@ -9,6 +9,7 @@ tracer's detection finds it; or in-process with :func:`serve`.
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -66,10 +67,27 @@ NAMES = {  # engine: (running, waiting, kv usage, preemptions counter, TTFT hist
 }
 
 
-class Engine:
-    """The metrics of one stand-in engine; each :meth:`page` is one scrape (the scenario advances)."""
+# vLLM's other families (a real page's weight, for the scrape-cost bench): histograms and counters
+FULL_PAGE = (
+    "e2e_request_latency_seconds",
+    "time_per_output_token_seconds",
+    "inter_token_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "request_params_max_tokens",
+)
+FULL_COUNTERS = ("prompt_tokens", "generation_tokens", "request_success")
 
-    def __init__(self, engine: str, scenario: str) -> None:
+
+class Engine:
+    """The metrics of one stand-in engine; each :meth:`page` is one scrape (the scenario advances).
+    ``full``: also the rest of a real page (:data:`FULL_PAGE`, :data:`FULL_COUNTERS`)."""
+
+    def __init__(self, engine: str, scenario: str, *, full: bool = False) -> None:
         self.scenario = SCENARIOS[scenario]
         self.k = 0
         self.lock = threading.Lock()
@@ -82,6 +100,13 @@ class Engine:
         self.pre = Counter(pre, "Cumulative preemptions", labels, registry=self.registry)
         self.ttft = Histogram(ttft, "Time to first token", labels, buckets=TTFT_BUCKETS, registry=self.registry)
         Gauge("process_open_fds", "not the engine's own", registry=self.registry).set(12)
+        prefix = run.split(":")[0] + ":"
+        self.extra = (
+            [Histogram(prefix + n, n, labels, buckets=TTFT_BUCKETS, registry=self.registry) for n in FULL_PAGE]
+            if full
+            else []
+        )
+        self.counters = [Counter(prefix + n, n, labels, registry=self.registry) for n in FULL_COUNTERS] if full else []
 
     def page(self) -> bytes:
         with self.lock:
@@ -93,6 +118,10 @@ class Engine:
             self.pre.labels(m).inc(pre)
             for _ in range(4):
                 self.ttft.labels(m).observe(ttft)
+            for i, h in enumerate(self.extra):
+                h.labels(m).observe(0.01 * (1 + (self.k + i) % 50))
+            for c in self.counters:
+                c.labels(m).inc(running)
             self.k += 1
             return generate_latest(self.registry)
 
@@ -101,6 +130,8 @@ def serve(engine: Engine, port: int = 0) -> ThreadingHTTPServer:
     """Serve ``engine`` on 127.0.0.1:``port`` (0: any) from a daemon thread; ``server_address`` says where."""
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn (vLLM, SGLang) and TGI's router serve
+
         def do_GET(self) -> None:
             if self.path != "/metrics":
                 self.send_error(404)
@@ -120,6 +151,13 @@ def serve(engine: Engine, port: int = 0) -> ThreadingHTTPServer:
     return server
 
 
+def free_port() -> int:
+    """A loopback port free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def launcher(directory: Path, name: str) -> Path:
     """An executable named like the engine's entry point (``vllm``, ``text-generation-launcher``) that
     runs :func:`main`: its command line is the engine's."""
@@ -133,12 +171,13 @@ def launcher(directory: Path, name: str) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    """``<launcher> ... --port N [--scenario NAME] [--engine vllm|sglang]``: serve until killed."""
+    """``<launcher> ... --port N [--scenario NAME] [--engine vllm|sglang] [--full-page]``: serve until killed."""
 
     def arg(name: str, default: str) -> str:
         return argv[argv.index(name) + 1] if name in argv else default
 
-    server = serve(Engine(arg("--engine", "vllm"), arg("--scenario", "healthy_busy")), int(arg("--port", "0")))
+    engine = Engine(arg("--engine", "vllm"), arg("--scenario", "healthy_busy"), full="--full-page" in argv)
+    server = serve(engine, int(arg("--port", "0")))
     print(server.server_address[1], flush=True)
     threading.Event().wait()
 

@@ -49,7 +49,7 @@ from ingero.explain.ledger_gaps import (
     gap_classes,
     paint,
 )
-from ingero.explain.offcpu import SCHED_WAKEUP, Intervals, OffCpu, union
+from ingero.explain.offcpu import Intervals, OffCpu, union, wakeups
 from ingero.explain.rules_ledger import DOMINANT, MIN_LOST_NS, SHARES
 from ingero.explain.storage import load_storage
 from ingero.store.annotation_join import MAX_ANNOTATIONS
@@ -258,12 +258,12 @@ def _node_parts(
     if gpu.size == 0 or not here.any():
         return
     a = fr.args
-    wk, net, io = a.is_op(SCHED_WAKEUP), fr.source == NET, fr.source == IO
+    net, io = fr.source == NET, fr.source == IO
     h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
     ev = ThreadEvidence(
         OffCpu(a),
         {
-            "wakeup": (a.tid[wk], a.ts_ns[wk], a.arg0[wk]),
+            "wakeup": wakeups(a),
             "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
             "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
         },

@@ -2,11 +2,12 @@
 
 Engines are found by command line (:mod:`ingero.trace.engines`), again every ``detect_every`` seconds,
 so one started after the agent is picked up and one that exited is dropped. Each tick fetches every
-endpoint at once (httpx on the trio loop, a short timeout: a slow engine never holds the others or the
-recording back), keeps the families the engine publishes under its own prefix, parses them with
+endpoint on its own clock (httpx on the trio loop, a short timeout: a slow engine never holds the others
+or the recording back), keeps the families the engine publishes under its own prefix, parses them with
 prometheus_client's parser, and hands the rows to the tracer's single writer (``sink``: the pipeline's
 ``add_rows``). Names are kept exactly as published (:mod:`ingero.store.engine_metrics`); a sample is
-stored when it changed since the engine's previous scrape, and every sample once a minute.
+stored when it changed since the engine's previous scrape, and every sample once a minute. Each series
+line goes through the parser once; later scrapes read its value only (:func:`parse`).
 
 A failing endpoint (refused, timed out, not Prometheus text) is noted once — a warning on the
 ``ingero.inference`` logger, and in :attr:`Scraper.failing` — and retried at every tick; its recovery
@@ -34,21 +35,39 @@ DETECT_EVERY_S = 5.0
 TIMEOUT_S = 0.5
 FULL_EVERY_NS = 60 * 1_000_000_000  # every sample stored at least this often
 MAX_BODY = 4 << 20  # a metrics page larger than this is not read whole
+MAX_SERIES = 100_000  # series lines remembered per engine (parse's ``known``)
 
 
-def parse(engine: str, text: str) -> list[tuple[str, str, float]]:
-    """(metric, labels, value) of every sample ``engine`` publishes under its prefix, names as published."""
+def parse(engine: str, text: str, known: dict[str, tuple[str, str]] | None = None) -> list[tuple[str, str, float]]:
+    """(metric, labels, value) of every sample ``engine`` publishes under its prefix, names as published.
+
+    Each sample line is parsed by prometheus_client's parser; ``known`` (one per engine, kept across
+    scrapes) remembers what the parser made of a series' line up to its value (``name{labels}``), so the
+    next scrape reads only the value of a series already parsed — a line with a timestamp, or one the
+    parser has not seen, goes to the parser whole."""
     prefixes = PREFIXES[engine]
-    keep = []
+    out: list[tuple[str, str, float]] = []
     for line in text.splitlines():
-        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
-        if name.startswith(prefixes):
-            keep.append(line)
-    out = []
-    for family in text_string_to_metric_families("\n".join(keep) + "\n"):
-        for s in family.samples:
-            if not math.isnan(s.value):
-                out.append((s.name, labels_text(dict(s.labels)), float(s.value)))
+        if not line.startswith(prefixes):  # comments (# HELP, # TYPE) and other families
+            continue
+        head, _, last = line.rpartition(" ")
+        hit = known.get(head) if known is not None else None
+        if hit is not None:
+            try:
+                value = float(last)
+            except ValueError:
+                hit = None
+            else:
+                if not math.isnan(value):
+                    out.append((*hit, value))
+                continue
+        for family in text_string_to_metric_families(line + "\n"):
+            for smp in family.samples:
+                key = (smp.name, labels_text(dict(smp.labels)))
+                if known is not None and smp.timestamp is None and len(known) < MAX_SERIES:
+                    known[head] = key
+                if not math.isnan(smp.value):
+                    out.append((*key, float(smp.value)))
     return out
 
 
@@ -56,8 +75,10 @@ def parse(engine: str, text: str) -> list[tuple[str, str, float]]:
 class _State:
     engine: Engine
     last: dict[tuple[str, str], float] = field(default_factory=dict)
+    known: dict[str, tuple[str, str]] = field(default_factory=dict)  # see parse
     full_at: int = 0  # when every sample was last stored
     failing: str | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 class Scraper:
@@ -84,30 +105,33 @@ class Scraper:
         return {s.engine.url: s.failing for s in self.engines.values() if s.failing}
 
     async def run(self) -> None:
-        limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
-        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False) as client:
-            next_detect = 0.0
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False)
+        async with client, trio.open_nursery() as nursery:
+            while True:
+                await self._detect(nursery, client)
+                await trio.sleep(self.detect_every_s)
+
+    async def _detect(self, nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+        """Start a loop for each new engine, stop the loops of those gone."""
+        found = {(e.pid, e.url): e for e in await trio.to_thread.run_sync(self.find)}
+        for key in list(self.engines):
+            if key not in found:
+                self.engines.pop(key).scope.cancel()
+        for key, e in found.items():
+            if key not in self.engines:
+                st = self.engines[key] = _State(e)
+                nursery.start_soon(self._engine_loop, client, st)
+                log.info("inference: %s (pid %d): scraping %s", e.engine, e.pid, e.url)
+
+    async def _engine_loop(self, client: httpx.AsyncClient, st: _State) -> None:
+        """One engine's scrapes, on its own clock: a slow endpoint delays no other."""
+        with st.scope:
             tick = trio.current_time()
             while True:
-                if trio.current_time() >= next_detect:
-                    await self._detect()
-                    next_detect = trio.current_time() + self.detect_every_s
-                async with trio.open_nursery() as nursery:
-                    for st in list(self.engines.values()):
-                        nursery.start_soon(self._scrape, client, st)
+                await self._scrape(client, st)
                 tick += self.interval_s
                 await trio.sleep_until(max(tick, trio.current_time()))
-
-    async def _detect(self) -> None:
-        found = await trio.to_thread.run_sync(self.find)
-        keys = {(e.pid, e.url): e for e in found}
-        for key in list(self.engines):
-            if key not in keys:
-                del self.engines[key]
-        for key, e in keys.items():
-            if key not in self.engines:
-                self.engines[key] = _State(e)
-                log.info("inference: %s (pid %d): scraping %s", e.engine, e.pid, e.url)
 
     async def _scrape(self, client: httpx.AsyncClient, st: _State) -> None:
         e = st.engine
@@ -121,7 +145,7 @@ class Scraper:
             return
         t0 = time.thread_time()
         try:
-            samples = parse(e.engine, text)
+            samples = parse(e.engine, text, st.known)
         except ValueError as exc:  # prometheus_client's parser: not the text format
             self.cpu_s += time.thread_time() - t0
             self._failed(st, f"not Prometheus text ({type(exc).__name__})")
