@@ -10,7 +10,7 @@ import argparse
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ingero.cli import common
 from ingero.cli.output import note
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ingero.clickhouse.shipper import BackgroundShipping, Shipper, ShipResult
     from ingero.fleet.collective_ops import StragglerReport
     from ingero.store.guard import QueryResult
+    from ingero.store.window import Window
 
 EXAMPLES = """\
 examples:
@@ -162,7 +163,27 @@ def store_stragglers(args: argparse.Namespace) -> StragglerReport:
     cv = collective_verdict(calls) if any(len(c) for c in calls) else None
     v = with_collectives(verdict([]), cv)
     cost = wait_cost(cv.ranks if cv else [], rates, window_s=_span_s(calls))  # the job time the calls cover
-    return StragglerReport([], v, cost, truncated=truncated)
+    report = StragglerReport([], v, cost, truncated=truncated)
+    if v.outlier:
+        report.chain = _top_chain(args, v.outlier, window)
+    return report
+
+
+def _top_chain(args: argparse.Namespace, node: str, window: Window) -> dict[str, Any] | None:
+    """The straggler's strongest explain chain over the same window of the store (as fan-out asks its agent)."""
+    from ingero.clickhouse.history import load_file
+    from ingero.explain.engine import explain
+    from ingero.store.db import open_readonly
+
+    with connect(args) as ch, tempfile.TemporaryDirectory(prefix="ingero-ch-") as tmp:
+        path = Path(tmp) / "window.db"
+        load_file(ch, args.ch_database, node, window, path)
+        conn = open_readonly(path)
+        try:
+            chains = explain(conn, window, node=node).chains
+        finally:
+            conn.close()
+    return chains[0].as_dict() if chains else None
 
 
 # --- shipping from a tracer ----------------------------------------------------------------------
