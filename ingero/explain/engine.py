@@ -24,6 +24,7 @@ from ingero.explain import (
     rules_drift,
     rules_events,
     rules_graphs,
+    rules_hang,
     rules_latency,
     rules_launch,
     rules_leak,
@@ -237,6 +238,7 @@ def _explain_node(
         cold = rules_events.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx)
         chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx, chains)
+        chains += rules_hang.hang_chains(ctx)
         chains += rules_launch.first_launch_chains(ctx, ctx.notes)
         chains += rules_leak.leak_chains(ctx) + rules_graphs.graph_chains(ctx)
         chains += rules_ledger.ledger_chains(ctx, ledger, chains)

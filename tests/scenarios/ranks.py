@@ -18,6 +18,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+from ingero.demo.realistic import AGENT
 from ingero.demo.synth import ALL_REDUCE, SyntheticNode
 from ingero.store.catalog import as_sqlite_int, op_id
 from ingero.store.nccl import IN_FLIGHT
@@ -89,7 +90,8 @@ def lockstep(
             lp.sync()
             if i != p.outlier % n:
                 calls[i].append((lp.rec.ts(lp.t), IN_FLIGHT, step))
-            lp.t = t + hang_s  # nothing more from these threads; the node's recording goes on
+            lp.t = t + hang_s  # nothing more from these threads; the node's recording goes on ...
+            lp.rec.block_io(lp.t, AGENT, True, 1.2 * NS_PER_MS, 64)  # ... to here: the agent's last write
     for i, lp in enumerate(loops):
         assert isinstance(lp.rec, Node)
         lp.rec.after.append(partial(_nccl_rows, node=lp.rec, rank=i, nranks=n, calls=calls[i]))
