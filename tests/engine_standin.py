@@ -171,7 +171,8 @@ def launcher(directory: Path, name: str) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    """``<launcher> ... --port N [--scenario NAME] [--engine vllm|sglang] [--full-page]``: serve until killed."""
+    """``<launcher> ... --port N [--scenario NAME] [--engine vllm|sglang] [--full-page] [--cuda-lib PATH]``:
+    serve until killed (with ``--cuda-lib``, calling its cudaMalloc every 10 ms meanwhile)."""
 
     def arg(name: str, default: str) -> str:
         return argv[argv.index(name) + 1] if name in argv else default
@@ -179,6 +180,14 @@ def main(argv: list[str]) -> None:
     engine = Engine(arg("--engine", "vllm"), arg("--scenario", "healthy_busy"), full="--full-page" in argv)
     server = serve(engine, int(arg("--port", "0")))
     print(server.server_address[1], flush=True)
+    if "--cuda-lib" in argv:  # the engine's GPU side: the CUDA-shaped library, called as a serving loop would
+        import ctypes
+        import time
+
+        lib, ptr = ctypes.CDLL(arg("--cuda-lib", "")), ctypes.c_void_p()
+        while True:
+            lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(4096))
+            time.sleep(0.01)
     threading.Event().wait()
 
 
