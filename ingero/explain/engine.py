@@ -31,6 +31,7 @@ from ingero.explain import (
     rules_ledger,
     rules_memory,
     rules_periodic,
+    rules_ranks,
     rules_serving,
 )
 from ingero.explain.cgroups import pid_cgroups, with_cgroups
@@ -238,7 +239,7 @@ def _explain_node(
         cold = rules_events.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx)
         chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx, chains)
-        chains += rules_hang.hang_chains(ctx)
+        chains += rules_hang.hang_chains(ctx) + rules_ranks.late_rank_chains(ctx)
         chains += rules_launch.first_launch_chains(ctx, ctx.notes)
         chains += rules_leak.leak_chains(ctx) + rules_graphs.graph_chains(ctx)
         chains += rules_ledger.ledger_chains(ctx, ledger, chains)
