@@ -18,7 +18,7 @@ import pytest
 
 from ingero.annotate import AnnotationLine
 from ingero.cli.main import main
-from ingero.explain.by_label import ByLabel, by_label, render
+from ingero.explain.by_label import ByLabel, ValueLedger, by_label, render, render_value
 from ingero.explain.ledger import BUCKETS
 from ingero.store.annotations import write_lines
 from ingero.store.db import open_readonly
@@ -183,3 +183,9 @@ def test_cli_annotation_errors_are_one_line(tmp_path: Path, capsys: pytest.Captu
     assert "no span of step=99" in capsys.readouterr().err
     assert main(["explain", "--db", str(path), "--annotation", "step"]) != 0
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_integer_values_read_with_thousands_separators() -> None:
+    v = ValueLedger("4812", 0, 3_100_000_000, 1, 1, 3_100_000_000, median_ratio=3.0)
+    assert render_value("step", v).startswith("step 4,812: 3.10 s (3.0x the median)")
+    assert render_value("run", ValueLedger("007", 0, 1)).startswith("run 007: ")

@@ -280,3 +280,83 @@ def test_trace_has_the_inference_flag() -> None:
         [sys.executable, "-m", "ingero", "trace", "--help"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert "--inference" in out
+
+
+# --- thresholds, both sides, on series written through the writer (as the scraper hands them over) -----
+
+S = 1_000_000_000
+T0 = 1_780_000_000 * S
+SCRAPES = 40
+
+
+def series_db(path: Path, kv: list[float], pre: list[int], waiting: list[float], ttft: list[float]) -> Path:
+    """vLLM's series over SCRAPES scrapes a second apart: KV usage, preemptions added, waiting, TTFT."""
+    rows: list[EngineMetricRow] = []
+    total = count = 0.0
+    done = 0
+    m = '{"model_name":"m"}'
+    for k in range(SCRAPES):
+        done += pre[k]
+        count += 4
+        total += 4 * ttft[k]
+        ts = T0 + k * S
+        rows += [
+            (ts, 7, "vllm", "vllm:kv_cache_usage_perc", m, kv[k]),
+            (ts, 7, "vllm", "vllm:num_preemptions_total", m, float(done)),
+            (ts, 7, "vllm", "vllm:num_requests_waiting", m, waiting[k]),
+            (ts, 7, "vllm", "vllm:num_requests_running", m, 32.0),
+            (ts, 7, "vllm", "vllm:time_to_first_token_seconds_sum", m, total),
+            (ts, 7, "vllm", "vllm:time_to_first_token_seconds_count", m, count),
+        ]
+    return record(path, rows)
+
+
+def serving_of(path: Path) -> dict[str, str]:
+    return {f: s for f, s in chains_of(path) if f.startswith("serving/")}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(("hot", "severity"), [(1, "LOW"), (3, "MEDIUM"), (10, "HIGH")])
+def test_kv_pressure_severity_is_its_share_of_the_window(tmp_path: Path, seed: int, hot: int, severity: str) -> None:
+    """1, 3, 10 preempting scrape steps of 39: 2.6 % (LOW), 7.7 % (MEDIUM, ≥ 5 %), 26 % (HIGH, ≥ 20 %),
+    anywhere in the window."""
+    import random
+
+    at = set(random.Random(seed).sample(range(1, SCRAPES), hot))
+    kv = [0.97 if k in at else 0.6 for k in range(SCRAPES)]
+    pre = [2 if k in at else 0 for k in range(SCRAPES)]
+    got = serving_of(series_db(tmp_path / "kv.db", kv, pre, [2.0] * SCRAPES, [0.1] * SCRAPES))
+    assert got == {"serving/kv-cache": severity}
+
+
+@pytest.mark.parametrize(("usage", "named"), [(0.94, False), (0.96, True)])
+def test_kv_pressure_needs_a_full_cache(tmp_path: Path, usage: float, named: bool) -> None:
+    pre = [1] * SCRAPES
+    got = serving_of(series_db(tmp_path / "kv.db", [usage] * SCRAPES, pre, [2.0] * SCRAPES, [0.1] * SCRAPES))
+    assert ("serving/kv-cache" in got) is named
+
+
+def plateaus(first: float, last: float) -> list[float]:
+    """``first`` over the window's first third, ``last`` over its last, a ramp between."""
+    n = SCRAPES // 3
+    mid = SCRAPES - 2 * n
+    return [first] * n + [first + (last - first) * (i + 1) / (mid + 1) for i in range(mid)] + [last] * n
+
+
+@pytest.mark.parametrize(
+    ("last_waiting", "ttft_x", "expect"),
+    [
+        (10.0, 1.0, None),  # 2 -> 10: under 3x + 5 (11)
+        (12.0, 1.0, "LOW"),  # the queue grew, first tokens did not slow: absorbing a burst
+        (2.0, 2.1, "LOW"),  # slower first tokens (≥ 2x), no queue: the prompt mix
+        (2.0, 1.9, None),
+        (12.0, 2.9, "MEDIUM"),  # both, under 3x
+        (12.0, 3.1, "HIGH"),  # both, TTFT ≥ 3x
+    ],
+)
+def test_queue_growth_and_ttft_regression_thresholds(
+    tmp_path: Path, last_waiting: float, ttft_x: float, expect: str | None
+) -> None:
+    waiting, ttft = plateaus(2.0, last_waiting), plateaus(0.1, 0.1 * ttft_x)
+    got = serving_of(series_db(tmp_path / "q.db", [0.6] * SCRAPES, [0] * SCRAPES, waiting, ttft))
+    assert got == ({"serving/queue": expect} if expect else {})

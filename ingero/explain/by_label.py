@@ -370,7 +370,7 @@ def _pct(part: int, whole: int) -> str:
 
 def render_value(key: str, v: ValueLedger) -> str:
     """'step 7: 3.1 s (3.0x the median) — 2.2 s lost: 71 % asleep on forked workers (input starvation)'."""
-    line = f"{key} {v.value}: {fmt_latency(v.elapsed_ns)} ({v.median_ratio:.1f}x the median)"
+    line = f"{key} {_shown(v.value)}: {fmt_latency(v.elapsed_ns)} ({v.median_ratio:.1f}x the median)"
     if v.cause is not None:
         line += f" — {fmt_latency(v.lost_ns)} lost: {_pct(v.lost[v.cause], v.lost_ns)} {CAUSES[v.cause]}"
         if v.lost[v.cause] < DOMINANT * v.lost_ns:
@@ -381,6 +381,11 @@ def render_value(key: str, v: ValueLedger) -> str:
     return line
 
 
+def _shown(value: str) -> str:
+    """An integer label value with thousands separators (step 4,812), any other as it is."""
+    return f"{int(value):,}" if value.isdigit() and not (len(value) > 1 and value[0] == "0") else value
+
+
 def render(result: ByLabel) -> str:
     """One line per value: 'step 7: 3.1 s (3.0x the median) — 2.2 s lost: 71 % asleep on forked workers ...'."""
     if not result.values:
@@ -388,7 +393,7 @@ def render(result: ByLabel) -> str:
     worst = max(result.values, key=lambda v: v.elapsed_ns)
     lines = [
         f"by {result.key} ({len(result.values):,} value(s), median {fmt_latency(result.median_ns)}; slowest: "
-        f"{result.key} {worst.value}, {worst.median_ratio:.1f}x the median):"
+        f"{result.key} {_shown(worst.value)}, {worst.median_ratio:.1f}x the median):"
     ]
     lines += ["  " + render_value(result.key, v) for v in result.values]
     return "\n".join(lines) + "\n"
