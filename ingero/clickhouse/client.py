@@ -89,6 +89,8 @@ class ClickHouse:
 
     def _post(self, params: Mapping[str, str | int], body: bytes | str) -> bytes:
         merged = {**self.settings, **params}
+        if "readonly" in merged:  # last: the request's other settings are applied before it takes effect
+            merged["readonly"] = merged.pop("readonly")
         try:
             r = self._http.post(self.url, params={k: str(v) for k, v in merged.items()}, content=body)
         except httpx.TimeoutException as e:
