@@ -5,7 +5,9 @@ After a thread's last GPU call its wall-time ledger ends, so no other rule sees 
 What shows it is the *silence*: the process's last GPU call ended at ``t``, the node's recording went
 on to ``end`` (its last row of any kind), and the process did not exit. The silence is a finding when
 it is :data:`SILENCE_GAPS` times the longest gap between two of the process's GPU calls before it (the
-job never paused like that while it ran), and it loses ≥ 1 % of the wall time.
+job never paused like that while it ran), and it loses ≥ 1 % of the wall time. A short silence (under
+5 % of the wall time, LOW) is said with its other reading: the recording may have stopped mid-job,
+its last rows being unrelated host activity — which one cannot be told from the rows.
 
 Time lost: the silence, ``end − t``; the wall time runs from the process's first GPU call to ``end``,
 so the share is in [0, 1] by construction. Severity from that share, like every other loss. The chain
@@ -82,7 +84,8 @@ def _chain(ctx: Context, pid: int, last: int, end: int, lost: int, wall: int, lo
         severity=cz.severity_of_loss(lost, wall),
         summary=(
             f"{ctx.proc(pid)} stopped making GPU calls at {fmt_ts(last)} and stayed silent for {short_ns(lost)} "
-            f"while the recording went on ({100 * share:.1f}% of its wall time) — hung or stalled"
+            f"while the recording went on ({100 * share:.1f}% of its wall time) — "
+            + ("hung or stalled" if share >= cz.MEDIUM_SHARE else "hung, stalled, or the recording stopped mid-job")
         ),
         root_cause=(
             "the GPU process is hung or stalled: no GPU call for far longer than it ever paused while it ran, and it "
