@@ -397,6 +397,11 @@ def test_the_seed_query_runs_unchanged_through_clickhouse(
         assert all(d == pytest.approx(avg[(a, b)], rel=1e-9) for a, b, _, d in got)
     assert main(["query", "--clickhouse", cluster[0].url, "--csv", "--limit", "2", SEED]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3  # header + the limit
+    assert main(["query", "--clickhouse", cluster[0].url, "--json", "--limit", "5"]) == 0  # no statement: the latest
+    latest = json.loads(capsys.readouterr().out)
+    assert latest["truncated"] and len(latest["rows"]) == 5
+    newest = max(sqlite3.connect(db).execute("SELECT max(timestamp) FROM events").fetchone()[0] for db in shipped)
+    assert latest["rows"][0][latest["columns"].index("timestamp")] == newest
 
 
 HOSTILE = [

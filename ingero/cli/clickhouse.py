@@ -84,6 +84,13 @@ def run_schema(args: argparse.Namespace) -> int:
 # --- query / explain / stragglers over the store -------------------------------------------------
 
 
+# without a statement: the latest events (ClickHouse 18.16 takes one JOIN per SELECT, so names come from no catalog)
+DEFAULT_SQL = (
+    "SELECT node, id, timestamp, source, op, duration/1000.0 AS dur_us, pid, tid, arg0, ret_code "
+    "FROM events ORDER BY timestamp DESC"
+)
+
+
 def query_result(args: argparse.Namespace, sql: str) -> QueryResult:
     """``ingero query --clickhouse``: the statement, read-only, through one server (all shards)."""
     from ingero.clickhouse.query import run_query

@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "clickhouse", None):
         from ingero.cli import clickhouse
 
-        return emit_result(args, clickhouse.query_result(args, sql_from(args)))
+        sql = sql_from(args)
+        return emit_result(args, clickhouse.query_result(args, clickhouse.DEFAULT_SQL if sql is DEFAULT_SQL else sql))
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 
