@@ -214,6 +214,22 @@ def test_a_shard_killed_mid_ship_resumes_without_loss_or_duplicates(store: list[
         assert (settled, resent) == ((1, 0) if landed.get(node) else (0, 1)), node
 
 
+def test_a_table_pruned_empty_renumbers_and_is_still_shipped(store: list[Server], tmp_path: Path) -> None:
+    """The disk budget may prune every event; SQLite then numbers the next rows from 1, below the cursor."""
+    db = _copies(tmp_path)[0]
+    node = _node(db)
+    _ship(db, store[0].url)
+    before = _sqlite_counts(db)["events"]
+    conn = sqlite3.connect(db)
+    conn.execute("DELETE FROM events")
+    conn.commit()
+    conn.close()
+    _more_events(db, node, 700)
+    assert sqlite3.connect(db).execute("SELECT max(rowid) FROM events").fetchone()[0] == 700
+    _ship(db, store[1].url)
+    assert _store_counts(store[0].url, node) == (before + 700, before + 700)
+
+
 class AnswerLost(ClickHouse):
     """A client whose ``lose``-th insert reaches the server and commits, and whose answer is then lost
     (the shipper killed, the connection cut, after ClickHouse wrote the rows)."""

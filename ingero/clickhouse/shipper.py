@@ -247,6 +247,17 @@ class Shipper:
             return None
         return _Batch(last, b"\n".join(lines) + b"\n", first_node or self.node, len(lines))
 
+    def _check_cursor(self, table: Table) -> None:
+        """A table emptied (the disk budget pruned every row) numbers its next rows from 1 again, below the
+        cursor: start over from the first row (rows sent again collapse by identity in the store)."""
+        top = self.conn.execute(f"SELECT max(rowid) FROM {table.name}").fetchone()[0]
+        shipped = self._progress(table.name)[0]
+        if shipped != FIRST_ROWID and (top is None or top < shipped):
+            self.conn.execute(
+                "UPDATE clickhouse_progress SET shipped = ? WHERE target = ? AND tbl = ?",
+                (FIRST_ROWID, self.target, table.name),
+            )
+
     def _reader(self) -> sqlite3.Connection:
         if self._read_conn is None:
             self._read_conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
@@ -320,6 +331,7 @@ class Shipper:
                 self._settle(table.name, landed)
                 prog.settled += landed
                 prog.resent += not landed
+            self._check_cursor(table)
             closed_before = self._closed_before(table)
             dest = f"{self.database}.{table.name}"
             # the next batch is read (over a second connection) while the current one is being inserted
