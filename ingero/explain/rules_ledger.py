@@ -261,12 +261,20 @@ def _sleep(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any
     )
 
 
+def _waker(ctx: Context, w: int, pid: int) -> str:
+    """A waker as the chain may name it: only the traced process tree is named (the GPU processes and
+    what they forked); anything else — the agent itself included — is context, never a cause."""
+    if w == pid:
+        return "its own process"
+    return ctx.proc(w) if w in set(ctx.tree.tolist()) else "a process outside the traced tree"
+
+
 def _asleep(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any) -> Chain:
     lost, pid = row.idle_ns[ASLEEP_UNKNOWN], int(row.pid or 0)
     tids = np.full(row.gap_start.size, int(row.tid or 0), dtype=np.int64)
     by = ctx.off.by_who(VOL, tids, row.gap_start, row.gap_end)
     top = [(w, ns) for w, ns in sorted(by.items(), key=lambda x: -x[1]) if w][:3]
-    shown = ", ".join(f"{ctx.proc(w) if w != pid else 'its own process'} ({ms(ns)})" for w, ns in top)
+    shown = ", ".join(f"{_waker(ctx, w, pid)} ({ms(ns)})" for w, ns in top)
     return ledger_chain(
         ctx,
         row,
@@ -280,7 +288,7 @@ def _asleep(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: An
                 "HOST", "sched_wakeup", f"asleep {ms(lost)}, woken by {shown or 'no recorded wakeup'}", lost // 1000
             )
         ],
-        {**base, "wakers": {str(w): round(ns / 1e6, 1) for w, ns in top}},
+        {**base, "wakers": {str(w): round(ns / 1e6, 1) for w, ns in top if w in set(ctx.tree.tolist())}},
         sev,
     )
 
@@ -308,7 +316,7 @@ def _offcpu(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: An
         + (": if they feed the GPU thread (DataLoader workers), this may be input starvation" if active.size else ""),
         (
             "wakeups in those gaps: "
-            + ", ".join(f"{ctx.proc(int(w))} x{int(n)}" for w, n in zip(wakers, counts, strict=True))
+            + ", ".join(f"{_waker(ctx, int(w), pid)} x{int(n)}" for w, n in zip(wakers, counts, strict=True))
             if wakers.size
             else "no sched_wakeup rows: what ended each wait was not recorded"
         ),
