@@ -48,14 +48,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import trio
 from verdict import Target, no_verdict, summary, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ingero.identity import Identity  # noqa: E402
-from ingero.trace.tracer import TraceOptions, TraceReady, run_trace  # noqa: E402
+from ingero.trace.tracer import TraceOptions, TraceReady  # noqa: E402
+from tests.bpf_support import record  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "bpf_fixtures" / "socket_trips.c"
 ROUND_TRIP = Target(1.05, "x")
@@ -207,22 +207,7 @@ def traced_by_agent(loop: Loop, tmp: Path, reps: int) -> list[tuple[float, float
 
 def with_agent(db: Path, action: Callable[[TraceReady], Any], **extra: Any) -> Any:
     """The real agent (run_trace: probes, pipeline, writer), default options, around ``action``."""
-    opts = TraceOptions(db_path=db, identity=Identity("bench"), output="quiet", **extra)
-    box: dict[str, Any] = {}
-
-    async def tracer(task_status: trio.TaskStatus[TraceReady] = trio.TASK_STATUS_IGNORED) -> None:
-        box["summary"] = await run_trace(opts, task_status=task_status, handle_signals=False)
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            ready: TraceReady = await nursery.start(tracer)
-            try:
-                box["result"] = await trio.to_thread.run_sync(partial(action, ready))
-            finally:
-                ready.control.stop("bench")
-
-    trio.run(main)
-    return box.get("result")
+    return record(TraceOptions(db_path=db, identity=Identity("bench"), output="quiet", **extra), action)[1]
 
 
 class Blocks:

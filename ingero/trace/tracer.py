@@ -17,6 +17,7 @@ forgets what is kept per process (kernel page-allocation counters, recorder stat
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -229,8 +230,7 @@ class _Follower:
             size = self._sizes.get(pid)
             if size != "0":  # a kernel thread (no address space) stays one: not read again
                 try:
-                    with open(f"/proc/{pid}/statm", "rb") as f:
-                        size = f.read(32).split(b" ", 1)[0].decode()
+                    size = _statm_size(pid)
                 except OSError:
                     continue
                 if self._sizes.get(pid) != size:
@@ -247,6 +247,16 @@ class _Follower:
         self.sync_sockets()
         self.cgroups.flush(self.opts.db_path)
         return new
+
+
+def _statm_size(pid: int) -> str:
+    """The first field of /proc/<pid>/statm (address-space size in pages), read with bare syscalls:
+    the rescan reads one per process every RESCAN_INTERVAL_S."""
+    fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+    try:
+        return os.read(fd, 32).split(b" ", 1)[0].decode()
+    finally:
+        os.close(fd)
 
 
 async def run_trace(
