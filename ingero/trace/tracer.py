@@ -204,8 +204,8 @@ class _Follower:
         now, had = self.probes.target_pids(), self.probes.socket_pids()
         for pid in sorted(now - had):
             self.probes.attach_sockets(pid)
-        for pid in sorted(had - now):
-            self.probes.detach_sockets(pid)
+        if had - now:
+            self.probes.detach_sockets(sorted(had - now))
 
     def attach(self, libs: list[discovery.LibraryFile]) -> list[LibraryAttach]:
         return [self.probes.attach_library(lib.kind, lib.path) for lib in libs]
