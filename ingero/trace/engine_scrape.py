@@ -1,11 +1,11 @@
 """``ingero trace --inference``: scrape every serving engine's metrics once a second into the recording.
 
 Engines are found by command line (:mod:`ingero.trace.engines`), again every ``detect_every`` seconds,
-so one started after the agent is picked up and one that exited is dropped. Each tick fetches every
-endpoint on its own clock (httpx on the trio loop, a short timeout: a slow engine never holds the others
-or the recording back), keeps the families the engine publishes under its own prefix, parses them with
-prometheus_client's parser, and hands the rows to the tracer's single writer (``sink``: the pipeline's
-``add_rows``). Names are kept exactly as published (:mod:`ingero.store.engine_metrics`); a sample is
+so one started after the agent is picked up and one that exited is dropped. Each engine is scraped on
+its own clock, in a worker thread (its own kept-alive connection, a short timeout: a slow engine
+never holds the others, the trio loop or the recording back): the families the engine publishes under
+its own prefix are parsed with prometheus_client's parser and the rows handed to the tracer's single
+writer (``sink``: the pipeline's ``add_rows``). Names are kept exactly as published (:mod:`ingero.store.engine_metrics`); a sample is
 stored when it changed since the engine's previous scrape, and every sample once a minute. Each series
 line goes through the parser once; later scrapes read its value only (:func:`parse`).
 
@@ -16,13 +16,14 @@ is noted too.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -71,9 +72,44 @@ def parse(engine: str, text: str, known: dict[str, tuple[str, str]] | None = Non
     return out
 
 
+class _Fetcher:
+    """One endpoint's kept-alive HTTP/1.1 connection (the standard library's http.client: about half
+    httpx's CPU per request, which matters at one request a second per engine on every node)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        u = urllib.parse.urlsplit(url)
+        self.path = u.path or "/metrics"
+        self.conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout_s)
+
+    def get(self) -> str:
+        """The page (at most MAX_BODY bytes); OSError or http.client.HTTPException when it fails. A kept-alive
+        connection the server closed meanwhile is opened again once."""
+        for attempt in (0, 1):
+            reused = self.conn.sock is not None
+            try:
+                self.conn.request("GET", self.path, headers={"Accept": "text/plain"})
+                resp = self.conn.getresponse()
+                body = resp.read(MAX_BODY)
+            except (OSError, http.client.HTTPException):
+                self.conn.close()
+                if reused and attempt == 0:
+                    continue
+                raise
+            if not resp.isclosed():  # a page over MAX_BODY: the rest is never read
+                self.conn.close()
+            if resp.status != 200:
+                raise http.client.HTTPException(f"HTTP {resp.status}")
+            return body.decode("utf-8", "replace")
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 @dataclass
 class _State:
     engine: Engine
+    fetcher: _Fetcher  # its own connection, kept alive between scrapes
     last: dict[tuple[str, str], float] = field(default_factory=dict)
     known: dict[str, tuple[str, str]] = field(default_factory=dict)  # see parse
     full_at: int = 0  # when every sample was last stored
@@ -97,7 +133,6 @@ class Scraper:
         self.find = find
         self.engines: dict[tuple[int, str], _State] = {}
         self.scrapes = self.rows = self.errors = 0
-        self.cpu_s = 0.0  # this loop's CPU time on its thread (parsing, detection)
 
     @property
     def failing(self) -> dict[str, str]:
@@ -105,14 +140,16 @@ class Scraper:
         return {s.engine.url: s.failing for s in self.engines.values() if s.failing}
 
     async def run(self) -> None:
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False)
-        async with client, trio.open_nursery() as nursery:
-            while True:
-                await self._detect(nursery, client)
-                await trio.sleep(self.detect_every_s)
+        async with trio.open_nursery() as nursery:
+            try:
+                while True:
+                    await self._detect(nursery)
+                    await trio.sleep(self.detect_every_s)
+            finally:
+                for st in self.engines.values():
+                    st.fetcher.close()
 
-    async def _detect(self, nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+    async def _detect(self, nursery: trio.Nursery) -> None:
         """Start a loop for each new engine, stop the loops of those gone."""
         found = {(e.pid, e.url): e for e in await trio.to_thread.run_sync(self.find)}
         for key in list(self.engines):
@@ -120,46 +157,54 @@ class Scraper:
                 self.engines.pop(key).scope.cancel()
         for key, e in found.items():
             if key not in self.engines:
-                st = self.engines[key] = _State(e)
-                nursery.start_soon(self._engine_loop, client, st)
+                st = self.engines[key] = _State(e, _Fetcher(e.url, self.timeout_s))
+                nursery.start_soon(self._engine_loop, st)
                 log.info("inference: %s (pid %d): scraping %s", e.engine, e.pid, e.url)
 
-    async def _engine_loop(self, client: httpx.AsyncClient, st: _State) -> None:
-        """One engine's scrapes, on its own clock: a slow endpoint delays no other."""
+    async def _engine_loop(self, st: _State) -> None:
+        """One engine's scrapes, on its own clock and off the trio loop (a worker thread fetches and
+        parses): a slow endpoint delays no other engine, and no other task of the agent."""
         with st.scope:
-            tick = trio.current_time()
-            while True:
-                await self._scrape(client, st)
-                tick += self.interval_s
-                await trio.sleep_until(max(tick, trio.current_time()))
+            try:
+                tick = trio.current_time()
+                while True:
+                    rows, why = await trio.to_thread.run_sync(self._scrape, st, abandon_on_cancel=True)
+                    self._scraped(st, rows, why)
+                    tick += self.interval_s
+                    await trio.sleep_until(max(tick, trio.current_time()))
+            finally:
+                st.fetcher.close()
 
-    async def _scrape(self, client: httpx.AsyncClient, st: _State) -> None:
+    def _scrape(self, st: _State) -> tuple[list[EngineMetricRow], str | None]:
+        """In a worker thread: one scrape's rows (the samples that changed, or all once a minute), or why
+        it failed."""
         e = st.engine
         ts = time.time_ns()
         try:
-            resp = await client.get(e.url)
-            resp.raise_for_status()
-            text = resp.text[:MAX_BODY]
-        except httpx.HTTPError as exc:
-            self._failed(st, type(exc).__name__)
-            return
-        t0 = time.thread_time()
-        try:
-            samples = parse(e.engine, text, st.known)
+            samples = parse(e.engine, st.fetcher.get(), st.known)
+        except http.client.HTTPException as exc:
+            return [], str(exc) or type(exc).__name__
+        except OSError as exc:  # refused, reset, timed out
+            return [], type(exc).__name__
         except ValueError as exc:  # prometheus_client's parser: not the text format
-            self.cpu_s += time.thread_time() - t0
-            self._failed(st, f"not Prometheus text ({type(exc).__name__})")
-            return
+            return [], f"not Prometheus text ({type(exc).__name__})"
         full = ts - st.full_at >= FULL_EVERY_NS
         rows: list[EngineMetricRow] = []
+        last = st.last
         for metric, labels, value in samples:
             key = (metric, labels)
-            if full or st.last.get(key) != value:
+            if full or last.get(key) != value:
                 rows.append((ts, e.pid, e.engine, metric, labels, value))
-            st.last[key] = value
+            last[key] = value
         if full:
             st.full_at = ts
-        self.cpu_s += time.thread_time() - t0
+        return rows, None
+
+    def _scraped(self, st: _State, rows: list[EngineMetricRow], why: str | None) -> None:
+        e = st.engine
+        if why is not None:
+            self._failed(st, why)
+            return
         self.scrapes += 1
         if st.failing:
             log.warning("inference: %s (pid %d) at %s answers again", e.engine, e.pid, e.url)
