@@ -132,6 +132,10 @@ def serve(engine: Engine, port: int = 0) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn (vLLM, SGLang) and TGI's router serve
 
+        def setup(self) -> None:
+            super().setup()  # no Nagle (asyncio's default too): headers and body never wait for an ACK
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def do_GET(self) -> None:
             if self.path != "/metrics":
                 self.send_error(404)
