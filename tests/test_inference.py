@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from ingero.cli.main import main
 from ingero.explain.engine import explain
 from ingero.identity import Identity
 from ingero.store.db import open_readonly
@@ -360,3 +361,36 @@ def test_queue_growth_and_ttft_regression_thresholds(
     waiting, ttft = plateaus(2.0, last_waiting), plateaus(0.1, 0.1 * ttft_x)
     got = serving_of(series_db(tmp_path / "q.db", [0.6] * SCRAPES, [0] * SCRAPES, waiting, ttft))
     assert got == ({"serving/queue": expect} if expect else {})
+
+
+def test_fleet_explain_names_the_node_whose_engine_regressed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three serving nodes behind their agents (mTLS); gpu-node-02's engine queues up with slower first
+    tokens: `explain --nodes` names that node's chain, and no other node's."""
+    from tests.conftest import write_db
+    from tests.fleet_agents import AgentSpec, agents_in_thread, make_pki, straggler_events
+
+    pki = make_pki(tmp_path / "pki")
+    specs = []
+    for i, node in enumerate(("gpu-node-01", "gpu-node-02", "gpu-node-03")):
+        path = write_db(tmp_path / f"{node}.db", straggler_events(200, 2.0, i + 1), node=node)
+        regressed = node == "gpu-node-02"
+        waiting = plateaus(2.0, 40.0) if regressed else [2.0] * SCRAPES
+        ttft = plateaus(0.1, 0.5) if regressed else [0.1] * SCRAPES
+        rows = series_db(tmp_path / f"{node}-series.db", [0.6] * SCRAPES, [0] * SCRAPES, waiting, ttft)
+        conn = sqlite3.connect(rows)
+        try:
+            got = conn.execute("SELECT ts, pid, engine, metric, labels, value FROM engine_metrics").fetchall()
+        finally:
+            conn.close()
+        with StoreWriter(path, Identity(node)) as w:
+            w.write_batch(engine_metrics=got)
+        specs.append(AgentSpec(path, node))
+    flags = ["--ca-cert", str(pki.ca), "--client-cert", str(pki.client_cert), "--client-key", str(pki.client_key)]
+    with agents_in_thread(pki, specs) as servers:
+        nodes = ",".join(f"{s.host}:{s.port}" for s in servers)
+        assert main(["explain", "--nodes", nodes, *flags, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    serving = [(c["node"], c["family"], c["severity"]) for c in doc["chains"] if c["family"].startswith("serving/")]
+    assert serving == [("gpu-node-02", "serving/queue", "HIGH")]
