@@ -156,11 +156,12 @@ def _verdicts(outcomes: list[Outcome], families: list[str], *, complete: bool, q
     for family in families:
         if family in HEALTHY_FAMILIES:
             continue
-        rates = []
+        rates: list[float | None] = []  # None: the layout lacks the family's signal, nothing is required there
         for layout in LAYOUTS:
             need = [o for o in outcomes if o.family == family and o.layout == layout and o.found is not None]
-            rates.append(100.0 * sum(1 for o in need if o.found) / len(need) if need else 0.0)
-        judge(f"{family}: named (worse layout)", min(rates), NAMED, f"recorded {rates[0]:.0f}%, ingero {rates[1]:.0f}%")
+            rates.append(100.0 * sum(1 for o in need if o.found) / len(need) if need else None)
+        shown = ", ".join(f"{lay} {'-' if r is None else f'{r:.0f}%'}" for lay, r in zip(LAYOUTS, rates, strict=True))
+        judge(f"{family}: named (worse layout)", min((r for r in rates if r is not None), default=0.0), NAMED, shown)
     bad = [x for o in outcomes for x in healthy_high(o)]
     judge("HIGH/MEDIUM chains on healthy jobs", len(bad), NONE_ALLOWED, "; ".join(sorted(set(bad))[:3]))
     cpu = [x for o in outcomes for x in cpu_named(o)]

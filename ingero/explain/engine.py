@@ -136,6 +136,7 @@ def explain(
     try:
         rules_leak.add_stacks(conn, chains, window)
         chains += rules_serving.serving_chains(conn, window, list(frames), node)
+        chains += rules_hang.hang_chains(conn, window, frames)
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
     if not frames:
@@ -239,7 +240,7 @@ def _explain_node(
         cold = rules_events.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx)
         chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx, chains)
-        chains += rules_hang.hang_chains(ctx) + rules_ranks.late_rank_chains(ctx)
+        chains += rules_ranks.late_rank_chains(ctx)
         chains += rules_launch.first_launch_chains(ctx, ctx.notes)
         chains += rules_leak.leak_chains(ctx) + rules_graphs.graph_chains(ctx)
         chains += rules_ledger.ledger_chains(ctx, ledger, chains)

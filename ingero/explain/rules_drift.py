@@ -5,11 +5,15 @@ the one before, a gradual slowdown well under 2x. No call is "slow" against the 
 regime finder of :mod:`ingero.explain.regimes` needs 2x), no stretch stands out, and yet the run loses
 seconds. What shows it is the *trend* of the op's duration over time.
 
-Per op (per kernel function where ``arg0`` names it, for launches), in time order:
+Per op, in time order (per op and not per kernel: a launch returns once the kernel is queued, so its
+duration says nothing of the kernel's; the kernels' time shows in the calls that wait for them — syncs,
+blocking copies — and a per-kernel split would need ``arg0`` matched to every launch for nothing):
 
-1. calls at :data:`~ingero.explain.regimes.SLOW_FACTOR` x the op's steady level or more are left out
-   (a slower regime, the regime finder's); the rest are cut into consecutive blocks (as for the steady
-   level), each block reduced to its median time and median duration (noise-proof);
+1. the calls are cut into at most :data:`~ingero.explain.regimes.BLOCKS` consecutive blocks, each
+   reduced to the median time and median duration of up to :data:`PER_BLOCK` of its calls, evenly
+   spaced (noise-proof, and the cost stays flat however many calls an op has); blocks at
+   :data:`~ingero.explain.regimes.SLOW_FACTOR` x the op's steady level (the lower quartile of the block
+   medians) or more are left out — a slower regime, the regime finder's;
 2. a least-squares line through the block medians: ``dur(t) = early + slope x t``; its standard error
    from the residuals;
 3. it is drift when the slope is positive and :data:`MIN_T` standard errors from zero, the line rises
@@ -17,8 +21,8 @@ Per op (per kernel function where ``arg0`` names it, for launches), in time orde
    and the line explains the blocks (R² ≥ :data:`MIN_R2`: a slowdown in the middle of the run is a
    stretch, not a trend).
 
-Time lost: each kept call's fitted excess over the early level, ``Σ slope x t_i`` — never more than the
-calls' own time nor the wall time. Severity from lost time over wall time like every other chain.
+Time lost: each call's fitted excess over the early level, ``Σ slope x t_i`` (calls of a slower regime
+left out) — never more than the calls' own time nor the wall time. Severity from lost time over wall time like every other chain.
 """
 
 from __future__ import annotations
@@ -31,16 +35,15 @@ from ingero.explain import causes as cz
 from ingero.explain.context import Context, layer_of, short_ns
 from ingero.explain.frame import I64
 from ingero.explain.model import Chain, TimelineEntry
-from ingero.explain.regimes import BLOCKS, MIN_BLOCK, SLOW_FACTOR, steady_level
+from ingero.explain.regimes import BLOCKS, F64, MIN_BLOCK, SLOW_FACTOR, STEADY_QUANTILE
 from ingero.explain.stats import OpStats
-from ingero.store.catalog import op_ids
 
 MIN_CALLS = 8 * MIN_BLOCK  # at least eight blocks to fit a line through
 MIN_T = 5.0  # the slope this many standard errors above zero
 MIN_RISE = 0.02  # the line rises at least this share of the early level over the run ...
 MAX_RISE = SLOW_FACTOR - 1.0  # ... and less than this (a 2x slowdown is a regime)
 MIN_R2 = 0.3  # the line explains this share of the blocks' variance: a trend, not a stretch
-LAUNCH_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")
+PER_BLOCK = 64  # calls a block's median is taken from, evenly spaced
 
 
 @dataclass(frozen=True)
@@ -59,26 +62,38 @@ class Drift:
         return self.late_ns / self.early_ns - 1.0 if self.early_ns > 0 else 0.0
 
 
+def _block_medians(t: F64, d: F64, k: int) -> tuple[F64, F64]:
+    """Median time and duration of ``k`` consecutive blocks of calls, each from at most
+    :data:`PER_BLOCK` calls evenly spaced in it (a block median needs no more; the cost stays flat)."""
+    block = t.size // k
+    take = np.linspace(0, block - 1, min(block, PER_BLOCK)).astype(np.int64)
+    idx = (np.arange(k)[:, None] * block + take[None, :]).ravel()
+    shape = (k, take.size)
+    return np.median(t[idx].reshape(shape), axis=1), np.median(d[idx].reshape(shape), axis=1)
+
+
 def fit(ts_ns: I64, dur: I64) -> Drift | None:
     """The drift of one op's calls (any order), or None when they show no trend (see the module
     docstring)."""
     if ts_ns.size < MIN_CALLS:
         return None
-    order = np.argsort(ts_ns, kind="stable")
-    ts, d = ts_ns[order].astype(np.float64), dur[order].astype(np.float64)
-    keep = d < SLOW_FACTOR * max(steady_level(d), 1)
-    ts, d = ts[keep], d[keep]
-    span = float(ts[-1] - ts[0]) if ts.size else 0.0
-    if ts.size < MIN_CALLS or span <= 0:
+    if bool((np.diff(ts_ns) < 0).any()):
+        order = np.argsort(ts_ns, kind="stable")
+        ts_ns, dur = ts_ns[order], dur[order]
+    span = float(ts_ns[-1] - ts_ns[0])
+    if span <= 0:
         return None
-    t = (ts - ts[0]) / span
-    block = max(MIN_BLOCK, -(-t.size // BLOCKS))
-    k = t.size // block
-    bt = np.median(t[: k * block].reshape(k, block), axis=1)
-    bd = np.median(d[: k * block].reshape(k, block), axis=1)
+    t, d = (ts_ns - ts_ns[0]) / span, dur.astype(np.float64)
+    bt, bd = _block_medians(t, d, min(BLOCKS, t.size // MIN_BLOCK))
+    steady = max(float(np.quantile(bd, STEADY_QUANTILE)), 1.0)  # as regimes.steady_level
+    fast = bd < SLOW_FACTOR * steady  # blocks inside a slower regime are the regime finder's
+    bt, bd = bt[fast], bd[fast]
+    k = int(bt.size)
+    if k < 8:
+        return None
     x = bt - bt.mean()
     sxx = float(x @ x)
-    if k < 8 or sxx <= 0:
+    if sxx <= 0:
         return None
     slope = float(x @ (bd - bd.mean())) / sxx
     early = float(bd.mean()) - slope * float(bt.mean())
@@ -89,18 +104,9 @@ def fit(ts_ns: I64, dur: I64) -> Drift | None:
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
     if early <= 0 or slope <= 0 or t_stat < MIN_T or r2 < MIN_R2 or not MIN_RISE <= slope / early < MAX_RISE:
         return None
-    lost = min(float(np.minimum(slope * t, d).sum()), float(d.sum()))
-    return Drift(early, early + slope, float(t_stat), r2, int(t.size), lost)
-
-
-def _groups(ctx: Context, st: OpStats) -> list[tuple[int | None, I64, I64]]:
-    """(kernel function or None, starts, durations) of the op's calls: per kernel for launches whose
-    ``arg0`` is recorded, else the op as one."""
-    rows = ctx.rows(st)
-    fn = ctx.arg0_of(rows) if (st.source, st.op) in LAUNCH_OPS else None
-    if fn is None:
-        return [(None, rows.ts_ns, rows.dur)]
-    return [(int(f), rows.ts_ns[fn == f], rows.dur[fn == f]) for f in np.unique(fn).tolist()]
+    kept = d < SLOW_FACTOR * steady  # a slower regime's calls: their excess is the regime finder's
+    lost = float(np.minimum(slope * t[kept], d[kept]).sum())
+    return Drift(early, early + slope, float(t_stat), r2, int(kept.sum()), lost)
 
 
 def drift_chains(ctx: Context) -> list[Chain]:
@@ -111,21 +117,21 @@ def drift_chains(ctx: Context) -> list[Chain]:
     for st in ctx.ops:
         if st.count < MIN_CALLS:
             continue
-        for fn, ts, dur in _groups(ctx, st):
-            dr = fit(ts, dur)
-            if dr is None or not cz.worth_a_chain(min(dr.lost_ns, wall), wall):
-                continue
-            out.append(_chain(ctx, st, fn, dr, min(dr.lost_ns, wall), wall, int(ts.max())))
+        rows = ctx.rows(st)
+        dr = fit(rows.ts_ns, rows.dur)
+        if dr is None or not cz.worth_a_chain(min(dr.lost_ns, wall), wall):
+            continue
+        out.append(_chain(ctx, st, dr, min(dr.lost_ns, wall), wall, int(rows.ts_ns.max())))
     return out
 
 
-def _chain(ctx: Context, st: OpStats, fn: int | None, dr: Drift, lost: float, wall: int, last: int) -> Chain:
-    what = st.name if fn is None else f"{st.name} (kernel {fn:#x})"
+def _chain(ctx: Context, st: OpStats, dr: Drift, lost: float, wall: int, last: int) -> Chain:
+    what = st.name
     early, late = short_ns(dr.early_ns), short_ns(dr.late_ns)
     share = lost / wall
     words = f"{what} drifted from {early} to {late} (+{100 * dr.rise:.0f}%) over the run"
     return ctx.chain(
-        cid=ctx.chain_id("drift", st.name, "" if fn is None else f"{fn:x}"),
+        cid=ctx.chain_id("drift", st.name),
         detected_at=last,
         severity=cz.severity_of_loss(lost, wall),
         summary=f"{words}: {short_ns(lost)} lost ({100 * share:.1f}% of wall time)",
@@ -148,7 +154,6 @@ def _chain(ctx: Context, st: OpStats, fn: int | None, dr: Drift, lost: float, wa
         evidence={
             "rule": "drift",
             "op": st.name,
-            **({"kernel": fn} if fn is not None else {}),
             "early_us": round(dr.early_ns / 1000, 1),
             "late_us": round(dr.late_ns / 1000, 1),
             "rise": round(dr.rise, 4),

@@ -352,8 +352,10 @@ def _context_creation(src: I64, op: I64, dur: I64, ts: I64, counted: set[str]) -
     i = int(np.argmin(ts))
     s, o, d = int(src[i]), int(op[i]), float(dur[i])
     name = op_name(s, o)
+    if name in counted or d < CONTEXT_MIN_NS:
+        return None
     later = dur[(src == s) & (op == o) & (ts > ts[i])]
-    if name in counted or d < CONTEXT_MIN_NS or (later.size and d < COLD_GATE * float(np.percentile(later, 95))):
+    if later.size and d < COLD_GATE * float(np.percentile(later, 95)):
         return None
     base = float(np.median(later)) if later.size else 0.0
     return name, d / base if base > 0 else 0.0, d - base  # 0: no later call to compare with
@@ -363,10 +365,11 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
     gpu = ctx.gpu
     found: list[tuple[int, list[tuple[str, float, float]], float, int]] = []  # pid, [(op, ratio, excess)], total, t
     for pid in gpu.pids:
-        m = gpu.pid == pid
+        m = gpu.pid == pid if gpu.pids.size > 1 else slice(None)  # one GPU process: no copies
         src, op, dur, ts = gpu.source[m], gpu.op[m], gpu.dur[m], gpu.ts_ns[m]
         ops: list[tuple[str, float, float]] = []
-        for key in np.unique(src * 256 + op).tolist():
+        keys = np.flatnonzero(np.bincount(src * 256 + op)) if src.size else np.zeros(0, dtype=np.int64)
+        for key in keys.tolist():  # the ops of the process (small ids: a count, not a sort)
             s, o = divmod(int(key), 256)
             k = (src == s) & (op == o)
             if k.sum() < 2 * MIN_CALLS:

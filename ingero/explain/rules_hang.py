@@ -1,122 +1,181 @@
-"""A GPU process that fell silent: it stopped making GPU calls while the recording went on — a hung
-rank (stuck on a lock, or waiting forever in a collective a peer never entered) or a stalled job.
+"""A hung rank: a collective some ranks entered and never left, that another rank never entered.
 
-After a thread's last GPU call its wall-time ledger ends, so no other rule sees the time that follows.
-What shows it is the *silence*: the process's last GPU call ended at ``t``, the node's recording went
-on to ``end`` (its last row of any kind), and the process did not exit. The silence is a finding when
-it is :data:`SILENCE_GAPS` times the longest gap between two of the process's GPU calls before it (the
-job never paused like that while it ran), and it loses ≥ 1 % of the wall time. A short silence (under
-5 % of the wall time, LOW) is said with its other reading: the recording may have stopped mid-job,
-its last rows being unrelated host activity — which one cannot be told from the rows.
+After a thread's last GPU call its wall-time ledger ends, so no per-thread rule sees the time that
+follows. A GPU process that stops making GPU calls while the recording goes on is *not* evidence of a
+hang by itself: a job that finished looks the same when the recording has no exit rows (Ingero's own
+recordings have none: its sample jobs stop their GPU calls 1.2 s, over a third of the recording, before
+it ends, and nothing is wrong). What proves a hang is NCCL's call table (``nccl_calls``, ingero's NCCL
+tracing): a call recorded as entered and never returned (duration −1).
 
-Time lost: the silence, ``end − t``; the wall time runs from the process's first GPU call to ``end``,
-so the share is in [0, 1] by construction. Severity from that share, like every other loss. The chain
-says what the recording can and cannot tell: that the process stopped, when, and what its threads did
-meanwhile (its scheduler rows); not which rank hung first — with NCCL rows, ``ingero explain --nodes``
-and the collectives view name the rank that never entered the call the others wait in.
+Across the nodes of the database, per communicator (its cluster-wide id), per call number ``seq``:
+
+* ranks in flight at ``seq`` wait for the others;
+* a rank of that communicator whose calls stop before ``seq`` never entered it: the **hung rank** —
+  its node gets the chain;
+* when every rank is in flight (none missing), the collective itself is stuck (transport, a dead peer
+  outside the recording): every waiting rank's node gets a chain.
+
+Time lost on a node: the silence of the rank's process — from the end of its last GPU call to the end
+of the node's recording — over its wall time from its first GPU call to that end (a share in [0, 1] by
+construction); severity from that share. Without NCCL rows (Ingero's layout) nothing here can tell a
+hang from a finished job: no chain (the issue's rule: name the missing signal, never guess the cause).
 """
 
 from __future__ import annotations
 
+import sqlite3
+from dataclasses import dataclass
+
 import numpy as np
 
 from ingero.explain import causes as cz
-from ingero.explain.context import Context, short_ns
+from ingero.explain.context import short_ns
+from ingero.explain.frame import Frame
 from ingero.explain.model import Chain, TimelineEntry
-from ingero.store.catalog import op_id
+from ingero.store.catalog import NCCL, U64, op_name
+from ingero.store.nccl import IN_FLIGHT
+from ingero.store.window import Window
 from ingero.timeutil import fmt_ts
 
-SILENCE_GAPS = 5.0  # the silence is this many times the longest gap the process made while it ran
-MIN_CALLS = 20  # GPU calls before the silence: a process that ran, not one that just started
-PROCESS_EXIT = op_id("process_exit")
+
+@dataclass(frozen=True)
+class Stuck:
+    """One communicator's call that some rank never returned from: who waits, who never came."""
+
+    comm_id: int
+    seq: int
+    op: int
+    entered_ns: int  # the first waiting rank's entry
+    nranks: int
+    waiting: tuple[tuple[str, int, int], ...]  # (node, pid, rank)
+    missing: tuple[tuple[str, int, int, int], ...]  # (node, pid, rank, its last seq)
 
 
-def silence(starts: np.ndarray, ends: np.ndarray, end_ns: int) -> tuple[int, int]:
-    """(silence ns, longest earlier gap ns) of one process's GPU calls (any order) before ``end_ns``:
-    the time from its last call's end to ``end_ns``, and the longest stretch between one call's end
-    and the next call's start (both ≥ 0)."""
-    if starts.size == 0:
-        return 0, 0
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], np.maximum.accumulate(ends[order])
-    gaps = s[1:] - e[:-1]
-    longest = int(max(0, int(gaps.max()))) if gaps.size else 0
-    return max(0, int(end_ns - e[-1])), longest
+def _tables(conn: sqlite3.Connection) -> bool:
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    return {"nccl_calls", "nccl_comms"} <= names
 
 
-def hang_chains(ctx: Context) -> list[Chain]:
-    g, fr = ctx.gpu, ctx.frame
-    end = fr.last_ns
-    exited = set(fr.pid[fr.is_op(*PROCESS_EXIT)].tolist())
-    out: list[Chain] = []
-    for pid in g.pids.tolist():
-        if pid in exited:
+def stuck_calls(conn: sqlite3.Connection, window: Window) -> list[Stuck]:
+    """Every in-flight collective of the window, with the ranks that wait in it and those that never
+    entered it (their calls on that communicator stop before it)."""
+    if not _tables(conn):
+        return []
+    where, params = window.clause("c.timestamp")
+    rows = conn.execute(
+        "SELECT m.comm_id, c.seq, c.op, c.timestamp, c.node, c.pid, m.rank, m.nranks FROM nccl_calls c "
+        "JOIN nccl_comms m ON m.node = c.node AND m.pid = c.pid AND m.comm = c.comm "
+        f"WHERE c.duration = ? AND m.comm_id != 0 AND {where} ORDER BY c.timestamp",
+        (IN_FLIGHT, *params),
+    ).fetchall()
+    out: list[Stuck] = []
+    seen: set[tuple[int, int]] = set()
+    for comm_id, seq, op, _ts, *_ in rows:
+        if (comm_id, seq) in seen:
             continue
-        m = g.pid == pid
-        if int(m.sum()) < MIN_CALLS:
-            continue
-        starts, ends = g.ts_ns[m], g.ts_ns[m] + np.maximum(g.dur[m], 0)
-        quiet, longest = silence(starts, ends, end)
-        wall = max(1, end - int(starts.min()))
-        lost = min(quiet, wall)
-        if lost < SILENCE_GAPS * max(longest, 1) or not cz.worth_a_chain(lost, wall):
-            continue
-        out.append(_chain(ctx, int(pid), end - quiet, end, lost, wall, longest))
+        seen.add((comm_id, seq))
+        mine = [r for r in rows if r[0] == comm_id and r[1] == seq]
+        last = conn.execute(
+            "SELECT m.node, m.pid, m.rank, max(c.seq) FROM nccl_comms m JOIN nccl_calls c "
+            "ON m.node = c.node AND m.pid = c.pid AND m.comm = c.comm WHERE m.comm_id = ? GROUP BY m.node, m.pid",
+            (comm_id,),
+        ).fetchall()
+        missing = tuple((str(n), int(p), int(r), int(s)) for n, p, r, s in last if s < seq)
+        waiting = tuple((str(r[4]), int(r[5]), int(r[6])) for r in mine)
+        out.append(Stuck(int(comm_id), int(seq), int(op), int(mine[0][3]), int(mine[0][7]), waiting, missing))
     return out
 
 
-def _threads_meanwhile(ctx: Context, pid: int, since: int) -> str:
-    """What the process's threads did after their last GPU call, from the scheduler rows."""
-    fr = ctx.frame
-    switch = fr.is_op(*op_id("sched_switch")) & (fr.pid == pid) & (fr.ts_ns > since)
-    n = int(switch.sum())
-    if n == 0:
-        return "no scheduler row of its threads since (asleep, never woken — or spinning on-CPU)"
-    return f"{n} scheduler row(s) of its threads since: they still ran, but made no GPU call"
+def silence(frame: Frame, pid: int) -> tuple[int, int, int]:
+    """(last GPU call's end, silence until the node's recording ends, wall from the first GPU call to
+    that end) of one process on one node (ns; all 0 without GPU calls)."""
+    g = frame.gpu_mask() & (frame.pid == pid)
+    if not g.any():
+        return 0, 0, 0
+    end = frame.last_ns
+    last = int((frame.ts_ns[g] + np.maximum(frame.dur[g], 0)).max())
+    return last, max(0, end - last), max(1, end - int(frame.ts_ns[g].min()))
 
 
-def _chain(ctx: Context, pid: int, last: int, end: int, lost: int, wall: int, longest: int) -> Chain:
+def hang_chains(conn: sqlite3.Connection, window: Window, frames: dict[str, Frame]) -> list[Chain]:
+    """A chain per hung rank (or, when none is missing, per rank stuck in the collective) whose node is
+    among ``frames``; its lost time is the process's silence (see the module docstring)."""
+    out: list[Chain] = []
+    for st in stuck_calls(conn, window):
+        blamed = [(n, p, r) for n, p, r, _ in st.missing] or list(st.waiting)
+        for node, pid, rank in blamed:
+            fr = frames.get(node)
+            if fr is None:
+                continue
+            last, quiet, wall = silence(fr, pid)
+            lost = min(quiet, wall)
+            if cz.worth_a_chain(lost, wall):
+                out.append(_chain(st, node, pid, rank, last, lost, wall, bool(st.missing)))
+    return out
+
+
+def _chain(st: Stuck, node: str, pid: int, rank: int, last: int, lost: int, wall: int, missing: bool) -> Chain:
+    name = op_name(NCCL, st.op)
     share = lost / wall
-    meanwhile = _threads_meanwhile(ctx, pid, last)
-    return ctx.chain(
-        cid=ctx.chain_id("hang", f"pid{pid}" if ctx.pid is None else ""),
-        detected_at=end,
+    waiting = ", ".join(f"rank {r} ({n})" for n, _, r in st.waiting[:4])
+    comm = f"{st.comm_id & U64:016x}"
+    if missing:
+        summary = (
+            f"hung rank: rank {rank} (pid {pid}) never entered {name} #{st.seq} that {waiting} entered at "
+            f"{fmt_ts(st.entered_ns)} and still wait in; its GPU has been silent {short_ns(lost)} "
+            f"({100 * share:.1f}% of its wall time)"
+        )
+        root = (
+            f"rank {rank} is hung before collective #{st.seq} of communicator {comm}: the other ranks entered it "
+            "and wait forever (a deadlock, a lock, a crash of this rank's host code, or a rank-dependent branch that "
+            "skips the collective)"
+        )
+    else:
+        summary = (
+            f"stuck collective: {name} #{st.seq} entered by every rank ({waiting}) at {fmt_ts(st.entered_ns)} "
+            f"never returned; GPU silent {short_ns(lost)} ({100 * share:.1f}% of the wall time)"
+        )
+        root = (
+            f"collective #{st.seq} of communicator {comm} never completed although all recorded ranks entered it: "
+            "the transport (network, NVLink) or a rank outside this recording"
+        )
+    return Chain(
+        id=f"{node}:hang-{comm}-{st.seq}-pid{pid}",
+        node=node,
+        detected_at=st.entered_ns,
         severity=cz.severity_of_loss(lost, wall),
-        summary=(
-            f"{ctx.proc(pid)} stopped making GPU calls at {fmt_ts(last)} and stayed silent for {short_ns(lost)} "
-            f"while the recording went on ({100 * share:.1f}% of its wall time) — "
-            + ("hung or stalled" if share >= cz.MEDIUM_SHARE else "hung, stalled, or the recording stopped mid-job")
-        ),
-        root_cause=(
-            "the GPU process is hung or stalled: no GPU call for far longer than it ever paused while it ran, and it "
-            "did not exit (a rank stuck on a lock or in a collective a peer never entered, a deadlock, a dead peer)"
-        ),
+        summary=summary,
+        root_cause=root,
         explanation=(
-            f"Its longest pause between GPU calls while it ran was {short_ns(longest)}; after its last call it was "
-            f"silent for {short_ns(lost)} until the recording ended, {100 * share:.1f}% of the {short_ns(wall)} from "
-            f"its first GPU call. {meanwhile}. Which rank hung first cannot be told from one node's GPU calls: with "
-            "NCCL recorded, the rank that never entered the call its peers wait in is the hung one."
+            f"nccl_calls records {name} #{st.seq} as entered and never returned (duration −1) by "
+            f"{len(st.waiting)} of {st.nranks} ranks. Rank {rank}'s last GPU call ended at {fmt_ts(last)}; "
+            f"the recording of {node} went on for {short_ns(lost)} more, {100 * share:.1f}% of the "
+            f"{short_ns(wall)} since its first GPU call."
         ),
         recommendations=[
-            f"Dump the stacks of the stuck process: py-spy dump --pid {pid} (and gdb -p {pid} -batch -ex 'thread apply "
+            f"Dump the stacks of the stuck rank: py-spy dump --pid {pid} (gdb -p {pid} -batch -ex 'thread apply "
             "all bt' for native frames)",
-            "Compare the ranks: ingero explain --nodes <all> (the collectives view names the rank that never entered "
-            "the call); set NCCL_DEBUG=INFO and TORCH_NCCL_ASYNC_ERROR_HANDLING=1 with a collective timeout so a hang "
-            "fails loudly",
+            "Make hangs fail loudly: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 with a collective timeout, NCCL_DEBUG=INFO; "
+            "look for a rank-dependent branch around the collective",
         ],
-        family="hang/silent",
+        timeline=[
+            TimelineEntry("NCCL", name, f"#{st.seq} entered by {waiting} at {fmt_ts(st.entered_ns)}, never returned"),
+            TimelineEntry("CUDA", "all", f"rank {rank} (pid {pid}): last GPU call ends at {fmt_ts(last)}"),
+        ],
+        origin="computed",
+        family="hang/collective" if missing else "hang/stuck-collective",
         evidence={
             "rule": "hang",
+            "node": node,
             "pid": pid,
-            "last_gpu_call_ns": last,
-            "recording_end_ns": end,
+            "rank": rank,
+            "comm": comm,
+            "seq": st.seq,
+            "waiting_ranks": [r for _, _, r in st.waiting],
+            "nranks": st.nranks,
             "silent_ms": round(lost / 1e6, 1),
-            "longest_gap_ms": round(longest / 1e6, 1),
+            "lost_ms": round(lost / 1e6, 1),
             "lost_share": round(share, 4),
             "score": round(share, 4),
         },
-        timeline=[
-            TimelineEntry("CUDA", "all", f"last GPU call of {ctx.proc(pid)} ends at {fmt_ts(last)}"),
-            TimelineEntry("HOST", "sched_switch", meanwhile),
-        ],
     )

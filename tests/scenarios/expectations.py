@@ -160,8 +160,11 @@ CATALOG: dict[str, dict[str, Expect]] = {
     # (recorded) or by the GPU threads' silence while the recording goes on (both layouts)
     "hung-rank": {
         RECORDED: Expect(HANG, by_loss, high, peers_clean=False),
-        # without NCCL rows every rank just falls silent: that the job hung can be told, not who hung
-        INGERO: Expect(HANG, by_loss, high, peers_clean=False, anywhere=True),
+        # without NCCL rows every rank just falls silent, and so does a job that finished: Ingero's own
+        # sample recordings (tests/data/ingero-samples, healthy, no exit rows) stop their GPU calls 1.2 s,
+        # 36-40 % of the recording, before it ends. The hang's signal (a call entered, never returned) is
+        # missing: nothing is required, and no hang may be claimed above LOW (never guess the cause)
+        INGERO: Expect(HANG, nothing, low, peers_clean=False, anywhere=True),
     },
     "healthy-sleeps": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-collective": {layout: HEALTHY for layout in LAYOUTS},
