@@ -165,19 +165,19 @@ def attach(kind: str, text: str) -> Any:
 
 def traced_uprobe_floor(loop: Loop) -> tuple[float, float]:
     """The loop itself probed (empty programs on libc's sendto/recvfrom, for its pid, at the offsets the
-    agent uses: probes.socket_probe_offset): the floor of what a traced process pays."""
+    agent uses: libc_sockets.socket_probe_offset): the floor of what a traced process pays."""
     from bcc import BPF
 
-    from ingero.trace import elfsyms, probes
+    from ingero.trace import elfsyms, libc_sockets
 
     p, pid = loop.start_waiting()
-    path = probes.libc_of(pid)
+    path = libc_sockets.libc_of(pid)
     assert path is not None
     image = elfsyms.load(path)
     b = BPF(text=PROGRAMS["libc uprobes, another pid"][0].encode())
     try:
         for name in TP_NAMES:
-            off = probes.socket_probe_offset(image, name)
+            off = libc_sockets.socket_probe_offset(image, name)
             vaddr = image.offset_to_vaddr(off) if off is not None else None
             assert vaddr is not None
             b.attach_uretprobe(name=path.encode(), addr=vaddr, fn_name=b"ex", pid=pid)
