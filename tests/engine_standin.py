@@ -99,6 +99,8 @@ class Engine:
         self.kv = Gauge(kv, "KV-cache usage (1 = 100%)", labels, registry=self.registry)
         self.pre = Counter(pre, "Cumulative preemptions", labels, registry=self.registry)
         self.ttft = Histogram(ttft, "Time to first token", labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        finished = "vllm:request_success" if engine == "vllm" else "sglang:num_requests"
+        self.finished = Counter(finished, "Requests finished", labels, registry=self.registry)
         Gauge("process_open_fds", "not the engine's own", registry=self.registry).set(12)
         prefix = run.split(":")[0] + ":"
         self.extra = (
@@ -116,6 +118,7 @@ class Engine:
             self.waiting.labels(m).set(waiting)
             self.kv.labels(m).set(kv)
             self.pre.labels(m).inc(pre)
+            self.finished.labels(m).inc(running // 8)  # a moving batch finishes requests
             for _ in range(4):
                 self.ttft.labels(m).observe(ttft)
             for i, h in enumerate(self.extra):

@@ -290,14 +290,24 @@ T0 = 1_780_000_000 * S
 SCRAPES = 40
 
 
-def series_db(path: Path, kv: list[float], pre: list[int], waiting: list[float], ttft: list[float]) -> Path:
-    """vLLM's series over SCRAPES scrapes a second apart: KV usage, preemptions added, waiting, TTFT."""
+def series_db(
+    path: Path,
+    kv: list[float],
+    pre: list[int],
+    waiting: list[float],
+    ttft: list[float],
+    running: list[float] | None = None,
+    finished: list[int] | None = None,
+) -> Path:
+    """vLLM's series over SCRAPES scrapes a second apart: KV usage, preemptions added, waiting, TTFT,
+    running (32), requests finished since the previous scrape (10)."""
     rows: list[EngineMetricRow] = []
     total = count = 0.0
-    done = 0
+    done = ok = 0
     m = '{"model_name":"m"}'
     for k in range(SCRAPES):
         done += pre[k]
+        ok += finished[k] if finished is not None else 10
         count += 4
         total += 4 * ttft[k]
         ts = T0 + k * S
@@ -305,7 +315,8 @@ def series_db(path: Path, kv: list[float], pre: list[int], waiting: list[float],
             (ts, 7, "vllm", "vllm:kv_cache_usage_perc", m, kv[k]),
             (ts, 7, "vllm", "vllm:num_preemptions_total", m, float(done)),
             (ts, 7, "vllm", "vllm:num_requests_waiting", m, waiting[k]),
-            (ts, 7, "vllm", "vllm:num_requests_running", m, 32.0),
+            (ts, 7, "vllm", "vllm:num_requests_running", m, running[k] if running is not None else 32.0),
+            (ts, 7, "vllm", "vllm:request_success_total", m, float(ok)),
             (ts, 7, "vllm", "vllm:time_to_first_token_seconds_sum", m, total),
             (ts, 7, "vllm", "vllm:time_to_first_token_seconds_count", m, count),
         ]
@@ -394,3 +405,40 @@ def test_fleet_explain_names_the_node_whose_engine_regressed(
     doc = json.loads(capsys.readouterr().out)
     serving = [(c["node"], c["family"], c["severity"]) for c in doc["chains"] if c["family"].startswith("serving/")]
     assert serving == [("gpu-node-02", "serving/queue", "HIGH")]
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+@pytest.mark.parametrize(("held", "severity"), [(3, "MEDIUM"), (12, "HIGH")])
+def test_head_of_line_blocking(tmp_path: Path, seed: int, held: int, severity: str) -> None:
+    """One request holds the batch for ``held`` scrape steps anywhere in the window: 1 running, 20 waiting,
+    nothing finishing (3 of 39 steps: 7.7 %, MEDIUM; 12: 31 %, HIGH)."""
+    import random
+
+    start = random.Random(seed).randrange(1, SCRAPES - held)
+    hot = range(start, start + held)
+    running = [1.0 if k in hot else 32.0 for k in range(SCRAPES)]
+    waiting = [20.0 if k in hot else 2.0 for k in range(SCRAPES)]
+    finished = [0 if k in hot else 10 for k in range(SCRAPES)]
+    path = series_db(tmp_path / "hol.db", [0.6] * SCRAPES, [0] * SCRAPES, waiting, [0.1] * SCRAPES, running, finished)
+    got = serving_of(path)
+    assert got["serving/head-of-line"] == severity
+    assert "serving/kv-cache" not in got
+
+
+@pytest.mark.parametrize(
+    ("running", "finished"),
+    [(1.0, 5), (32.0, 0), (3.0, 0)],  # a small batch still finishing; a full batch; more than a few running
+)
+def test_no_head_of_line_blocking_when_the_batch_moves_or_is_full(
+    tmp_path: Path, running: float, finished: int
+) -> None:
+    path = series_db(
+        tmp_path / "q.db",
+        [0.6] * SCRAPES,
+        [0] * SCRAPES,
+        [20.0] * SCRAPES,
+        [0.1] * SCRAPES,
+        [running] * SCRAPES,
+        [finished] * SCRAPES,
+    )
+    assert "serving/head-of-line" not in serving_of(path)

@@ -14,6 +14,9 @@ Per engine process (node, pid), over the window's scrapes (values carried forwar
   :data:`TTFT_HIGH_X`, else MEDIUM; one alone: LOW (a queue that grows while first tokens stay fast is
   absorbing a burst; a slower first token with no queue is the prompt mix). When KV-cache pressure is
   present on the same engine, the queue chain names it as the root cause.
+* **Head-of-line blocking** — at most :data:`HOL_RUNNING` requests running, at least :data:`HOL_WAITING`
+  waiting and no request finishing, over :data:`HOL_STEPS` scrape steps or more: a long request holds
+  the batch. Severity is its share of the window, as for the KV cache; the queue chain then names it.
 
 A busy but healthy server — a full batch, a cache well used, a steady queue, steady TTFT — gets no chain.
 Each engine's series are named as it publishes them: :data:`NAMES`.
@@ -38,7 +41,11 @@ TTFT_X = 2.0
 TTFT_HIGH_X = 3.0
 MIN_SCRAPES = 6
 SHARES = (("HIGH", 0.20), ("MEDIUM", 0.05))
-# per engine: (KV-cache usage gauges, preemption counters, waiting gauges, running gauges, TTFT histograms)
+HOL_RUNNING = 2  # head-of-line blocking: at most this many running ...
+HOL_WAITING = 8  # ... at least this many waiting ...
+HOL_STEPS = 3  # ... with no request finishing, over at least this many scrape steps
+# per engine: KV-cache usage gauges, preemption counters, waiting and running gauges, TTFT histograms,
+# finished-request counters
 NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {
         "kv": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
@@ -46,6 +53,7 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "waiting": ("vllm:num_requests_waiting",),
         "running": ("vllm:num_requests_running",),
         "ttft": ("vllm:time_to_first_token_seconds",),
+        "done": ("vllm:request_success_total",),
     },
     "sglang": {
         "kv": ("sglang:token_usage",),
@@ -53,6 +61,7 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "waiting": ("sglang:num_queue_reqs",),
         "running": ("sglang:num_running_reqs",),
         "ttft": ("sglang:time_to_first_token_seconds",),
+        "done": ("sglang:num_requests_total",),
     },
     "tgi": {
         "kv": (),
@@ -60,8 +69,16 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "waiting": ("tgi_queue_size",),
         "running": ("tgi_batch_current_size",),
         "ttft": ("tgi_request_queue_duration",),
+        "done": ("tgi_request_success",),
     },
-    "triton": {"kv": (), "preempt": (), "waiting": ("nv_inference_pending_request_count",), "running": (), "ttft": ()},
+    "triton": {
+        "kv": (),
+        "preempt": (),
+        "waiting": ("nv_inference_pending_request_count",),
+        "running": (),
+        "ttft": (),
+        "done": ("nv_inference_request_success",),
+    },
 }
 
 
@@ -118,8 +135,54 @@ def _engine_chains(node: str, pid: int, engine: str, ss: dict[str, Series]) -> l
             share = float(step[hot].sum()) / span
             pressure = _kv_chain(node, pid, engine, kv_s.metric, pre_s.metric, share, n_pre, float(np.nanmax(kv)), grid)
             out.append(pressure)
-    q = _queue_chain(node, pid, engine, ss, grid, pressure)
+    hol = _hol_chain(node, pid, engine, ss, grid)
+    if hol is not None:
+        out.append(hol)
+    q = _queue_chain(node, pid, engine, ss, grid, pressure or hol)
     return out + ([q] if q is not None else [])
+
+
+def _hol_chain(node: str, pid: int, engine: str, ss: dict[str, Series], grid: np.ndarray) -> Chain | None:
+    """Head-of-line blocking: a few requests running, many waiting, and none finishing."""
+    names = NAMES[engine]
+    run_s, wait_s, done_s = _pick(ss, names["running"]), _pick(ss, names["waiting"]), _pick(ss, names["done"])
+    if run_s is None or wait_s is None or done_s is None:
+        return None
+    run, wait, done = _grid(run_s, grid)[1:], _grid(wait_s, grid)[1:], np.diff(_grid(done_s, grid))
+    stuck = (run >= 1) & (run <= HOL_RUNNING) & (wait >= HOL_WAITING) & (np.nan_to_num(done) == 0)
+    if int(stuck.sum()) < HOL_STEPS:
+        return None
+    held = float(np.diff(grid)[stuck].sum())
+    share = held / (int(grid[-1] - grid[0]) or 1)
+    sev = next((s for s, least in SHARES if share >= least), "LOW")
+    worst = int(np.nanmax(np.where(stuck, wait, 0)))
+    return Chain(
+        id=f"{node}:serving-hol-pid{pid}",
+        node=node,
+        detected_at=int(grid[-1]),
+        severity=sev,
+        summary=f"{engine} (pid {pid}): head-of-line blocking — ≤ {HOL_RUNNING} request(s) running, up to {worst} "
+        f"waiting, none finishing ({share:.0%} of the window)",
+        root_cause="head-of-line blocking — a long request holds the batch while the queue waits behind it",
+        explanation=f"From {engine}'s own metrics: for {held / 1e9:.1f} s ({share:.0%} of the scraped time) at most "
+        f"{HOL_RUNNING} request(s) ran ({run_s.metric}) while at least {HOL_WAITING} waited ({wait_s.metric}) and "
+        f"{done_s.metric} did not move: the batch is not taking the waiting requests in.",
+        recommendations=[
+            "cap a request's length (max_tokens, --max-model-len) so one request cannot hold the batch",
+            "enable chunked prefill (vLLM: --enable-chunked-prefill) so a long prompt shares the step with others",
+            "check what keeps the batch from growing: the KV cache, --max-num-seqs, a long prompt",
+        ],
+        timeline=[TimelineEntry("HOST", "queue", f"{run_s.metric} ≤ {HOL_RUNNING}, {wait_s.metric} ≥ {HOL_WAITING}")],
+        family="serving/head-of-line",
+        evidence={
+            "rule": "serving",
+            "pid": pid,
+            "engine": engine,
+            "share": round(share, 4),
+            "held_s": round(held / 1e9, 3),
+            "waiting_max": worst,
+        },
+    )
 
 
 def _kv_chain(
@@ -203,7 +266,9 @@ def _queue_chain(
         parts.append(f"requests waiting grew {w0:.0f} → {w1:.0f} ({w_s.metric})")
     if slower and t is not None:
         parts.append(f"time to first token {t[1]:.3g} s → {t[2]:.3g} s ({ratio:.1f}x, {t[0]})")
-    if pressure is not None:
+    if pressure is not None and pressure.family == "serving/head-of-line":
+        root = "head-of-line blocking: a long request holds the batch (see its chain)"
+    elif pressure is not None:
         root = "KV-cache pressure: preempted requests go back to the queue and their prefill is recomputed"
     elif grew:
         root = "demand above capacity: requests arrive faster than the engine finishes them"
@@ -223,7 +288,7 @@ def _queue_chain(
             "add replicas or route load away from this engine",
             "bound the queue (admission control) so latency stays within its objective",
         ]
-        + (["relieve the KV cache first (see the KV-cache chain)"] if pressure is not None else []),
+        + ([f"relieve the cause first (see the {pressure.family} chain)"] if pressure is not None else []),
         timeline=[TimelineEntry("HOST", "queue", p) for p in parts],
         family="serving/queue",
         evidence={
