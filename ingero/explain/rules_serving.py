@@ -25,6 +25,7 @@ Each engine's series are named as it publishes them: :data:`NAMES`.
 from __future__ import annotations
 
 import sqlite3
+from typing import Any
 
 import numpy as np
 
@@ -156,10 +157,11 @@ def _hol_chain(node: str, pid: int, engine: str, ss: dict[str, Series], grid: np
     share = held / (int(grid[-1] - grid[0]) or 1)
     sev = next((s for s, least in SHARES if share >= least), "LOW")
     worst = int(np.nanmax(np.where(stuck, wait, 0)))
-    return Chain(
-        id=f"{node}:serving-hol-pid{pid}",
-        node=node,
-        detected_at=int(grid[-1]),
+    return _chain(
+        node,
+        pid,
+        grid,
+        "head-of-line",
         severity=sev,
         summary=f"{engine} (pid {pid}): head-of-line blocking — ≤ {HOL_RUNNING} request(s) running, up to {worst} "
         f"waiting, none finishing ({share:.0%} of the window)",
@@ -173,7 +175,6 @@ def _hol_chain(node: str, pid: int, engine: str, ss: dict[str, Series], grid: np
             "check what keeps the batch from growing: the KV cache, --max-num-seqs, a long prompt",
         ],
         timeline=[TimelineEntry("HOST", "queue", f"{run_s.metric} ≤ {HOL_RUNNING}, {wait_s.metric} ≥ {HOL_WAITING}")],
-        family="serving/head-of-line",
         evidence={
             "rule": "serving",
             "pid": pid,
@@ -189,10 +190,11 @@ def _kv_chain(
     node: str, pid: int, engine: str, kv: str, pre: str, share: float, n: int, peak: float, grid: np.ndarray
 ) -> Chain:
     sev = next((s for s, least in SHARES if share >= least), "LOW")
-    return Chain(
-        id=f"{node}:serving-kv-pid{pid}",
-        node=node,
-        detected_at=int(grid[-1]),
+    return _chain(
+        node,
+        pid,
+        grid,
+        "kv-cache",
         severity=sev,
         summary=f"{engine} (pid {pid}): KV cache ≥ {KV_FULL:.0%} full while it preempted {n} request(s) "
         f"({share:.0%} of the window)",
@@ -207,7 +209,6 @@ def _kv_chain(
             "shorten contexts (--max-model-len) or quantise the KV cache (--kv-cache-dtype fp8)",
         ],
         timeline=[TimelineEntry("CUDA", "kv-cache", f"{kv} ≥ {KV_FULL:.0%}, {pre} +{n}")],
-        family="serving/kv-cache",
         evidence={
             "rule": "serving",
             "pid": pid,
@@ -218,6 +219,13 @@ def _kv_chain(
             "kv_metric": kv,
             "preempt_metric": pre,
         },
+    )
+
+
+def _chain(node: str, pid: int, grid: np.ndarray, kind: str, **fields: Any) -> Chain:
+    """A serving chain of engine process ``pid`` (family ``serving/<kind>``), as of the last scrape."""
+    return Chain(
+        id=f"{node}:serving-{kind}-pid{pid}", node=node, detected_at=int(grid[-1]), family=f"serving/{kind}", **fields
     )
 
 
@@ -274,10 +282,11 @@ def _queue_chain(
         root = "demand above capacity: requests arrive faster than the engine finishes them"
     else:
         root = "first tokens slowed with no queue behind them: longer prompts, or prefill competing with decode"
-    return Chain(
-        id=f"{node}:serving-queue-pid{pid}",
-        node=node,
-        detected_at=int(grid[-1]),
+    return _chain(
+        node,
+        pid,
+        grid,
+        "queue",
         severity=sev,
         summary=f"{engine} (pid {pid}): " + "; ".join(parts),
         root_cause=root,
@@ -290,7 +299,6 @@ def _queue_chain(
         ]
         + ([f"relieve the cause first (see the {pressure.family} chain)"] if pressure is not None else []),
         timeline=[TimelineEntry("HOST", "queue", p) for p in parts],
-        family="serving/queue",
         evidence={
             "rule": "serving",
             "pid": pid,
