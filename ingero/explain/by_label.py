@@ -96,7 +96,7 @@ class ValueLedger:
     spans: int = 0
     threads: int = 0
     wall_ns: int = 0  # thread time: the sum of each thread's part of the spans
-    buckets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
+    buckets: dict[str, int] = field(default_factory=dict)  # every bucket of BUCKETS, once judged
     lost: dict[str, int] = field(default_factory=dict)
     median_ratio: float = 0.0
     cause: str | None = None
@@ -221,7 +221,9 @@ def by_label(
         if not spans:
             return ByLabel(key, [], 0, [f"no annotations with the label {key!r} in the window"])
         lo, hi = min(s.start_ns for s in spans), max(s.end_ns for s in spans)
-        load = Window(lo - MARGIN_NS, hi + MARGIN_NS)
+        # the spans and a margin; the whole recording when no window was asked for (a whole-table read
+        # is split by rowid and skips the time index: faster than any window over most of the table)
+        load = window if window.unbounded else Window(lo - MARGIN_NS, hi + MARGIN_NS)
         frames = load_frames(conn, load, node=node, threads=threads)
         holes = load_storage(conn, load, None).holes if len(frames) == 1 else []
     except sqlite3.Error as e:
@@ -356,12 +358,13 @@ def _judge(values: list[ValueLedger], acc: I64, median: int) -> None:
     total = lost.sum(axis=1)
     named = (wall > 0) & (total >= np.maximum(MIN_LOST_NS, NAMED_SHARE * wall))
     top = lost.argmax(axis=1)
-    for i, v in enumerate(values):
-        v.wall_ns = int(wall[i])
-        v.buckets = dict(zip(BUCKETS, acc[i].tolist(), strict=True))
-        v.lost = {b: ns for b, ns in zip(BUCKETS, lost[i].tolist(), strict=True) if ns > 0}
+    rows, lost_rows = acc.tolist(), lost.tolist()
+    for v, w, row, gone, t, n in zip(values, wall.tolist(), rows, lost_rows, top.tolist(), named.tolist(), strict=True):
+        v.wall_ns = w
+        v.buckets = dict(zip(BUCKETS, row, strict=True))
+        v.lost = {b: ns for b, ns in zip(BUCKETS, gone, strict=True) if ns > 0}
         v.median_ratio = v.elapsed_ns / median if median > 0 else 0.0
-        v.cause = BUCKETS[int(top[i])] if named[i] else None
+        v.cause = BUCKETS[t] if n else None
 
 
 def _pct(part: int, whole: int) -> str:
