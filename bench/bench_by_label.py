@@ -43,7 +43,7 @@ from tests.test_explain_ledger import PID, Loop, workers  # noqa: E402
 
 VS_EXPLAIN = Target(1.25, "x")
 VS_PER_SPAN = Target(0.25, "x")
-ROUNDS = 3
+ROUNDS = 5
 MICRO = 10  # loop iterations a labelled step (micro-batches of gradient accumulation): ~90 events a step
 
 
