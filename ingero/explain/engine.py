@@ -20,6 +20,7 @@ import numpy as np
 
 from ingero.errors import StoreError
 from ingero.explain import (
+    rules_cold,
     rules_copies,
     rules_drift,
     rules_events,
@@ -237,7 +238,7 @@ def _explain_node(
         explained = {c.cuda_op for c in tail}
         periodic = rules_periodic.periodic_chains(ctx, [o for o in ctx.ops if o.name not in explained])
         chains += tail + periodic + rules_latency.drop_chains(ctx) + rules_memory.churn_chains(ctx, periodic)
-        cold = rules_events.cold_start_chains(ctx)
+        cold = rules_cold.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx)
         chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx, chains)
         chains += rules_ranks.late_rank_chains(ctx)
