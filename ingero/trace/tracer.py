@@ -173,7 +173,7 @@ def _cuda_version(libs: list[discovery.LibraryFile]) -> str:
 class _Follower:
     """Keeps the probes on every GPU library: new processes, new library files (follow mode)."""
 
-    def __init__(self, probes: BpfProbes, opts: TraceOptions) -> None:
+    def __init__(self, probes: BpfProbes, opts: TraceOptions, sizes: dict[int, str] | None = None) -> None:
         self.probes = probes
         self.opts = opts
         self.targets: set[int] = set(opts.pids)
@@ -181,7 +181,9 @@ class _Follower:
         self.cgroups = CgroupTracker()  # cgroup id -> container / pod / Slurm job (cgroup_metadata)
         self.pyframes: PyFrames | None = None
         self.py_noted: set[int] = set()
-        self._sizes: dict[int, str] = {}  # pid -> its address-space size at the last rescan
+        # pid -> its address-space size at the last rescan (given: as before the start-up discovery,
+        # which read every process's maps; only processes changed since are read again)
+        self._sizes: dict[int, str] = sizes or {}
 
     def on_events(self, ev: np.ndarray) -> None:
         self.cgroups.on_events(ev)
@@ -224,19 +226,8 @@ class _Follower:
         """The processes that are new, or whose address-space size changed (/proc/<pid>/statm: a dlopen
         maps new segments), since the last call: only their maps are read again. An idle host's
         rescan is one small read per process instead of every process's whole maps."""
-        sizes: dict[int, str] = {}
-        out: list[int] = []
-        for pid in pids:
-            size = self._sizes.get(pid)
-            if size != "0":  # a kernel thread (no address space) stays one: not read again
-                try:
-                    size = _statm_size(pid)
-                except OSError:
-                    continue
-                if self._sizes.get(pid) != size:
-                    out.append(pid)
-            if size is not None:
-                sizes[pid] = size
+        sizes = address_space_sizes(pids, self._sizes)
+        out = [pid for pid, size in sizes.items() if self._sizes.get(pid) != size]
         self._sizes = sizes
         return out
 
@@ -249,14 +240,27 @@ class _Follower:
         return new
 
 
-def _statm_size(pid: int) -> str:
-    """The first field of /proc/<pid>/statm (address-space size in pages), read with bare syscalls:
-    the rescan reads one per process every RESCAN_INTERVAL_S."""
-    fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
-    try:
-        return os.read(fd, 32).split(b" ", 1)[0].decode()
-    finally:
-        os.close(fd)
+def address_space_sizes(pids: list[int], known: dict[int, str] | None = None) -> dict[int, str]:
+    """pid -> the first field of /proc/<pid>/statm (address-space size in pages) of the live ones,
+    read with bare syscalls (one per process every RESCAN_INTERVAL_S). A kernel thread ("0" in
+    ``known``) stays one: not read again."""
+    out: dict[int, str] = {}
+    for pid in pids:
+        size = (known or {}).get(pid)
+        if size != "0":
+            try:
+                fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                size = os.read(fd, 32).split(b" ", 1)[0].decode()
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+        if size is not None:
+            out[pid] = size
+    return out
 
 
 async def run_trace(
@@ -278,8 +282,12 @@ async def run_trace(
     for pid in opts.pids:
         if not discovery.pid_alive(pid):
             raise UsageError(f"--pid {pid}: no such process")
-    found = await trio.to_thread.run_sync(
-        lambda: discovery.discover(opts.overrides, pids=opts.pids or None, system=opts.system_search)
+    # The processes' address-space sizes first: one that changes during the discovery is read again.
+    sizes, found = await trio.to_thread.run_sync(
+        lambda: (
+            address_space_sizes(discovery.all_pids()) if opts.follow else {},
+            discovery.discover(opts.overrides, pids=opts.pids or None, system=opts.system_search),
+        )
     )
     probe_opts = ProbeOptions(
         pid_filter=bool(opts.pids or opts.uids),
@@ -313,7 +321,7 @@ async def run_trace(
             probes.add_targets(opts.pids)
         if opts.uids:
             probes.add_target_uids(opts.uids)
-        follower = _Follower(probes, opts)
+        follower = _Follower(probes, opts, sizes)
         attached = await trio.to_thread.run_sync(follower.attach, found.libraries)
         await trio.to_thread.run_sync(follower.sync_sockets)
         follower.pyframes = PyFrames() if opts.python_frames and opts.stack_mode != "off" else None
