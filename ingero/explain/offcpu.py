@@ -118,6 +118,9 @@ class OffCpu:
         wake_at = np.full(tid.size, -1, dtype=np.int64)
         waker = np.zeros(tid.size, dtype=np.int64)
         w_tid, w_ts, w_by = wakeups(args)
+        # threads whose wakeups are recorded: without prev_state their sleeps are still told apart (a
+        # sleeping task is woken; a preempted one is not), so their remaining off-CPU time is rarely a sleep
+        self.woken: frozenset[int] = frozenset(np.unique(w_tid).tolist())
         if w_tid.size and sleep.any():
             for t in np.unique(w_tid).tolist():
                 mine = np.flatnonzero(sleep & (tid == t))

@@ -96,7 +96,8 @@ def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chai
             sev = severity(lost, row.wall_ns)
             if sev is None or bucket == NOT_RECORDED:
                 continue
-            if bucket in AT_MOST_LOW:
+            told = bucket == OFFCPU_UNKNOWN and int(row.tid or 0) in ctx.off.woken  # sleeps taken out by wakeups
+            if bucket in AT_MOST_LOW and not told:
                 sev = "MEDIUM" if bucket == OFFCPU_UNKNOWN and lost >= MOSTLY_IDLE * row.wall_ns else "LOW"
             if bucket == ASLEEP_TIMER and lost < CHOSEN_SHARE * row.wall_ns:
                 continue
