@@ -133,7 +133,7 @@ def test_explain_on_the_cluster_file_keeps_nodes_apart(capsys: pytest.CaptureFix
     assert "snapshot(s) left out" not in err
     code = main(["explain", "--db", str(INVESTIGATIONS / CLUSTER_FILE), "--chains"])
     out, _ = capsys.readouterr()
-    assert code == 0 and "2 stored causal chain(s)" in out
+    assert code == 0 and "1 stored causal chain(s)" in out  # node 01's sync tail (the launch tail loses too little)
 
 
 def test_cli_regenerates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -143,4 +143,4 @@ def test_cli_regenerates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert code == 0 and sorted(files) == sorted(ALL_FILES)
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == sorted(ALL_FILES)  # no -wal/-shm left
     assert files[CLUSTER_FILE]["events"] == sum(files[f]["events"] for f in FILES.values())
-    assert files[CLUSTER_FILE]["chains"] == files[FILES["gpu-node-01"]]["chains"] == 2
+    assert files[CLUSTER_FILE]["chains"] == files[FILES["gpu-node-01"]]["chains"] == 1
