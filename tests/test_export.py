@@ -256,5 +256,5 @@ def test_investigations_cluster_exports(tmp_path: Path) -> None:
     assert procs == ["gpu-node-01 (rank 0)", "gpu-node-02 (rank 1)", "gpu-node-03 (rank 2)"]
     total = open_readonly(db).execute("SELECT count(*) FROM events").fetchone()[0]
     assert len([e for e in doc["traceEvents"] if e["ph"] in ("X", "i") and e["cat"] != "causal_chain"]) == total
-    high = [c for c in slices(doc, cat="causal_chain") if c["args"]["severity"] == "HIGH"]
-    assert high and all(c["pid"] == 1 for c in high)  # the straggler, gpu-node-01
+    chains = slices(doc, cat="causal_chain")
+    assert chains and all(c["pid"] == 1 for c in chains)  # the straggler, gpu-node-01, alone has a chain

@@ -5,13 +5,16 @@ without ``--node``). The fleet client tells them apart by an *instance id*, whic
 with its answers:
 
 * a database ingero writes gets a random ``instance_id`` in ``schema_info`` when its schema is made
-  or migrated (:func:`ensure_instance_id`); a merged database gets its own, never an input's;
-* a database without one (an Ingero recording, a read-only copy) is named by its file: device and
-  inode, so one file reached by two paths is one database, and serving it never writes to it;
-* the agent's instance id hashes that with this machine's ``/etc/machine-id`` and the agent's node
-  name: two machines serving copies of one recording are two instances, and so are two agents serving
-  one database under two names; one agent listed twice, or reached at two addresses, is one (and so
-  are two agents serving one database under one name: their answers are the same).
+  or migrated (:func:`ensure_instance_id`); a merged database gets its own, never an input's (the
+  offline merge tells two recordings of one node name apart by it);
+* the file is named too, by device and inode (an Ingero recording has no stored id, and serving it
+  never writes to it): one file reached by two paths is one database, two copies of it are two;
+* the agent's instance id hashes those with this machine's ``/etc/machine-id`` and boot id and the
+  agent's node name: two machines serving copies of one recording are two instances, and so are clones
+  of one VM image (same machine-id, same files, but each booted on its own) and two agents serving one
+  database under two names; one agent listed twice, or reached at two addresses, is one (and so are two
+  agents serving one database under one name: their answers are the same). It stays the same while the
+  host is up; a reboot gives the agent a new one, which the fleet client never needs to remember.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def ensure_instance_id(conn: sqlite3.Connection) -> None:
     )
 
 
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This boot's random id: what two clones of one VM image (same machine-id, same files) never share."""
+    try:
+        return BOOT_ID_FILE.read_text().strip()
+    except OSError:
+        return ""
+
+
 def machine_id() -> str:
     """This machine's id (systemd's ``machine-id``), else the hostname: what two hosts do not share."""
     for path in MACHINE_ID_FILES:
@@ -59,9 +73,8 @@ def machine_id() -> str:
 def agent_instance(conn: sqlite3.Connection, path: str | Path, node: str) -> str:
     """The instance id an agent named ``node`` serving ``path`` sends with its answers (see the module
     docstring)."""
-    db_id = stored_instance_id(conn)
-    if db_id is None:
-        st = Path(path).expanduser().stat()
-        db_id = f"file:{st.st_dev}:{st.st_ino}"
-    digest = hashlib.sha256(f"{machine_id()}\0{db_id}\0{node}".encode()).hexdigest()
+    st = Path(path).expanduser().stat()
+    db_id = f"{stored_instance_id(conn) or ''}:{st.st_dev}:{st.st_ino}"
+    host = f"{machine_id()}:{boot_id()}"
+    digest = hashlib.sha256(f"{host}\0{db_id}\0{node}".encode()).hexdigest()
     return digest[:INSTANCE_HEX]
