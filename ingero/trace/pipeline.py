@@ -54,7 +54,7 @@ class PipelineOptions:
     # A drain that found nothing doubles the wait before the next, up to this (an idle host: 4 wakeups
     # a second, not 20); any event brings it back to drain_interval_s (names of short-lived processes
     # are read while they live). A burst from rest waits at most this long: 300 k events/s fill 75 k
-    # of the 16 MiB ring's 262 k records.
+    # of the 16 MiB ring's 262 k records (the tracer scales it down with a smaller ring).
     idle_drain_interval_s: float = 0.25
     channel_items: int = 256
     max_pending_events: int = 1 << 21  # ~128 MiB of records waiting for the writer, at most
@@ -211,10 +211,13 @@ class Pipeline:
     async def _tick(self, send: trio.MemorySendChannel[_Item]) -> None:
         snap = self._sampler.sample()
         await send.send(_Item("snapshot", rows=WriteBatch(snapshots=[snap.as_row()])))
-        pages = await trio.to_thread.run_sync(self.source.page_allocs)
+        pages, self._kernel = await trio.to_thread.run_sync(self._kernel_maps)
         if pages:
             await send.send(_Item("pages", pages=pages, ts=snap.timestamp))
-        self._kernel = await trio.to_thread.run_sync(self.source.counters)
+
+    def _kernel_maps(self) -> tuple[dict[int, tuple[int, int]], dict[str, int]]:
+        """The kernel's page-allocation counters and drop counters: one worker-thread turn a second."""
+        return self.source.page_allocs(), self.source.counters()
 
     # --- writer ----------------------------------------------------------------------------------
 
