@@ -33,7 +33,7 @@ import httpx
 import trio
 from verdict import Target, no_verdict, summary, verdict
 
-from ingero.api.server import BoundServer, ServerSettings, serve_api
+from ingero.agent.api.server import BoundServer, ServerSettings, serve_api
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget
 from ingero.store.writer import EventRow, StoreWriter

@@ -94,7 +94,7 @@ def agent_db(dbs: Path, i: int) -> Path:
 def child_main(count: int, dbs: Path, pki: Path, first: int) -> None:
     """``--child``: serve ``count`` mTLS listeners on 127.0.0.1, print their ports, run until stdin closes."""
     raise_fd_limit()
-    from ingero.api.server import ServerSettings, serve_api
+    from ingero.agent.api.server import ServerSettings, serve_api
     from ingero.identity import Identity
 
     async def main() -> None:

@@ -6,7 +6,7 @@ samples, tests/engine_standin.py), their values moving at every scrape. In this 
 on the same trio loop and for the same wall time:
 
   floor      the loop waking once a second and doing nothing
-  scraping   :class:`ingero.trace.engine_scrape.Scraper` at 1 s (detection every 5 s over /proc, each
+  scraping   :class:`ingero.agent.trace.engine_scrape.Scraper` at 1 s (detection every 5 s over /proc, each
              engine fetched and parsed in a worker thread on its own clock, change-only rows handed to a sink)
 
 Target: (scraping - floor) CPU ≤ 0.5 % of one core, at rest (after a 3 s warm-up, reported apart). The run must have scraped every engine at every
@@ -30,8 +30,8 @@ from verdict import Target, no_verdict, summary, verdict
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ingero.agent.trace.engine_scrape import Scraper  # noqa: E402
 from ingero.store.engine_metrics import EngineMetricRow  # noqa: E402
-from ingero.trace.engine_scrape import Scraper  # noqa: E402
 from tests.engine_standin import free_port, launcher  # noqa: E402
 
 COST = Target(0.5, " % of a core", fmt="{:.3f}")

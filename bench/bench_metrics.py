@@ -29,11 +29,11 @@ import urllib.request
 import numpy as np
 from verdict import Target, summary, verdict
 
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.identity import Identity
 from ingero.metrics.prometheus import serve_metrics
 from ingero.metrics.state import MetricState
 from ingero.store import catalog
-from ingero.trace.ringbuf import EVENT_DTYPE
 
 RATE = 100_000
 DRAIN_S = 0.05

@@ -55,8 +55,8 @@ from verdict import Target, no_verdict, summary, verdict
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ingero.agent.trace.tracer import TraceOptions, TraceReady  # noqa: E402
 from ingero.identity import Identity  # noqa: E402
-from ingero.trace.tracer import TraceOptions, TraceReady  # noqa: E402
 from tests.bpf_support import record  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "bpf_fixtures" / "socket_trips.c"
@@ -170,7 +170,7 @@ def traced_uprobe_floor(loop: Loop) -> tuple[float, float]:
     agent uses: libc_sockets.socket_probe_offset): the floor of what a traced process pays."""
     from bcc import BPF
 
-    from ingero.trace import elfsyms, libc_sockets
+    from ingero.agent.trace import elfsyms, libc_sockets
 
     p, pid = loop.start_waiting()
     path = libc_sockets.libc_of(pid)
@@ -365,12 +365,12 @@ def rss():
     return d
 out = {"interpreter": rss()}
 import numpy, trio, sqlite3
-from ingero.trace import tracer, pipeline, recorder
+from ingero.agent.trace import tracer, pipeline, recorder
 from ingero.store import writer
 out["our imports"] = rss()
 import bcc
 out["import bcc (libbcc, LLVM, clang mapped)"] = rss()
-from ingero.trace import probes
+from ingero.agent.trace import probes
 orig = probes.release_compiler_memory
 probes.release_compiler_memory = lambda: None
 p = probes.BpfProbes(probes.ProbeOptions())

@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ingero.trace.pyframes import PyFrames, PyProcess  # noqa: E402
-from ingero.trace.stacks import Symbolizer, stack_row  # noqa: E402
+from ingero.agent.trace.pyframes import PyFrames, PyProcess  # noqa: E402
+from ingero.agent.trace.stacks import Symbolizer, stack_row  # noqa: E402
 
 CHILD = """
 import sys, threading

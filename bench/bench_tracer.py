@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from verdict import Target, summary, verdict  # noqa: E402
 
+from ingero.agent.trace.tracer import TraceOptions, TraceReady, run_trace  # noqa: E402
 from ingero.identity import Identity  # noqa: E402
-from ingero.trace.tracer import TraceOptions, TraceReady, run_trace  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "bpf_fixtures"
 # The probed loop gets a CPU of its own and the agent (this process: drainer, writer, trio) the
@@ -126,7 +126,7 @@ def with_agent(
 def empty_probes(b: dict[str, Path], action: Callable[[], Any]) -> Any:
     from bcc import BPF
 
-    from ingero.trace import elfsyms
+    from ingero.agent.trace import elfsyms
 
     image = elfsyms.load(str(b["cuda"]))
     where = elfsyms.probe_offset(image, "cuLaunchKernel")

@@ -10,7 +10,7 @@ non-empty, at most :data:`MAX_LABELS` pairs, keys of ``[A-Za-z0-9_.-]`` up to :d
 values up to :data:`MAX_VALUE_BYTES` (we also refuse control characters in them, and take numbers as
 their JSON text where Ingero takes strings only), a line up to :data:`MAX_LINE_BYTES`, at most
 :data:`RATE_PER_CONNECTION` lines a second on one connection, and a span with ``span_end <
-span_start`` refused. They are declared here once; the agent (:mod:`ingero.trace.annotate_socket`),
+span_start`` refused. They are declared here once; the agent (:mod:`ingero.agent.trace.annotate_socket`),
 ``ingero annotate`` and the direct ``--db`` path all validate with :func:`parse_line`.
 
 The helper: ``with ingero.annotate.span(step=12): ...`` and ``ingero.annotate.point(epoch=3)``. Both

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import trio
 
-from ingero.api.app import AgentAPI
-from ingero.api.server import BoundServer, ServerSettings, serve_api
+from ingero.agent.api.app import AgentAPI
+from ingero.agent.api.server import BoundServer, ServerSettings, serve_api
 from ingero.asgi import ASGIApp
 from ingero.identity import Identity
 from ingero.tls.context import client_ssl_context

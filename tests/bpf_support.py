@@ -18,8 +18,8 @@ from typing import Any
 
 import trio
 
+from ingero.agent.trace.tracer import TraceOptions, TraceReady, TraceSummary, run_trace
 from ingero.identity import Identity
-from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary, run_trace
 
 FIXTURES = Path(__file__).resolve().parent / "bpf_fixtures"
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from ingero.api.server import BoundServer, ServerSettings, serve_api
+from ingero.agent.api.server import BoundServer, ServerSettings, serve_api
 from ingero.asgi import ASGIApp, Message, Receive, Scope, Send
 from ingero.config import NodeSpec
 from ingero.fleet.settings import ClientSettings

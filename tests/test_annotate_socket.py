@@ -20,9 +20,9 @@ import pytest
 import trio
 
 import ingero.annotate as ann
+from ingero.agent.trace.annotate_socket import AnnotateStats, prepare_dir, serve_annotations
 from ingero.errors import UsageError
 from ingero.store.annotations import AnnotationRow
-from ingero.trace.annotate_socket import AnnotateStats, prepare_dir, serve_annotations
 
 NOBODY = 65534
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another uid's process and chown")
@@ -225,7 +225,7 @@ def test_a_live_socket_is_not_stolen(tmp_path: Path) -> None:
     def client(path: Path) -> str:
         try:
             prepare_dir(path.parent)
-            from ingero.trace.annotate_socket import bind_socket
+            from ingero.agent.trace.annotate_socket import bind_socket
 
             bind_socket(path.parent).close()
         except UsageError as e:
@@ -242,7 +242,7 @@ def test_without_a_writable_run_the_directory_falls_back_under_the_home(shared_d
     home.mkdir()
     os.chown(home, NOBODY, NOBODY)
     code = (
-        "import os; from ingero.trace.annotate_socket import prepare_dir; "  # imports first: nobody cannot read them
+        "import os; from ingero.agent.trace.annotate_socket import prepare_dir; "  # imports first: nobody cannot read them
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); print(prepare_dir())"
     )
     out = subprocess.run(
@@ -306,7 +306,7 @@ def test_the_rate_limit_refuses_lines_past_it_and_keeps_the_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """All lines inside one window (the agent's clock held still): the first RATE_PER_CONNECTION are taken."""
-    import ingero.trace.annotate_socket as server
+    import ingero.agent.trace.annotate_socket as server
 
     monkeypatch.setattr(server, "_clock", lambda: 1000.0)
     n = ann.RATE_PER_CONNECTION + 5

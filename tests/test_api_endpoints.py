@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import trio
 
-from ingero.api.server import BoundServer, serve_api
+from ingero.agent.api.server import BoundServer, serve_api
 from ingero.asgi import ASGIApp, Receive, Scope, Send
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget

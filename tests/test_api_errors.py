@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from ingero.api import endpoints
+from ingero.agent.api import endpoints
 from ingero.tls.context import client_ssl_context
 from tests.agent_servers import RUNAWAY, assert_error_shape, running, settings
 
@@ -217,7 +217,7 @@ def test_http2_clients_get_the_same_answers(samples: Path, tmp_path: Path) -> No
 def test_a_saturated_agent_answers_503_with_retry_after_in_the_one_shape(samples: Path, tmp_path: Path) -> None:
     """One heavy slot held by a runaway: a second runaway, moved out of the short lane, finds no heavy
     slot within the wait limit and is answered 503 + Retry-After (not 408); the first ends at its own limit."""
-    from ingero.api.workers import AdmissionLimits
+    from ingero.agent.api.workers import AdmissionLimits
 
     limits = AdmissionLimits(short_slots=1, heavy_slots=1, quantum_ms=10, max_waiting=1, max_wait_s=0.05)
     s = settings(samples / "sample-gpu-node-01.db", tmp_path / "tls", admission=limits)

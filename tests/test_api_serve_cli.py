@@ -219,7 +219,7 @@ def test_preflight_keeps_the_port_it_checked(tmp_path: Path) -> None:
     import errno
     import socket
 
-    from ingero.api.server import ServerSettings, preflight
+    from ingero.agent.api.server import ServerSettings, preflight
     from ingero.identity import Identity
     from ingero.store.db import open_writable
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import trio
 
-from ingero.api.workers import HEAVY, SHORT, Admission, AdmissionLimits, FairQueue, Job, _Waiter
+from ingero.agent.api.workers import HEAVY, SHORT, Admission, AdmissionLimits, FairQueue, Job, _Waiter
 from ingero.errors import AgentBusyError, QueryTimeoutError
 from ingero.store import guard
 from tests.agent_servers import RUNAWAY

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import trio
 
+from ingero.agent.trace.tracer import TraceReady
 from ingero.explain.engine import explain
 from ingero.identity import Identity
 from ingero.store import catalog
 from ingero.store.allocations import live_bytes
-from ingero.trace.tracer import TraceReady
 from tests.bpf_support import FIXTURES, REAL_CUDART, Built, build, build_program, record, trace_options
 
 pytestmark = pytest.mark.bpf

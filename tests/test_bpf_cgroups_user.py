@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace.cgroups import cgroup2_mount
+from ingero.agent.trace.tracer import TraceReady
 from ingero.identity import Identity
-from ingero.trace.cgroups import cgroup2_mount
-from ingero.trace.tracer import TraceReady
 from tests.bpf_support import Built, build, record, trace_options
 
 pytestmark = pytest.mark.bpf

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
+from ingero.agent.trace.tracer import TraceOptions, TraceReady
 from ingero.identity import Identity
-from ingero.trace.tracer import TraceOptions, TraceReady
 from tests.bpf_support import Built, build, record, trace_options
 
 pytestmark = pytest.mark.bpf

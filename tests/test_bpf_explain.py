@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace.tracer import TraceReady
 from ingero.explain.engine import ExplainReport, explain
 from ingero.identity import Identity
 from ingero.store.db import open_readonly
-from ingero.trace.tracer import TraceReady
 from tests.bpf_support import Built, build, build_program, record, run_beside_cpu_hog, trace_options
 
 pytestmark = pytest.mark.bpf

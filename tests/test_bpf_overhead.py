@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import trio
 
+from ingero.agent.trace.tracer import TraceReady
 from ingero.identity import Identity
 from ingero.store import catalog
-from ingero.trace.tracer import TraceReady
 from tests.bpf_support import build, build_program, record, trace_options
 
 pytestmark = pytest.mark.bpf

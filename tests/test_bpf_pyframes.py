@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace.tracer import TraceReady
 from ingero.identity import Identity
 from ingero.store import catalog
-from ingero.trace.tracer import TraceReady
 from tests.bpf_support import FIXTURES, Built, build, record, trace_options
 from tests.conftest import python_interpreter
 

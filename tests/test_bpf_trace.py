@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
+from ingero.agent.trace.tracer import TraceReady, TraceSummary
 from ingero.identity import Identity
 from ingero.store.catalog import CUDA, DRIVER, HOST, NCCL
-from ingero.trace.tracer import TraceReady, TraceSummary
 from tests.bpf_support import CUDART_CTYPES, REAL_CUDART, Built, build, pin, record, run_beside_cpu_hog, trace_options
 
 pytestmark = pytest.mark.bpf
@@ -260,7 +260,7 @@ def test_stacks_are_hashed_and_symbolized(recording: Recording) -> None:
         pid,
     )
     assert rows, "cudaMalloc events carry a stack"
-    from ingero.trace.stacks import stack_hash
+    from ingero.agent.trace.stacks import stack_hash
 
     for h, ips, frames in rows:
         ip_list = [int(x, 16) for x in json.loads(ips)]

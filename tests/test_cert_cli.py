@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from ingero.api.server import BoundServer, ServerSettings, serve_api
+from ingero.agent.api.server import BoundServer, ServerSettings, serve_api
 from ingero.cli.main import main
 from ingero.identity import Identity
 from ingero.tls import pki

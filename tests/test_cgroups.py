@@ -15,10 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ingero.identity import Identity
-from ingero.store.cgroups import CgroupInfo, cgroup_labels
-from ingero.store.writer import StoreWriter
-from ingero.trace.cgroups import (
+from ingero.agent.trace.cgroups import (
     CgroupTracker,
     cgroup2_mount,
     cgroup_id_of,
@@ -27,7 +24,10 @@ from ingero.trace.cgroups import (
     find_cgroup_path,
     resolve,
 )
-from ingero.trace.ringbuf import EVENT_DTYPE
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
+from ingero.identity import Identity
+from ingero.store.cgroups import CgroupInfo, cgroup_labels
+from ingero.store.writer import StoreWriter
 
 DOCKER = "a" * 64
 CRIO = "0123456789abcdef" * 4

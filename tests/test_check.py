@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace import check
 from ingero.cli.main import main
-from ingero.trace import check
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="drops from root to nobody")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from ingero.api.https import Listen, serve_asgi
+from ingero.agent.api.https import Listen, serve_asgi
 from ingero.dashboard.app import Dashboard, DashboardSettings, serve_dashboard
 from ingero.tls.context import client_ssl_context
 from ingero.tools.registry import ToolEnv

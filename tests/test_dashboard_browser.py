@@ -25,8 +25,8 @@ import httpx
 import pytest
 import trio
 
-from ingero.api.https import Listen
-from ingero.api.server import BoundServer
+from ingero.agent.api.https import Listen
+from ingero.agent.api.server import BoundServer
 from ingero.config import NodeSpec
 from ingero.dashboard.app import DashboardSettings, serve_dashboard
 from ingero.tls.context import client_ssl_context

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace.cgroups import describe
 from ingero.cli.main import main
 from ingero.demo.synth import SyntheticNode
 from ingero.store.cgroups import CgroupInfo, write_cgroups
-from ingero.trace.cgroups import describe
 from tests.test_explain_rules import BASE, only, report_of, trainer
 
 TRAIN = describe(4101, "/kubepods/burstable/pod1b2c3d4e-aaaa-bbbb-cccc-0123456789ab/" + "a" * 64, {})

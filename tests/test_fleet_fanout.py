@@ -206,7 +206,7 @@ def test_each_failure_has_its_own_words(pki: Pki, samples: Path, tmp_path: Path)
     black hole (TCP accepted, TLS never answered) each get their own kind, words and hint."""
     import socket
 
-    from ingero.api.server import ServerSettings, serve_api
+    from ingero.agent.api.server import ServerSettings, serve_api
     from ingero.identity import Identity
 
     cert, key = expired_cert(tmp_path)

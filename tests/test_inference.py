@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from ingero.agent.trace.engine_scrape import Scraper, parse
+from ingero.agent.trace.engines import Engine, detect, endpoint, kind_of
 from ingero.cli.main import main
 from ingero.explain.engine import explain
 from ingero.identity import Identity
@@ -31,8 +33,6 @@ from ingero.store.schema import SCHEMA_VERSION
 from ingero.store.writer import StoreWriter
 from ingero.tools.local import get_engine_metrics
 from ingero.tools.registry import ToolEnv
-from ingero.trace.engine_scrape import Scraper, parse
-from ingero.trace.engines import Engine, detect, endpoint, kind_of
 from tests.engine_standin import SCENARIOS, N, free_port, launcher, serve
 from tests.engine_standin import Engine as StandIn
 

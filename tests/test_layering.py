@@ -1,4 +1,4 @@
-"""Imports flow one way: cli → mcp/dashboard → tools → export → fleet → metrics/demo/api → explain/trace → store.
+"""Imports flow one way: cli → mcp/dashboard → tools → export → fleet → metrics/demo → agent (trace, api) → explain → store.
 
 Each package has a layer; a module may import its own package or any package of a lower layer, never a
 higher one (so no cycles between packages). Imports under ``if TYPE_CHECKING:`` count too: a type
@@ -25,14 +25,13 @@ LAYERS: dict[str, int] = {
     "config": 2,
     "store": 2,
     "explain": 3,
-    "trace": 3,
     "clickhouse": 3,  # the fleet's history: schema, client, shipper, read-only queries (over store only)
-    "metrics": 4,
-    "demo": 4,
-    "fleet": 5,
-    "export": 6,
-    "tools": 7,
-    "api": 4,  # the agent's server: composed with the tools routes at the edge (cli), never importing them
+    "agent": 4,  # what runs on every node: agent/trace (the recorder) and agent/api (the server)
+    "metrics": 5,
+    "demo": 5,
+    "fleet": 6,
+    "export": 7,
+    "tools": 8,
     "mcp": 9,
     "dashboard": 9,
     "cli": 10,

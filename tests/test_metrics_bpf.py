@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace.tracer import TraceReady
 from ingero.identity import Identity
 from ingero.metrics import registry as r
 from ingero.metrics.otlp import OtlpPusher, otlp_exporter
@@ -21,7 +22,6 @@ from ingero.metrics.prometheus import serve_metrics
 from ingero.metrics.state import MetricState, op_labels
 from ingero.metrics.trace_hook import TraceMetrics
 from ingero.store import catalog
-from ingero.trace.tracer import TraceReady
 from tests.bpf_support import Built, build, record, trace_options
 from tests.prometheus_support import running_prometheus, wait_until
 

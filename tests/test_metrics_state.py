@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ingero.agent.trace.recorder import BYTES_OPS, OP_NCCL_COMM_INIT
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.identity import Identity
 from ingero.metrics import registry as r
 from ingero.metrics.dbfeed import DatabaseFeed, database_provider, db_size
 from ingero.metrics.prometheus import families, parse_prometheus_addr
 from ingero.metrics.state import MetricState, duration_buckets
 from ingero.store import catalog
-from ingero.trace.recorder import BYTES_OPS, OP_NCCL_COMM_INIT
-from ingero.trace.ringbuf import EVENT_DTYPE
 from tests.conftest import INVESTIGATIONS
 
 MS = 1_000_000

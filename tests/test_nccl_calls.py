@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ingero.agent.trace.recorder import Recorder, StoragePolicy
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.identity import Identity
 from ingero.store import catalog
 from ingero.store.writer import StoreWriter
-from ingero.trace.recorder import Recorder, StoragePolicy
-from ingero.trace.ringbuf import EVENT_DTYPE
 
 OFFSET = 1_700_000_000_000_000_000
 COMM = 0x7F00_1234_0000

@@ -19,13 +19,13 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.errors import UsageError
 from ingero.identity import Identity
 from ingero.metrics import registry as r
 from ingero.metrics.otlp import OtlpPusher, metrics_url, otlp_exporter, resource_for
 from ingero.metrics.state import MetricState
 from ingero.store import catalog
-from ingero.trace.ringbuf import EVENT_DTYPE
 
 
 @dataclass

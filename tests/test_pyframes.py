@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ingero.trace.pyframes import PyFrame, PyFrames, PyProcess, insert_python, line_of, ptrace_problem
+from ingero.agent.trace.pyframes import PyFrame, PyFrames, PyProcess, insert_python, line_of, ptrace_problem
 from tests.conftest import python_interpreter
 
 CHILD = """
@@ -87,7 +87,7 @@ def _walk(code: types.CodeType) -> Iterator[types.CodeType]:
 
 
 def test_line_of_matches_the_interpreter_for_every_instruction() -> None:
-    import ingero.trace.pyframes as module
+    import ingero.agent.trace.pyframes as module
 
     source = Path(module.__file__).read_text()
     checked = 0
@@ -118,8 +118,8 @@ print(json.dumps(out))
 def test_line_of_310_matches_the_310_interpreter_for_every_instruction() -> None:
     import json
 
-    import ingero.trace.pyframes as module
-    from ingero.trace.pylines import line_of_310
+    import ingero.agent.trace.pyframes as module
+    from ingero.agent.trace.pylines import line_of_310
 
     exe = python_interpreter("3.10")
     if exe is None:
@@ -159,7 +159,7 @@ def test_ptrace_wording() -> None:
 
 
 def test_check_reports_python_frames() -> None:
-    from ingero.trace.check import check_python_frames
+    from ingero.agent.trace.check import check_python_frames
 
     assert check_python_frames(3, root=True).ok is False and "= 3" in check_python_frames(3, root=True).detail
     blocked = check_python_frames(2, root=False)

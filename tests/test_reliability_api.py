@@ -18,8 +18,8 @@ import httpx
 import pytest
 import trio
 
-from ingero.api.app import MAX_BODY_BYTES
-from ingero.api.workers import AdmissionLimits
+from ingero.agent.api.app import MAX_BODY_BYTES
+from ingero.agent.api.workers import AdmissionLimits
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget
 from ingero.store.writer import EventRow, StoreWriter

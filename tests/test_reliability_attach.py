@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace.tracer import TraceOptions, TraceReady, TraceSummary
 from ingero.identity import Identity
 from ingero.store.catalog import CUDA
-from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary
 from tests.bpf_support import BusyJob, build_busy_cudart, build_program, record, trace_options
 
 pytestmark = [pytest.mark.bpf, pytest.mark.reliability]

@@ -7,7 +7,7 @@ import json
 import os
 import struct
 
-from ingero.trace.stacks import (
+from ingero.agent.trace.stacks import (
     Symbolizer,
     fnv1a64,
     frames_json,

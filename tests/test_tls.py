@@ -12,7 +12,7 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ingero.api.server import BoundServer, serve_api
+from ingero.agent.api.server import BoundServer, serve_api
 from ingero.errors import TLSConfigError, UsageError
 from ingero.tls import context, pki
 from tests.agent_servers import Pki, make_pki, running, settings
@@ -258,7 +258,7 @@ def test_client_context_rejects_half_a_client_identity(certs: Pki) -> None:
 def test_admission_tells_mtls_clients_apart_by_certificate_subject(certs: Pki, tmp_path: Path) -> None:
     """Two clients on the same address with different certificates are two identities for fair
     admission; without a client certificate the identity is the peer address."""
-    from ingero.api.workers import client_identity
+    from ingero.agent.api.workers import client_identity
     from ingero.asgi import ASGIApp, Receive, Scope, Send
 
     ca_dir = certs.ca.parent

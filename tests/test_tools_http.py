@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from ingero import API_VERSION
-from ingero.api.https import Listen, serve_asgi
+from ingero.agent.api.https import Listen, serve_asgi
 from ingero.tools import toolset
 from ingero.tools.http import Auth, Guard, RateLimit, ToolsAPI
 from ingero.tools.openapi import openapi_document

@@ -14,7 +14,7 @@ import anyio
 import pytest
 import trio
 
-from ingero.api.https import Listen
+from ingero.agent.api.https import Listen
 from ingero.config import NodeSpec
 from ingero.mcp.server import McpSettings, serve_http
 from ingero.tools import toolset

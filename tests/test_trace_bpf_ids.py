@@ -1,7 +1,7 @@
 """The BPF C and the Python that reads its records agree, by construction or by this check.
 
 * Source and op ids are declared once, in :mod:`ingero.store.catalog`: the C gets them as ``-D``
-  flags (:func:`ingero.trace.probes.catalog_defines`), defines none itself and passes no bare integer
+  flags (:func:`ingero.agent.trace.probes.catalog_defines`), defines none itself and passes no bare integer
   where an op id goes.
 * ``struct ingero_event`` (``bpf/ingero_common.h``) and ``ringbuf.EVENT_DTYPE`` list the same fields,
   in the same order, with the same sizes; the kernel counters and ``probes.COUNTER_NAMES`` match.
@@ -13,9 +13,9 @@ import re
 
 import numpy as np
 
+from ingero.agent.trace.probes import BPF_DIR, COUNTER_NAMES, catalog_defines
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.store import catalog
-from ingero.trace.probes import BPF_DIR, COUNTER_NAMES, catalog_defines
-from ingero.trace.ringbuf import EVENT_DTYPE
 
 SOURCES = {p.name: p.read_text() for p in sorted(BPF_DIR.iterdir()) if p.suffix in (".c", ".h")}
 C_TYPES = {"u64": "<u8", "u32": "<u4", "s32": "<i4", "u16": "<u2", "u8": "|u1"}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from ingero.agent.trace import btf
 from ingero.errors import TracingUnavailableError
-from ingero.trace import btf
 
 
 def _blob() -> bytes:

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from ingero.api.server import serve_api
+from ingero.agent.api.server import serve_api
+from ingero.agent.trace.livestats import OpLine
+from ingero.agent.trace.tracer import parse_size
 from ingero.cli.main import build_parser
 from ingero.cli.trace import options_from
 from ingero.cli.trace_view import render_ops
 from ingero.errors import UsageError
-from ingero.trace.livestats import OpLine
-from ingero.trace.tracer import parse_size
 
 
 def _opts(*argv: str):  # type: ignore[no-untyped-def]

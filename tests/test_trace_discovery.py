@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ingero.trace import discovery, elfsyms
+from ingero.agent.trace import discovery, elfsyms
 from tests.bpf_support import FIXTURES, REAL_CUDART
 
 

@@ -13,6 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ingero.agent.trace.procfilter import parse_pid_list, pids_of_uids, resolve_user
+from ingero.agent.trace.recorder import Recorder, StoragePolicy
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
+from ingero.agent.trace.stacks import Symbolizer
 from ingero.cli.main import build_parser, main
 from ingero.cli.trace import options_from
 from ingero.errors import UsageError
@@ -21,10 +25,6 @@ from ingero.store.annotations import add_annotation, list_annotations
 from ingero.store.db import open_readonly
 from ingero.store.schema import SCHEMA_VERSION
 from ingero.store.writer import StoreWriter
-from ingero.trace.procfilter import parse_pid_list, pids_of_uids, resolve_user
-from ingero.trace.recorder import Recorder, StoragePolicy
-from ingero.trace.ringbuf import EVENT_DTYPE
-from ingero.trace.stacks import Symbolizer
 
 S = 1_000_000_000
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ingero.agent.trace.discovery import read_comm
+from ingero.agent.trace.livestats import LiveStats
+from ingero.agent.trace.recorder import OP_NCCL_COMM_INIT, Recorder, StoragePolicy, WriteBatch
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
+from ingero.agent.trace.stacks import Symbolizer, stack_hash
 from ingero.identity import Identity
 from ingero.store.writer import StoreWriter
-from ingero.trace.discovery import read_comm
-from ingero.trace.livestats import LiveStats
-from ingero.trace.recorder import OP_NCCL_COMM_INIT, Recorder, StoragePolicy, WriteBatch
-from ingero.trace.ringbuf import EVENT_DTYPE
-from ingero.trace.stacks import Symbolizer, stack_hash
 
 S = 1_000_000_000
 BASE = 1_000 * S  # a CLOCK_MONOTONIC-like start

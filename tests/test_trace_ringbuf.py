@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ingero.trace.ringbuf import BUSY_BIT, DISCARD_BIT, EVENT_DTYPE, EVENT_SIZE, HEADER_SIZE, RingReader
+from ingero.agent.trace.ringbuf import BUSY_BIT, DISCARD_BIT, EVENT_DTYPE, EVENT_SIZE, HEADER_SIZE, RingReader
 
 SIZE = 4096  # data bytes (a power of two)
 

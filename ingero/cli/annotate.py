@@ -174,9 +174,9 @@ def _write_direct(args: argparse.Namespace, lines: list[AnnotationLine]) -> int:
     process as the writer."""
     import os
 
+    from ingero.agent.trace.annotate_socket import Peer, scope
     from ingero.cli.output import emit_json
     from ingero.store.annotations import write_lines
-    from ingero.trace.annotate_socket import Peer, scope
 
     me = Peer(os.getpid(), os.getuid(), os.getgid())
     db = common.db_path_from(args)

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ingero.trace.check import compile_check, ready, run_checks
+    from ingero.agent.trace.check import compile_check, ready, run_checks
 
     overrides = {"cudart": args.cuda_lib, "cuda": args.driver_lib, "nccl": args.nccl_lib}
     results = run_checks(overrides)

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     import trio
 
-    from ingero.api.https import Listen
+    from ingero.agent.api.https import Listen
     from ingero.dashboard.app import DashboardSettings, serve_dashboard
     from ingero.mcp.server import McpSettings
 

@@ -59,10 +59,10 @@ def add_https_args(p: argparse.ArgumentParser, flag: str, helptext: str) -> None
 
 
 def listen_from(args: argparse.Namespace, default_port: int) -> object:
-    """A :class:`ingero.api.https.Listen` from the https flags (refuses unauthenticated remote serving)."""
+    """A :class:`ingero.agent.api.https.Listen` from the https flags (refuses unauthenticated remote serving)."""
     from pathlib import Path
 
-    from ingero.api.https import Listen
+    from ingero.agent.api.https import Listen
     from ingero.cli.serve import bearer_token, parse_listen
     from ingero.config import is_loopback
     from ingero.errors import UsageError
@@ -149,7 +149,7 @@ def _run_http(args: argparse.Namespace, settings: object) -> int:
 
     import trio
 
-    from ingero.api.https import Listen
+    from ingero.agent.api.https import Listen
     from ingero.mcp.server import McpSettings, serve_http
 
     listen = listen_from(args, DEFAULT_HTTP_PORT)

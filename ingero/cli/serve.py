@@ -13,7 +13,7 @@ from ingero.cli import common, metrics_flags
 from ingero.config import DEFAULT_PORT
 
 if TYPE_CHECKING:
-    from ingero.api.server import BoundServer, ServerSettings, TLSSetup
+    from ingero.agent.api.server import BoundServer, ServerSettings, TLSSetup
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise
 DEFAULT_LISTEN = f"{DEFAULT_HOST}:{DEFAULT_PORT}"  # the one agent port (what --nodes HOST means too)
@@ -100,7 +100,7 @@ def add_limit_args(g: argparse._ArgumentGroup, *, hidden: bool = False) -> None:
     def helptext(text: str) -> str:
         return argparse.SUPPRESS if hidden else text
 
-    from ingero.api.workers import AdmissionLimits
+    from ingero.agent.api.workers import AdmissionLimits
     from ingero.store import budget
 
     g.add_argument(
@@ -212,8 +212,8 @@ def bearer_token(
 def settings_from(args: argparse.Namespace, *, recording: bool = True) -> ServerSettings:
     """``recording``: the database is a recording to serve (its recorded node names the agent when neither
     --node nor agent.node does); ``ingero trace --listen`` serves the database it is writing, as itself."""
-    from ingero.api.server import ServerSettings, check_exposure
-    from ingero.api.workers import AdmissionLimits
+    from ingero.agent.api.server import ServerSettings, check_exposure
+    from ingero.agent.api.workers import AdmissionLimits
     from ingero.errors import UsageError
     from ingero.store.budget import QueryBudget
 
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
     import trio
 
-    from ingero.api.server import preflight
+    from ingero.agent.api.server import preflight
     from ingero.cli.output import note
 
     settings = settings_from(args)
@@ -289,7 +289,7 @@ async def _serve(settings: ServerSettings, setup: TLSSetup, ready: Path | None) 
 
     import trio
 
-    from ingero.api.server import serve_api
+    from ingero.agent.api.server import serve_api
     from ingero.tools.http import node_tools
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -12,7 +12,7 @@ from ingero.cli import common, metrics_flags, serve
 from ingero.cli.clickhouse import add_clickhouse_arg
 
 if TYPE_CHECKING:
-    from ingero.trace.tracer import TraceOptions, TraceReady
+    from ingero.agent.trace.tracer import TraceOptions, TraceReady
 
 EXAMPLES = """\
 examples:
@@ -180,10 +180,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 
 
 def options_from(args: argparse.Namespace) -> TraceOptions:
+    from ingero.agent.trace.procfilter import resolve_users
+    from ingero.agent.trace.tracer import TraceOptions, parse_size
     from ingero.errors import UsageError
     from ingero.timeutil import parse_duration
-    from ingero.trace.procfilter import resolve_users
-    from ingero.trace.tracer import TraceOptions, parse_size
 
     duration = parse_duration(args.duration) / 1e9 if args.duration else None
     if duration is not None and duration <= 0:
@@ -197,7 +197,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         raise UsageError("--ring-mb must be between 1 and 1024")
     listen = None
     if args.listen:
-        from ingero.api.server import bind_socket, serve_api
+        from ingero.agent.api.server import bind_socket, serve_api
         from ingero.tools.http import node_tools
 
         settings = serve.settings_from(args, recording=False)
@@ -216,7 +216,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
         if args.annotate_socket_gid < 0:
             raise UsageError("--annotate-socket-gid must be a group id (>= 0)")
     if args.annotate:  # an unsafe socket directory refuses now, in one line, before any probe is attached
-        from ingero.trace.annotate_socket import prepare_dir
+        from ingero.agent.trace.annotate_socket import prepare_dir
 
         prepare_dir(gid=args.annotate_socket_gid)
     raw_db = str(common.db_path_from(args))
@@ -250,7 +250,7 @@ def options_from(args: argparse.Namespace) -> TraceOptions:
 
 def pids_from(pid_args: list[str], uids: list[int]) -> list[int]:
     """--pid values (repeatable, comma-separated) and the processes of each --user running now."""
-    from ingero.trace.procfilter import parse_pid_list, pids_of_uids
+    from ingero.agent.trace.procfilter import parse_pid_list, pids_of_uids
 
     return sorted(set(parse_pid_list(pid_args)) | set(pids_of_uids(uids) if uids else ()))
 
@@ -258,7 +258,7 @@ def pids_from(pid_args: list[str], uids: list[int]) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from ingero.trace.probes import preflight
+    from ingero.agent.trace.probes import preflight
 
     preflight()  # not root / no bcc / no tracefs: one line and the fix, before anything else
     if not args.db:
@@ -298,8 +298,8 @@ async def _trace(opts: TraceOptions, ready_file: Path | None) -> str:
     the --ready-file is written first, then the view prints the banner. Returns why it stopped."""
     import trio
 
+    from ingero.agent.trace.tracer import run_trace
     from ingero.cli.trace_view import TraceView
-    from ingero.trace.tracer import run_trace
 
     view = TraceView(opts)
     reasons: list[str] = []

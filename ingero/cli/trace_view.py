@@ -1,6 +1,6 @@
 """What ``ingero trace`` prints: a live per-op table (terminal), JSON lines (``--json``), a summary.
 
-The tracer reports to this view (:class:`~ingero.trace.livemode.LiveView`); only the CLI prints.
+The tracer reports to this view (:class:`~ingero.agent.trace.livemode.LiveView`); only the CLI prints.
 
 * ``table`` on a terminal: redrawn every second — events, rate, stored, drops, then one line per op
   with count, rate, p50/p95/p99/max and flags (errors, heavy tail). Not on a terminal (a pipe, a log
@@ -17,12 +17,12 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ingero.agent.trace.livemode import LiveTick
+from ingero.agent.trace.livestats import OpLine
 from ingero.timeutil import fmt_latency
-from ingero.trace.livemode import LiveTick
-from ingero.trace.livestats import OpLine
 
 if TYPE_CHECKING:
-    from ingero.trace.tracer import TraceOptions, TraceReady, TraceSummary
+    from ingero.agent.trace.tracer import TraceOptions, TraceReady, TraceSummary
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -74,7 +74,7 @@ def summary_lines(summary: TraceSummary) -> list[str]:
 
 
 class TraceView:
-    """The CLI's :class:`~ingero.trace.livemode.LiveView`: writes to ``out`` (and notes to stderr)."""
+    """The CLI's :class:`~ingero.agent.trace.livemode.LiveView`: writes to ``out`` (and notes to stderr)."""
 
     def __init__(self, opts: TraceOptions, out: TextIO | None = None, err: TextIO | None = None) -> None:
         self.opts = opts

@@ -40,8 +40,8 @@ def details() -> dict[str, Any]:
     import platform
 
     from ingero import API_VERSION, __version__
+    from ingero.agent.trace.probes import bcc_status
     from ingero.store.schema import SCHEMA_VERSION
-    from ingero.trace.probes import bcc_status
 
     bcc_ok, bcc_detail = bcc_status()
     return {

@@ -1,5 +1,5 @@
 """``ingero dashboard``: the browser surface of the tool registry (ASGI, served over HTTPS by
-:func:`ingero.api.https.serve_asgi`).
+:func:`ingero.agent.api.https.serve_asgi`).
 
 Pages: ``/`` (the dashboard), ``/login`` (takes the token, answers a session cookie marked Secure,
 HttpOnly, SameSite=Strict), ``/logout``, ``/static/...`` (our JS/CSS and the vendored uPlot),
@@ -37,8 +37,8 @@ from ingero.tools.http import Auth, Guard, RateLimit, ToolsAPI, is_tools_path, s
 from ingero.tools.registry import ToolEnv
 
 if TYPE_CHECKING:
-    from ingero.api.https import Listen
-    from ingero.api.server import BoundServer
+    from ingero.agent.api.https import Listen
+    from ingero.agent.api.server import BoundServer
 
 COOKIE = "ingero_session"
 CSRF_HEADER = b"x-ingero"
@@ -286,6 +286,6 @@ async def serve_dashboard(
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the dashboard at ``listen`` until cancelled (``task_status`` gets the bound address)."""
-    from ingero.api.https import serve_asgi
+    from ingero.agent.api.https import serve_asgi
 
     await serve_asgi(Dashboard(settings), listen, path="/", task_status=task_status)

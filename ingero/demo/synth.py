@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from ingero.agent.trace.stacks import fnv1a64, to_signed64
 from ingero.identity import Identity
 from ingero.store.catalog import op_id
 from ingero.store.schema import AGGREGATE_BUCKET_NS
 from ingero.store.writer import EventRow, StoreWriter
 from ingero.timeutil import NS_PER_MS, NS_PER_S, NS_PER_US
-from ingero.trace.stacks import fnv1a64, to_signed64
 
 # The ops the demo nodes emit, named by the catalog (the ids live only there).
 MALLOC = op_id("cudaMalloc")

@@ -6,7 +6,7 @@ compact JSON as text; the ``investigate`` prompt walks an assistant to a root ca
 
 * stdio (:func:`run_stdio`) — for Claude Desktop and any local MCP client;
 * Streamable HTTP (:func:`serve_http`) — ``ingero mcp --http :8471`` over TLS 1.3 with a bearer token
-  and/or mTLS, served by hypercorn's trio worker (:mod:`ingero.api.https`).
+  and/or mTLS, served by hypercorn's trio worker (:mod:`ingero.agent.api.https`).
 
 The server runs on trio (anyio's trio backend), so fleet tools await the fleet client directly and
 database work runs in worker threads. Every failure comes back as a tool error (``isError``) whose text
@@ -31,8 +31,8 @@ from ingero.tools.failures import classify
 from ingero.tools.registry import Tool, ToolEnv
 
 if TYPE_CHECKING:
-    from ingero.api.https import Listen
-    from ingero.api.server import BoundServer
+    from ingero.agent.api.https import Listen
+    from ingero.agent.api.server import BoundServer
 
 MCP_PATH = "/mcp"
 
@@ -141,9 +141,9 @@ async def serve_http(
     *,
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve MCP over Streamable HTTP at ``listen`` (a :class:`ingero.api.https.Listen`) until cancelled,
+    """Serve MCP over Streamable HTTP at ``listen`` (a :class:`ingero.agent.api.https.Listen`) until cancelled,
     with the HTTP tools API on the same port, behind one guard (auth → audit → rate limit)."""
-    from ingero.api.https import serve_asgi
+    from ingero.agent.api.https import serve_asgi
     from ingero.tools.http import Auth, Guard, ToolsAPI
 
     app = ToolsAPI(settings.env(), fallback=http_app(settings), title="ingero MCP server tools API")

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.clickhouse.progress import TableLag, lag_of, targets
 from ingero.errors import IngeroError
 from ingero.metrics import registry as r
 from ingero.metrics.state import MetricState, Provider
 from ingero.store.db import open_readonly
-from ingero.trace.ringbuf import EVENT_DTYPE
 
 CHAINS_TTL_S = 10.0
 REFRESH_TTL_S = 10.0

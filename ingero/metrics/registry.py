@@ -30,7 +30,7 @@ GPU_IDLE_MIN_GAP_NS = 1_000_000  # a gap between GPU calls shorter than this is 
 GPU_ACTIVE_WINDOW_NS = 60_000_000_000  # a process with a GPU call this recently counts as a GPU process
 OFFCPU_STATES = ("preempted", "sleep", "io")  # sched_switch prev_state: runnable / sleeping / D
 SEVERITIES = ("HIGH", "MEDIUM", "LOW")
-LOSS_REASONS = {  # kernel counter (ingero.trace.probes.COUNTER_NAMES) -> reason label
+LOSS_REASONS = {  # kernel counter (ingero.agent.trace.probes.COUNTER_NAMES) -> reason label
     "events_dropped_ring": "ring_full",
     "nest_overflow": "nest_overflow",
     "orphan_returns": "orphan_return",

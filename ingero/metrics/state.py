@@ -1,6 +1,6 @@
 """The running totals behind every exported metric, updated per drained batch with numpy.
 
-:meth:`MetricState.observe` takes an event array (``ingero.trace.ringbuf.EVENT_DTYPE``) as the
+:meth:`MetricState.observe` takes an event array (``ingero.agent.trace.ringbuf.EVENT_DTYPE``) as the
 pipeline drains it — every event, before selective storage — and folds it into per-op arrays with a
 handful of ``bincount`` calls: no Python work per event. :meth:`MetricState.snapshot` (called from a
 scrape thread or the OTLP pusher) copies the totals under a lock and labels them. Numbers that live
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingero import __version__
+from ingero.agent.trace.recorder import BYTES_OPS, OP_NCCL_COMM_INIT
+from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.identity import Identity
 from ingero.metrics import registry as r
 from ingero.store import catalog
-from ingero.trace.recorder import BYTES_OPS, OP_NCCL_COMM_INIT
-from ingero.trace.ringbuf import EVENT_DTYPE
 
 MAX_SLOTS = 128  # distinct (source, op) pairs; the catalog has ~40
 _BOUNDS_NS = np.array([round(b * 1e9) for b in r.DURATION_BUCKETS_S], dtype=np.uint64)

@@ -1,6 +1,6 @@
 """The tracer's side of the metrics: what ``ingero trace`` hands the pipeline (its one observer point).
 
-:class:`TraceMetrics` satisfies :class:`ingero.trace.tracer.TraceObserver`: ``on_events`` receives
+:class:`TraceMetrics` satisfies :class:`ingero.agent.trace.tracer.TraceObserver`: ``on_events`` receives
 every drained batch (before selective storage) and folds it into the state with numpy; ``attach``
 gets the running pipeline, whose counters (stored, lost in the kernel, page allocations counted in
 the kernel) are read at scrape time — never by re-querying SQLite.
@@ -19,7 +19,7 @@ from ingero.metrics.state import MetricState, op_labels
 from ingero.store import catalog
 
 if TYPE_CHECKING:
-    from ingero.trace.pipeline import Pipeline
+    from ingero.agent.trace.pipeline import Pipeline
 
 PAGE_ALLOC = catalog.op_id("mm_page_alloc")  # counted in the kernel, never in a drained batch
 

@@ -2,7 +2,7 @@
 
 Two kinds of rows share the table. ``ingero annotate "deploy v2.3"`` writes a marked moment as
 ``{"message": ..., "author": ...}``; the annotation socket (``ingero trace --annotate``,
-:mod:`ingero.trace.annotate_socket`) and ``ingero annotate --label``/NDJSON write Ingero's protocol
+:mod:`ingero.agent.trace.annotate_socket`) and ``ingero annotate --label``/NDJSON write Ingero's protocol
 objects (:mod:`ingero.annotate`): labels, an optional process scope (pid + /proc start time), an
 optional span, and the writer's SO_PEERCRED uid/gid/pid as provenance.
 

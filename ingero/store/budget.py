@@ -1,7 +1,7 @@
 """One query budget: the row, time and size limits for untrusted SQL, declared once.
 
 :class:`QueryBudget` travels from the CLI flags / config (``ingero serve --max-rows ...``) through
-:class:`~ingero.api.server.ServerSettings` and the API context to the SQL guard; each layer asks it
+:class:`~ingero.agent.api.server.ServerSettings` and the API context to the SQL guard; each layer asks it
 (:meth:`QueryBudget.rows`, :meth:`QueryBudget.timeout_ms`) instead of clamping on its own. The hard
 ceilings below are the only place those numbers appear.
 

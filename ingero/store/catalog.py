@@ -76,7 +76,7 @@ OPS: list[tuple[int, int, str, str]] = [
     (NCCL, 5, "ncclReduceScatter", "NCCL reduce-scatter collective"),
     (NCCL, 6, "ncclSend", "NCCL point-to-point send"),
     (NCCL, 7, "ncclRecv", "NCCL point-to-point receive"),
-    # More runtime calls (ours, after Ingero's ids). Arguments: see ingero/trace/bpf/gpu_probes.c.
+    # More runtime calls (ours, after Ingero's ids). Arguments: see ingero/agent/trace/bpf/gpu_probes.c.
     (CUDA, 9, "cudaMemcpy2D", "Synchronous 2-D copy (arg0 = width x height bytes, arg1 = cudaMemcpyKind)"),
     (CUDA, 10, "cudaMemcpy2DAsync", "Asynchronous 2-D copy (arg0 = width x height bytes, arg1 = cudaMemcpyKind)"),
     (CUDA, 11, "cudaMemcpyPeer", "Synchronous copy between GPUs (arg0 = bytes, arg1 = src device << 16 | dst device)"),
@@ -239,7 +239,7 @@ def splitmix64(x: int) -> int:
 def nccl_comm_id(unique_id: bytes) -> int:
     """The cluster-wide communicator id: splitmix64 folded over the 16 little-endian u64 words of the
     128-byte ``ncclUniqueId`` (``h = splitmix64(h ^ word)``, h starting at 0). The BPF program
-    (``ingero/trace/bpf/nccl_probes.c``) computes the same; unsigned, as :func:`as_sqlite_int`
+    (``ingero/agent/trace/bpf/nccl_probes.c``) computes the same; unsigned, as :func:`as_sqlite_int`
     stores it signed."""
     if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
         raise ValueError(f"an ncclUniqueId has {NCCL_UNIQUE_ID_BYTES} bytes, not {len(unique_id)}")

@@ -1,6 +1,6 @@
 """``cgroup_metadata``: what each cgroup id of ``events.cgroup_id`` is — container, pod, Slurm job.
 
-Written by the tracer (:mod:`ingero.trace.cgroups` resolves the ids from /proc) in its own short
+Written by the tracer (:mod:`ingero.agent.trace.cgroups` resolves the ids from /proc) in its own short
 transaction; read by ``explain --per-cgroup`` and the noisy-neighbour chains.
 """
 

@@ -4,7 +4,7 @@ One row per published sample, with the name exactly as the engine publishes it (
 SGLang's ``sglang:*``, TGI's ``tgi_*``, Triton's ``nv_inference_*``): a histogram is its ``_bucket``
 rows (``le`` in the labels), ``_sum`` and ``_count``; a counter its ``_total``; a gauge its value.
 
-The scraper (:mod:`ingero.trace.engine_scrape`) stores a sample when its value changed since that
+The scraper (:mod:`ingero.agent.trace.engine_scrape`) stores a sample when its value changed since that
 engine's previous scrape, and every sample once a minute: a value holds from its row until the next row
 of the same series (a reader carries it forward). The rows go through the tracer's single writer
 (:meth:`ingero.store.writer.StoreWriter.write_batch`, ``engine_metrics=``, in :data:`ROW_COLUMNS` order).

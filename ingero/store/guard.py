@@ -20,7 +20,7 @@ in its inputs could run for minutes out of its reach: on guarded connections ``i
 ``trim``/``ltrim``/``rtrim`` and ``printf``/``format`` are replaced by safe versions with SQLite's
 semantics (:mod:`ingero.store.guard_functions`), ``json_patch`` is refused, and LIKE/GLOB patterns are
 capped at ``MAX_PATTERN_CHARS``. Callers that must answer on time whatever happens (the agent API)
-also run queries in threads they can abandon (:mod:`ingero.api.workers`); ``cancel`` stops a query.
+also run queries in threads they can abandon (:mod:`ingero.agent.api.workers`); ``cancel`` stops a query.
 
 Each call opens its own connection, so queries can run in worker threads in parallel.
 """

@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from ingero import API_VERSION, __version__
-from ingero.api.server import ServerSettings
+from ingero.agent.api.server import ServerSettings
 from ingero.asgi import ASGIApp, Message, Receive, Scope, Send, lifespan, read_body
 from ingero.errors import (
     AuthError,

@@ -379,7 +379,7 @@ def get_engine_metrics(env: ToolEnv, since: Since = None, node: Node = None) -> 
 def get_check(env: ToolEnv) -> dict[str, Any]:
     """Whether this machine can trace: kernel, BTF, headers, tracefs, uprobes, bcc, privileges, GPU
     libraries and driver, each with the fix when it fails (the checks of 'ingero check')."""
-    from ingero.trace.check import ready, run_checks
+    from ingero.agent.trace.check import ready, run_checks
 
     results = run_checks()
     return {"ready": ready(results), "checks": [r.as_dict() for r in results]}

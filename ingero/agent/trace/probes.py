@@ -4,11 +4,11 @@ bcc is imported lazily inside functions, so every other module (and ``ingero --h
 check``) works on machines without it. All bcc/OS failures leave this module as one-line
 :class:`~ingero.errors.TracingUnavailableError` messages with the fix.
 
-Programs live in ``ingero/trace/bpf/``: ``ingero_common.h`` (event record, shared maps, helpers) is
+Programs live in ``ingero/agent/trace/bpf/``: ``ingero_common.h`` (event record, shared maps, helpers) is
 prepended to ``gpu_probes.c`` and ``nccl_probes.c`` (uprobes), ``host_probes.c`` and ``io_probes.c`` (tracepoints, attached
 by bcc as soon as the program loads). Uprobes are attached per library file (an inode: every process
 mapping it is covered, including ones started later) at offsets computed by
-:mod:`ingero.trace.elfsyms`.
+:mod:`ingero.agent.trace.elfsyms`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from ingero.agent.trace import btf, elfsyms
+from ingero.agent.trace.libc_sockets import SOCKET_FUNCTIONS, SOCKET_RETURN, libc_of, socket_probe_offset
+from ingero.agent.trace.ringbuf import EMPTY, RingReader
 from ingero.errors import TracingUnavailableError
 from ingero.store import catalog
-from ingero.trace import btf, elfsyms
-from ingero.trace.libc_sockets import SOCKET_FUNCTIONS, SOCKET_RETURN, libc_of, socket_probe_offset
-from ingero.trace.ringbuf import EMPTY, RingReader
 
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
 TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -461,7 +461,7 @@ class BpfProbes:
             return ips
 
     def read_events(self) -> np.ndarray:
-        """Every record the ring buffer holds now (see :class:`~ingero.trace.ringbuf.RingReader`)."""
+        """Every record the ring buffer holds now (see :class:`~ingero.agent.trace.ringbuf.RingReader`)."""
         if self._closed:
             return EMPTY
         return self.ring.read(max_records=1 << 18)

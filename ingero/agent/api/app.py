@@ -9,7 +9,7 @@ Order of checks for every request: bearer token (when configured; constant-time 
 (404), method (405), query parameters, body (size cap, checked as it arrives: a body over the cap is
 refused with 413 as soon as the cap is passed, never read to its end; UTF-8, JSON, field types), then
 the work. ``/time`` and ``/health`` answer on the loop; everything that reads the database is admitted
-into worker threads (:mod:`ingero.api.workers`: fair per client, a short lane for cheap work, 503 with
+into worker threads (:mod:`ingero.agent.api.workers`: fair per client, a short lane for cheap work, 503 with
 ``Retry-After`` when saturated), so they never wait behind a query.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 import trio
 
 from ingero import __version__
-from ingero.api import collectives, endpoints
-from ingero.api.endpoints import AgentContext, encode, ok
-from ingero.api.workers import META, SHORT, client_identity
+from ingero.agent.api import collectives, endpoints
+from ingero.agent.api.endpoints import AgentContext, encode, ok
+from ingero.agent.api.workers import META, SHORT, client_identity
 from ingero.asgi import Receive, Scope, Send, lifespan, read_body
 from ingero.errors import (
     AuthError,
@@ -42,7 +42,7 @@ from ingero.errors import (
     RequestError,
 )
 
-log = logging.getLogger("ingero.api.app")
+log = logging.getLogger("ingero.agent.api.app")
 
 
 PREFIX = "/api/v1/"

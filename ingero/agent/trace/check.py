@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingero.trace import discovery, probes, sysinfo
+from ingero.agent.trace import discovery, probes, sysinfo
 
 MIN_KERNEL = (5, 8)  # BPF ring buffer
 TRACEPOINTS = [
@@ -191,7 +191,7 @@ def check_gpu() -> CheckResult:
 
 def check_python_frames(scope: int | None = None, *, root: bool | None = None) -> CheckResult:
     """Can the tracer read CPython 3.10–3.12 frames from traced processes (kernel.yama.ptrace_scope)?"""
-    from ingero.trace.pyframes import SUPPORTED, ptrace_problem, ptrace_scope
+    from ingero.agent.trace.pyframes import SUPPORTED, ptrace_problem, ptrace_scope
 
     scope = ptrace_scope() if scope is None else scope
     root = os.geteuid() == 0 if root is None else root

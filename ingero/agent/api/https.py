@@ -2,7 +2,7 @@
 worker on a socket we bind ourselves, TLS 1.3 only, mTLS when a client CA is given.
 
 The socket, the hypercorn configuration and the SSL contexts are the agent's own
-(:mod:`ingero.api.server`, :mod:`ingero.tls.context`): one way to listen for every ingero server.
+(:mod:`ingero.agent.api.server`, :mod:`ingero.tls.context`): one way to listen for every ingero server.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from ingero.api.server import BoundServer, _url, bind_socket, serve_on_socket, server_cert
+from ingero.agent.api.server import BoundServer, _url, bind_socket, serve_on_socket, server_cert
 from ingero.config import is_loopback
 from ingero.errors import UsageError
 from ingero.tls import context

@@ -1,5 +1,5 @@
 """A process's memory mappings from ``/proc/<pid>/maps``: one parser for the stack symbolizer
-(:mod:`ingero.trace.stacks`) and the Python-frame reader (:mod:`ingero.trace.pyframes`)."""
+(:mod:`ingero.agent.trace.stacks`) and the Python-frame reader (:mod:`ingero.agent.trace.pyframes`)."""
 
 from __future__ import annotations
 

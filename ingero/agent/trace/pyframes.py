@@ -5,7 +5,7 @@ the interpreter's ``_PyRuntime`` (its own ELF section ``.PyRuntime`` in libpytho
 executable) -> the main interpreter -> its thread states -> the one whose ``native_thread_id`` is
 the calling thread -> its current ``_PyInterpreterFrame`` chain. Code objects (file, qualified name,
 first line, line table) are cached by address; the line comes from the frame's last instruction and
-the code's location table (:mod:`ingero.trace.pylines`). Struct offsets are version tables
+the code's location table (:mod:`ingero.agent.trace.pylines`). Struct offsets are version tables
 (:data:`OFFSETS`, generated with ``offsetof`` against each version's internal headers; 3.13+ would
 read ``_Py_DebugOffsets`` instead). Stacks are symbolized when first stored, a few milliseconds
 after the call: the frames are the thread's at that moment — the caller's while it is still in the
@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingero.trace.procmaps import read_maps
-from ingero.trace.pylines import line_of, line_of_310
+from ingero.agent.trace.procmaps import read_maps
+from ingero.agent.trace.pylines import line_of, line_of_310
 
 MAX_FRAMES = 64
 MAX_THREADS = 4096
@@ -179,7 +179,7 @@ class PyProcess:
         self._locate()
 
     def _locate(self) -> None:
-        from ingero.trace import elfsyms
+        from ingero.agent.trace import elfsyms
 
         maps = _python_mappings(self.pid)
         if maps is None:

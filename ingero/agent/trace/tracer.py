@@ -7,10 +7,10 @@ once every probe is attached, so tests (and ``--ready-file``) start workloads on
 instant), drains what the kernel already produced, closes the ``sessions`` row with its counters
 (``session_stats``), closes the database, hands the summary to the view (the CLI prints it) and only
 then detaches the probes (the kernel takes ~0.1 s per uprobe to unregister one). The tracer never
-prints: progress goes to a :class:`~ingero.trace.livemode.LiveView` given by the caller.
+prints: progress goes to a :class:`~ingero.agent.trace.livemode.LiveView` given by the caller.
 
 Within a run, a server given by the caller (``--listen``: the CLI hands in the agent API,
-:func:`ingero.api.server.serve_api`; the tracer does not import the API) runs in the same trio nursery; a maintenance task probes libraries that new processes map (follow mode, every 2 s) and
+:func:`ingero.agent.api.server.serve_api`; the tracer does not import the API) runs in the same trio nursery; a maintenance task probes libraries that new processes map (follow mode, every 2 s) and
 forgets what is kept per process (kernel page-allocation counters, recorder state) once it exited.
 """
 
@@ -28,22 +28,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import trio
 
+from ingero.agent.trace import discovery
+from ingero.agent.trace.cgroups import CgroupTracker
+from ingero.agent.trace.livemode import LiveView, tick_loop
+from ingero.agent.trace.livestats import LiveStats
+from ingero.agent.trace.pipeline import Pipeline, PipelineOptions
+from ingero.agent.trace.pyframes import PyFrames
+from ingero.agent.trace.recorder import Recorder, StoragePolicy, WriteBatch
+from ingero.agent.trace.stacks import Symbolizer
+from ingero.agent.trace.sysinfo import session_info
 from ingero.errors import DiskFullError, IngeroError, UsageError
 from ingero.identity import Identity
 from ingero.store import catalog
-from ingero.trace import discovery
-from ingero.trace.cgroups import CgroupTracker
-from ingero.trace.livemode import LiveView, tick_loop
-from ingero.trace.livestats import LiveStats
-from ingero.trace.pipeline import Pipeline, PipelineOptions
-from ingero.trace.pyframes import PyFrames
-from ingero.trace.recorder import Recorder, StoragePolicy, WriteBatch
-from ingero.trace.stacks import Symbolizer
-from ingero.trace.sysinfo import session_info
 
 if TYPE_CHECKING:
+    from ingero.agent.trace.probes import BpfProbes, LibraryAttach
     from ingero.store.writer import StoreWriter
-    from ingero.trace.probes import BpfProbes, LibraryAttach
 
 RESCAN_INTERVAL_S = 2.0
 _FORK, _EXIT = catalog.lookup_op("process_fork"), catalog.lookup_op("process_exit")
@@ -76,9 +76,9 @@ class TraceOptions:
     serve: Callable[..., Awaitable[Any]] | None = None
     flags: str = ""
     observer: TraceObserver | None = None  # e.g. ingero.metrics (--prometheus / --otlp)
-    annotate: bool = False  # --annotate: the annotation socket (ingero.trace.annotate_socket)
+    annotate: bool = False  # --annotate: the annotation socket (ingero.agent.trace.annotate_socket)
     annotate_gid: int | None = None  # --annotate-socket-gid: one group may connect too
-    inference: bool = False  # --inference: serving engines' metrics (ingero.trace.engine_scrape)
+    inference: bool = False  # --inference: serving engines' metrics (ingero.agent.trace.engine_scrape)
 
 
 class TraceObserver(Protocol):
@@ -272,8 +272,8 @@ async def run_trace(
 ) -> TraceSummary:
     """Record until stopped; readiness (every probe attached) through ``task_status``, progress to
     ``view`` (the CLI's live table / JSON lines; None: silent). Returns the summary."""
+    from ingero.agent.trace.probes import BpfProbes, ProbeOptions, preflight
     from ingero.store.writer import StoreWriter
-    from ingero.trace.probes import BpfProbes, ProbeOptions, preflight
 
     preflight()
     problems = discovery.validate_overrides(opts.overrides)
@@ -445,7 +445,7 @@ async def _annotate_server(
     opts: TraceOptions, pipeline: Pipeline, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """--annotate: labels from the socket go into the pipeline's next write (its single writer)."""
-    from ingero.trace.annotate_socket import serve_annotations
+    from ingero.agent.trace.annotate_socket import serve_annotations
 
     def sink(rows: list[Any]) -> bool:
         return pipeline.add_rows(WriteBatch(annotations=rows))
@@ -455,7 +455,7 @@ async def _annotate_server(
 
 async def _inference_loop(pipeline: Pipeline) -> None:
     """--inference: the engines' metrics go into the pipeline's next write (its single writer)."""
-    from ingero.trace.engine_scrape import Scraper
+    from ingero.agent.trace.engine_scrape import Scraper
 
     await Scraper(lambda rows: pipeline.add_rows(WriteBatch(engine_metrics=list(rows)))).run()
 

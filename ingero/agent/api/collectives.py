@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from ingero.api.endpoints import WINDOW_PARAMS, AgentContext, encode, ok, reader, window_from_params
+from ingero.agent.api.endpoints import WINDOW_PARAMS, AgentContext, encode, ok, reader, window_from_params
 from ingero.errors import UsageError
 from ingero.store.nccl import parse_comm, read_calls
 

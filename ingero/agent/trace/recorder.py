@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ingero.agent.trace import discovery
+from ingero.agent.trace.nccl_calls import NcclCalls
+from ingero.agent.trace.stacks import Symbolizer, stack_hash, stack_row
 from ingero.store import catalog
 from ingero.store.schema import AGGREGATE_BUCKET_NS
 from ingero.timeutil import now_ns
-from ingero.trace import discovery
-from ingero.trace.nccl_calls import NcclCalls
-from ingero.trace.stacks import Symbolizer, stack_hash, stack_row
 
 NS_PER_S = 1_000_000_000
 NS_PER_MIN = AGGREGATE_BUCKET_NS  # event_aggregates' buckets
@@ -130,7 +130,7 @@ class WriteBatch:
     snapshots: list[tuple[int, float, float, int, int, float]] = field(default_factory=list)
     process_names: list[tuple[int, str, int]] = field(default_factory=list)
     nccl_comms: list[tuple[int, ...]] = field(default_factory=list)  # (comm, pid, rank, nranks, seen_at, comm_id)
-    nccl_calls: list[tuple[int, ...]] = field(default_factory=list)  # see ingero.trace.nccl_calls
+    nccl_calls: list[tuple[int, ...]] = field(default_factory=list)  # see ingero.agent.trace.nccl_calls
     annotations: list[tuple[int | str, ...]] = field(default_factory=list)  # ingero.store.annotations.ROW_COLUMNS
     engine_metrics: list[tuple[int | str | float, ...]] = field(default_factory=list)  # store.engine_metrics
 

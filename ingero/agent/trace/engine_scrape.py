@@ -1,6 +1,6 @@
 """``ingero trace --inference``: scrape every serving engine's metrics once a second into the recording.
 
-Engines are found by command line (:mod:`ingero.trace.engines`), again every ``detect_every`` seconds,
+Engines are found by command line (:mod:`ingero.agent.trace.engines`), again every ``detect_every`` seconds,
 so one started after the agent is picked up and one that exited is dropped. Each engine is scraped on
 its own clock, in a worker thread (its own kept-alive connection, a short timeout: a slow engine
 never holds the others, the trio loop or the recording back): the families the engine publishes under
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from ingero.agent.trace.engines import PREFIXES, Engine, detect
 from ingero.store.engine_metrics import EngineMetricRow, labels_text
-from ingero.trace.engines import PREFIXES, Engine, detect
 
 log = logging.getLogger("ingero.inference")
 INTERVAL_S = 1.0

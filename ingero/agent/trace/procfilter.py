@@ -2,7 +2,7 @@
 
 ``--user`` works at two levels: the user's processes running at start are targets from the first
 moment (host events too), and the BPF programs enrol any later process of that uid on its first
-probed GPU call (the ``target_uids`` map, see ingero/trace/bpf/gpu_probes.c), so jobs the user starts
+probed GPU call (the ``target_uids`` map, see ingero/agent/trace/bpf/gpu_probes.c), so jobs the user starts
 after the tracer are traced as well.
 """
 

@@ -9,7 +9,7 @@
 //                       afterwards (see capture_stack); 2: walk every call
 //   INGERO_RING_PAGES   ring buffer size in pages (power of two)
 //
-// Every record is one fixed 64-byte struct ingero_event: the userspace reader (ingero/trace/ringbuf.py)
+// Every record is one fixed 64-byte struct ingero_event: the userspace reader (ingero/agent/trace/ringbuf.py)
 // maps the ring buffer and decodes records in bulk with numpy, so every record must have this size.
 // Records are submitted with BPF_RB_NO_WAKEUP: the reader polls on a timer instead of being woken per
 // event (a wakeup costs ~16 µs here).

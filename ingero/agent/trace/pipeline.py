@@ -1,14 +1,14 @@
 """The recording pipeline: drain on a timer -> bounded channel -> the store's single writer.
 
 * **drain** (trio task, every ``drain_interval_s``): reads every record the ring buffer holds
-  (:class:`~ingero.trace.ringbuf.RingReader`, a memory copy — ~0.1 µs per event), feeds the live
+  (:class:`~ingero.agent.trace.ringbuf.RingReader`, a memory copy — ~0.1 µs per event), feeds the live
   statistics and sends the array down a bounded trio memory channel. When the channel is full the
   drain skips its turn and the records wait in the kernel ring buffer (16 MiB by default); if that
   overflows too, the kernel counts the loss (``events_dropped_ring``). Nothing is dropped silently.
 * **housekeeping** (every second): a system snapshot, the kernel's page-allocation counters, the
   kernel drop counters; session stats every few seconds; size-based pruning with ``--max-db``.
 * **writer** (trio task; the work runs in a worker thread via ``trio.to_thread``): turns everything
-  received since its last turn into one :class:`~ingero.trace.recorder.WriteBatch` (selective
+  received since its last turn into one :class:`~ingero.agent.trace.recorder.WriteBatch` (selective
   storage, aggregates, stacks, process names) and commits it in one transaction. When the disk is
   full (SQLITE_FULL) it prunes the oldest events as ``--max-db`` does and tries again; what could
   not be stored is counted (``rows_pruned_disk_full``, ``events_lost_disk_full``), and only when not
@@ -29,17 +29,17 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
+from ingero.agent.trace.livestats import LiveStats
+from ingero.agent.trace.recorder import PAGE_ALLOC, Recorder, WriteBatch, monotonic_offset_ns
+from ingero.agent.trace.sysinfo import SnapshotSampler
 from ingero.errors import DiskFullError
 from ingero.store.writer import StoreWriter
-from ingero.trace.livestats import LiveStats
-from ingero.trace.recorder import PAGE_ALLOC, Recorder, WriteBatch, monotonic_offset_ns
-from ingero.trace.sysinfo import SnapshotSampler
 
 DISK_FULL_ATTEMPTS = 3  # full batch, full batch after pruning, aggregates only after pruning more
 
 
 class EventSource(Protocol):
-    """What the pipeline needs from the probes (:class:`~ingero.trace.probes.BpfProbes`)."""
+    """What the pipeline needs from the probes (:class:`~ingero.agent.trace.probes.BpfProbes`)."""
 
     def read_events(self) -> np.ndarray: ...
 

@@ -1,6 +1,6 @@
 """NCCL calls from the tracer's records to ``nccl_calls`` rows (see :mod:`ingero.store.schema`).
 
-A call leaves two records (``ingero/trace/bpf/nccl_probes.c``): at its entry an
+A call leaves two records (``ingero/agent/trace/bpf/nccl_probes.c``): at its entry an
 ``NCCL_CALL_ENTER_OP`` control record (communicator, seq, count, datatype, reduce op, peer), at its
 return the usual NCCL event (duration, bytes, return code). Both carry the same entry timestamp, so
 ``(pid, tid, ts)`` pairs them. A call still in flight when a batch is written is written with

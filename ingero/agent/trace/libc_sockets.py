@@ -1,13 +1,13 @@
 """Where libc's socket calls are probed: which functions, at which instruction, in which file.
 
 The agent records a traced process's socket calls with uprobes on its libc (net_probes.c), attached
-to that process alone (:meth:`ingero.trace.probes.BpfProbes.attach_sockets`). This module holds the
+to that process alone (:meth:`ingero.agent.trace.probes.BpfProbes.attach_sockets`). This module holds the
 pure part: no bcc here.
 """
 
 from __future__ import annotations
 
-from ingero.trace import elfsyms
+from ingero.agent.trace import elfsyms
 
 # libc's socket calls -> the entry program (net_probes.c); each has net_return at its return. Attached
 # to the traced processes only (attach_sockets), never host-wide.

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from ingero.trace.livestats import LiveStats, OpLine
+from ingero.agent.trace.livestats import LiveStats, OpLine
 
 if TYPE_CHECKING:
-    from ingero.trace.pipeline import Pipeline
+    from ingero.agent.trace.pipeline import Pipeline
 
 TICK_INTERVAL_S = 1.0
 
@@ -37,10 +37,10 @@ class LiveTick:
 
 
 class LiveView(Protocol):
-    """What a caller of :func:`ingero.trace.tracer.run_trace` is told while it runs.
+    """What a caller of :func:`ingero.agent.trace.tracer.run_trace` is told while it runs.
 
-    ``ready`` and ``summary`` are :class:`~ingero.trace.tracer.TraceReady` /
-    :class:`~ingero.trace.tracer.TraceSummary` (typed loosely here: this module is imported by the
+    ``ready`` and ``summary`` are :class:`~ingero.agent.trace.tracer.TraceReady` /
+    :class:`~ingero.agent.trace.tracer.TraceSummary` (typed loosely here: this module is imported by the
     tracer, never the other way round).
     """
 

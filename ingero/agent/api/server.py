@@ -28,9 +28,9 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from ingero.api.app import AgentAPI
-from ingero.api.endpoints import AgentContext
-from ingero.api.workers import Admission, AdmissionLimits, PeerRecordingSSLObject
+from ingero.agent.api.app import AgentAPI
+from ingero.agent.api.endpoints import AgentContext
+from ingero.agent.api.workers import Admission, AdmissionLimits, PeerRecordingSSLObject
 from ingero.asgi import ASGIApp
 from ingero.config import is_loopback
 from ingero.errors import PortInUseError, UsageError
@@ -40,7 +40,7 @@ from ingero.store.db import open_readonly
 from ingero.store.instance import agent_instance
 from ingero.tls import context
 
-log = logging.getLogger("ingero.api.server")
+log = logging.getLogger("ingero.agent.api.server")
 
 
 @dataclass
@@ -97,7 +97,7 @@ class _HypercornConfig(HypercornConfig):
         super().__init__()
         self._ingero_ssl = ssl_context
         self.loglevel = "WARNING"
-        self.errorlog = logging.getLogger("ingero.api.http")
+        self.errorlog = logging.getLogger("ingero.agent.api.http")
         self.accesslog = None
         self.include_server_header = False
         self.ssl_handshake_timeout = 10.0

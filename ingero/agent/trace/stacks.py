@@ -6,7 +6,7 @@
 * ``frames`` is compact JSON, one object per IP: ``{"s": "cudaMalloc+0x1cb", "f": "libcudart.so.12"}``
   when a function symbol covers the IP, ``{"i": "0x7f1234", "f": "libfoo.so"}`` when only the file is
   known, ``{"i": "0x7f1234"}`` when nothing is. Symbols come from each file's ``.symtab``/``.dynsym``
-  (:mod:`ingero.trace.elfsyms`) through the process's ``/proc/<pid>/maps``, read while it runs.
+  (:mod:`ingero.agent.trace.elfsyms`) through the process's ``/proc/<pid>/maps``, read while it runs.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import os
 import struct
 from collections.abc import Sequence
 
-from ingero.trace import elfsyms
-from ingero.trace.procmaps import Mapping, read_maps
-from ingero.trace.pyframes import PyFrames, insert_python
+from ingero.agent.trace import elfsyms
+from ingero.agent.trace.procmaps import Mapping, read_maps
+from ingero.agent.trace.pyframes import PyFrames, insert_python
 
 FNV64_OFFSET = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3
@@ -55,7 +55,7 @@ class Symbolizer:
     """Turns (pid, ips) into frame dicts. Caches each process's maps and each IP's frame."""
 
     def __init__(self, max_cached_frames: int = 200_000, *, python: PyFrames | None = None) -> None:
-        self.python = python  # Python frames of CPython threads (ingero.trace.pyframes); None: off
+        self.python = python  # Python frames of CPython threads (ingero.agent.trace.pyframes); None: off
         self._maps: dict[int, tuple[list[int], list[Mapping]]] = {}
         self._frames: dict[tuple[int, int], dict[str, str]] = {}
         self._max = max_cached_frames

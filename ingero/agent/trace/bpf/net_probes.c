@@ -103,7 +103,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) {
 }
 
 // 1 when `fd` of the current task is a socket: task->files->fdt->fd[fd]->f_inode->i_mode, each read
-// with bpf_probe_read_kernel at the running kernel's offsets (KOFF_*, from its BTF: ingero/trace/btf.py;
+// with bpf_probe_read_kernel at the running kernel's offsets (KOFF_*, from its BTF: ingero/agent/trace/btf.py;
 // the installed headers may describe another kernel).
 static __always_inline void *kread_ptr(void *base, u64 off) {
     void *p = NULL;

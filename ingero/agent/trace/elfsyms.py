@@ -2,7 +2,7 @@
 
 Used to decide where a uprobe goes (the file offset of a function, +4 past an ``endbr64`` so the
 kernel emulates the ``push %rbp`` instead of single-stepping ~10x slower), to tell ``ingero check``
-which GPU functions a library exports, and to symbolize user stacks (:mod:`ingero.trace.stacks`).
+which GPU functions a library exports, and to symbolize user stacks (:mod:`ingero.agent.trace.stacks`).
 """
 
 from __future__ import annotations

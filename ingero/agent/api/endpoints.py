@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ingero import API_VERSION, __version__, compactjson
-from ingero.api.workers import Admission, Job
+from ingero.agent.api.workers import Admission, Job
 from ingero.errors import QueryTimeoutError, StoreError, UsageError
 from ingero.identity import Identity
 from ingero.store import guard
@@ -36,7 +36,7 @@ CHAINS_PARAMS = (*WINDOW_PARAMS, "per_process")  # per_process=1: chains for eac
 
 @dataclass
 class AgentContext:
-    """Everything a request handler needs; built once per server by :mod:`ingero.api.server`."""
+    """Everything a request handler needs; built once per server by :mod:`ingero.agent.api.server`."""
 
     db_path: Path
     identity: Identity
@@ -76,7 +76,7 @@ def ok(ctx: AgentContext, **fields: Any) -> dict[str, Any]:
 @contextmanager
 def reader(ctx: AgentContext, cancel: threading.Event) -> Iterator[sqlite3.Connection]:
     """A read-only connection whose statements stop at the analysis deadline or when ``cancel`` is set
-    (a :class:`~ingero.api.workers.Job` also moves to the heavy lane once past its quantum)."""
+    (a :class:`~ingero.agent.api.workers.Job` also moves to the heavy lane once past its quantum)."""
     budget = ctx.budget.analysis_timeout_ms
     conn = open_readonly(ctx.db_path, legacy_node=ctx.node, check_same_thread=False)
     deadline = Deadline(budget, cancel, cancel.checkpoint if isinstance(cancel, Job) else None)
