@@ -42,7 +42,7 @@ def rewrite(src: Path, dst: Path, template: Path = TEMPLATE) -> Path:
     """Write ``dst`` (which must not exist): ``src`` in Ingero's layout."""
     if dst.exists():
         raise FileExistsError(dst)
-    tpl = sqlite3.connect(f"file:{template}?mode=ro", uri=True)
+    tpl = sqlite3.connect(f"file:{template}?mode=ro&immutable=1", uri=True)  # never a -wal/-shm beside it
     try:
         ddl = [
             (name, sql)
