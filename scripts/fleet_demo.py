@@ -194,7 +194,12 @@ def demo(work: Path, dashboard: bool = False) -> None:
         explained = run([*ingero_cmd(), "explain", "--config", str(cfg)])
         if "straggler: gpu-node-01 is the outlier" not in explained:
             raise DemoError("explain --nodes did not name gpu-node-01 as the straggler")
-        print("\nthe fleet agrees: gpu-node-01 is the straggler (CPU contention + checkpoint I/O).", flush=True)
+        if "root cause: CPU contention" not in explained:
+            raise DemoError("explain --nodes did not name CPU contention on gpu-node-01")
+        print(
+            "\nthe fleet agrees: gpu-node-01 is the straggler — CPU contention (its checkpoint writes are context).",
+            flush=True,
+        )
         if dashboard:
             run_dashboard(cfg, pki, work)
         else:
