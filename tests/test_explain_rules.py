@@ -370,3 +370,26 @@ def test_nodes_of_a_merged_database_are_never_mixed(tmp_path: Path) -> None:
     assert r.hosts["node-a"].sched_switch > r.hosts["node-b"].sched_switch == 0
     only_b = report_of(db, node="node-b")
     assert only_b.nodes == ["node-b"] and only_b.chains == []
+
+
+def test_one_duration_formatter_for_every_rule() -> None:
+    """The rules share context.fmt_ns / short_ns (no private copies that format ≤ 0 their own way)."""
+    import ast
+    from pathlib import Path
+
+    from ingero.explain.context import fmt_ns, short_ns
+
+    assert (fmt_ns(58_474_900), fmt_ns(14_200), short_ns(2_544_000_000), short_ns(0), short_ns(-5)) == (
+        "58.475ms",
+        "14µs",
+        "2.54s",
+        "0s",
+        "0s",
+    )
+    own = [
+        f"{p.name}:{n.name}"
+        for p in sorted((Path(__file__).parents[1] / "ingero" / "explain").glob("*.py"))
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.FunctionDef) and n.name in ("_fmt", "_short")
+    ]
+    assert not own, own

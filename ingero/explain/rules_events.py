@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from ingero.explain import causes as cz
-from ingero.explain.context import Context, layer_of, us
+from ingero.explain.context import Context, fmt_ns, layer_of, short_ns, us
 from ingero.explain.frame import I64, member
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import TCP, op_ids
-from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
+from ingero.timeutil import NS_PER_S, fmt_ts
 
 MIN_CALLS = 10
 TCP_CHAIN = 10  # retransmits in the window before they make a chain of their own
@@ -31,15 +31,6 @@ PAGEABLE_GBPS = 8.0  # below this, host↔device copies are not using pinned mem
 OOM_KILLS = op_ids("oom_kill", "pod_oom_kill")
 MEMCPY_OPS = op_ids("cudaMemcpy", "cuMemcpy")  # synchronous copies (async ones only time the enqueue)
 DIRECTIONS = {0: "host→host", 1: "host→device", 2: "device→host", 3: "device→device", 4: "default"}
-
-
-def _fmt(ns: float) -> str:
-    return fmt_duration(round(ns / 1000) * 1000 if ns >= 1000 else ns)
-
-
-def _short(ns: float) -> str:
-    step = 10 ** max(0, len(str(int(max(ns, 1)))) - 3)  # three significant digits
-    return fmt_duration(round(ns / step) * step)
 
 
 # --- OOM ---------------------------------------------------------------------------------------
@@ -130,7 +121,7 @@ def tcp_chains(ctx: Context) -> list[Chain]:
             TimelineEntry(
                 layer_of(st.source),
                 st.name,
-                f"p50 {_fmt(during)} during retransmits vs {_fmt(outside)} otherwise ({ratio:.1f}x)",
+                f"p50 {fmt_ns(during)} during retransmits vs {fmt_ns(outside)} otherwise ({ratio:.1f}x)",
             )
         )
         extra = f" {st.name} was {ratio:.1f}x slower (p50) in the seconds with retransmits."
@@ -296,7 +287,7 @@ def _contention_chain(
         TimelineEntry(
             layer_of(st.source),
             st.name,
-            f"{ctx.proc(victim)}: p50 {_fmt(p_sh)} while sharing vs {_fmt(p_al)} alone ({ratio:.1f}x)",
+            f"{ctx.proc(victim)}: p50 {fmt_ns(p_sh)} while sharing vs {fmt_ns(p_al)} alone ({ratio:.1f}x)",
             round(p_sh / 1000),
         ),
     ]
@@ -311,10 +302,10 @@ def _contention_chain(
             "the GPU time-slices between their contexts, so each waits for the other's kernels"
         ),
         explanation=(
-            f"{ctx.proc(victim)} calls {st.name}: p50 {_fmt(p_al)} when it has GPU {gid} to itself, {_fmt(p_sh)} in the "
+            f"{ctx.proc(victim)} calls {st.name}: p50 {fmt_ns(p_al)} when it has GPU {gid} to itself, {fmt_ns(p_sh)} in the "
             f"seconds when {', '.join(ctx.proc(p) for p in others[:3])} also submit work ({len(shared)} vs {len(alone)} "
             f"calls). No host evidence is needed: the slowdown follows the other process's activity on the same GPU. "
-            f"Time lost: {_short(lost)} ({100 * lost / wall:.1f}% of wall time)."
+            f"Time lost: {short_ns(lost)} ({100 * lost / wall:.1f}% of wall time)."
         ),
         recommendations=_contention_recs(),
         family="gpu-contention",
@@ -408,7 +399,7 @@ def transfer_chains(ctx: Context) -> list[Chain]:
                 )
             ),
             explanation=(
-                f"{ctx.proc(pid)} spent {_short(copy)} in {st.name} ({st.count} calls moving {gb:.2f} GB, "
+                f"{ctx.proc(pid)} spent {short_ns(copy)} in {st.name} ({st.count} calls moving {gb:.2f} GB, "
                 f"{avg / (1 << 20):.1f} MB per call on average). While a synchronous copy runs the CPU waits and the "
                 "GPU has no kernels queued, so copies and compute never overlap."
             ),

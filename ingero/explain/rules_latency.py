@@ -42,10 +42,6 @@ IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual 
 COPY_OPS = set(op_ids("cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"))  # arg0 = bytes
 
 
-_fmt = fmt_ns
-_short = short_ns
-
-
 def _mask(ctx: Context, ts: np.ndarray, dilate: int = 0) -> np.ndarray:
     m = np.zeros(ctx.grid.n, dtype=bool)
     m[ctx.grid.index(ts)] = True
@@ -140,8 +136,8 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
             total = _sum_shares([e.shares for e in minority])
             names = sorted({c.family for e in minority for c in e.seen})
             ctx.notes.append(
-                f"{ctx.node}{_who(ctx)}: {st.name} ran slower than its steady {_fmt(reg.steady_ns)} in "
-                f"{len(minority)} window(s), losing {_short(unexplained_lost)} ({100 * unexplained_lost / wall:.1f}% "
+                f"{ctx.node}{_who(ctx)}: {st.name} ran slower than its steady {fmt_ns(reg.steady_ns)} in "
+                f"{len(minority)} window(s), losing {short_ns(unexplained_lost)} ({100 * unexplained_lost / wall:.1f}% "
                 f"of wall time): {total.words()}; {', '.join(names)} seen but not the dominant share of it, "
                 "so no cause is named"
             )
@@ -284,20 +280,20 @@ def _tail_chain(
     root, context = found[0], found[1:]
     words = cz.phrase(root, ep)
     summary = (
-        f"{st.name} p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50): {slow_n} calls ≥ {regimes.SLOW_FACTOR:.0f}x "
-        f"its steady {_fmt(reg.steady_ns)} lost {_short(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
+        f"{st.name} p99={fmt_ns(st.p99_ns)} ({st.tail_ratio:.1f}x p50): {slow_n} calls ≥ {regimes.SLOW_FACTOR:.0f}x "
+        f"its steady {fmt_ns(reg.steady_ns)} lost {short_ns(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
     )
     base_txt = ""
     if base is not None and fam.startswith("io"):
         base_txt = f" (elsewhere: {base.per_s(base.io_n):.1f} I/O ops/s)"
     also = "; ".join(cz.phrase(c, ep) for c in context[:2])
     explanation = (
-        f"{st.name} ran {st.count} times at a steady {_fmt(reg.steady_ns)} (p50 {_fmt(st.p50_ns)}, "
-        f"p99 {_fmt(st.p99_ns)}, max {_fmt(st.max_ns)}); in {reg.n} slower stretch(es) {slow_n} calls took "
-        f"≥ {regimes.SLOW_FACTOR:.0f}x steady. {int(ep_slow.sum())} of them (up to {_fmt(worst)}) fell in "
+        f"{st.name} ran {st.count} times at a steady {fmt_ns(reg.steady_ns)} (p50 {fmt_ns(st.p50_ns)}, "
+        f"p99 {fmt_ns(st.p99_ns)}, max {fmt_ns(st.max_ns)}); in {reg.n} slower stretch(es) {slow_n} calls took "
+        f"≥ {regimes.SLOW_FACTOR:.0f}x steady. {int(ep_slow.sum())} of them (up to {fmt_ns(worst)}) fell in "
         f"{fmt_ts(start)} – {fmt_ts(end)}, where the host shows {words}{base_txt}. "
         + (f"The same cause recurs in {len(eps)} separate windows. " if len(eps) > 1 else "")
-        + f"Time lost: {_short(lost)} ({100 * lost / wall:.1f}% of wall time); of it, {total.words()}. "
+        + f"Time lost: {short_ns(lost)} ({100 * lost / wall:.1f}% of wall time); of it, {total.words()}. "
         + (f"Also seen, not the root (a minority of the lost time): {also}. " if also else "")
         + _mechanism(fam, st.name)
     )
@@ -306,8 +302,8 @@ def _tail_chain(
         TimelineEntry(
             layer_of(st.source),
             st.name,
-            f"steady {_fmt(reg.steady_ns)}; p99={_fmt(st.p99_ns)} ({st.tail_ratio:.1f}x p50={_fmt(st.p50_ns)}); "
-            f"{int(ep_slow.sum())} slow calls, worst {_fmt(worst)}",
+            f"steady {fmt_ns(reg.steady_ns)}; p99={fmt_ns(st.p99_ns)} ({st.tail_ratio:.1f}x p50={fmt_ns(st.p50_ns)}); "
+            f"{int(ep_slow.sum())} slow calls, worst {fmt_ns(worst)}",
             round(st.p99_ns / 1000),
         )
     )
@@ -449,7 +445,7 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
         if not found:
             ctx.notes.append(
                 f"{ctx.node}: {st.name} ops/s fell {100 * fall:.0f}% at {fmt_ts(g.start_of(lo + a))} "
-                f"({base_rate:.0f} → {ep_rate:.0f}/s for {_short((b - a + 1) * g.width_ns)}), no host cause recorded"
+                f"({base_rate:.0f} → {ep_rate:.0f}/s for {short_ns((b - a + 1) * g.width_ns)}), no host cause recorded"
             )
             continue
         n_eps += 1
@@ -498,7 +494,7 @@ def _drop_chain(ctx: Context, d: _Drop, others: list[_Drop]) -> Chain:
         root_cause=cz.root_cause(found[0], ep, ctx.subject(ctx.rows(st).pid), culprits),
         explanation=(
             f"{st.name} ran at {d.base_rate:.0f} calls/s, then at {d.rate:.0f} calls/s from {fmt_ts(start)} to "
-            f"{fmt_ts(end)} ({_fmt(end - start)}) with its per-call latency unchanged (p50 {_fmt(st.p50_ns)}): the "
+            f"{fmt_ts(end)} ({fmt_ns(end - start)}) with its per-call latency unchanged (p50 {fmt_ns(st.p50_ns)}): the "
             f"process issued less work; it did not wait longer per call. "
             + (f"Its other GPU calls fell with it ({also}). " if also else "")
             + f"In that window the host shows {words}. "

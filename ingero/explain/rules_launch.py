@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.explain import causes as cz
-from ingero.explain.context import Context, OpRows, layer_of
+from ingero.explain.context import Context, OpRows, fmt_ns, layer_of
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import op_ids
@@ -42,10 +42,6 @@ def first_launch_mask(ctx: Context, rows: OpRows) -> npt.NDArray[np.bool_] | Non
         _, first = np.unique(fn[idx], return_index=True)
         out[idx[first]] = True
     return out
-
-
-def _fmt(ns: float) -> str:
-    return fmt_duration(round(ns / 1000) * 1000 if ns >= 1000 else ns)
 
 
 def first_launch_chains(ctx: Context, notes: list[str]) -> list[Chain]:
@@ -79,8 +75,8 @@ def first_launch_chains(ctx: Context, notes: list[str]) -> list[Chain]:
             # first launches are start-up: at most LOW unless they take over a fifth of the run
             sev = cz.startup_severity(lost, wall) if kind == "first-launch" else cz.severity_of_loss(lost, wall)
             what = (
-                f"{n} kernels' first launches took {_fmt(float(rows.dur[mask].min()))}–{_fmt(float(rows.dur[mask].max()))} "
-                f"(steady launch {_fmt(steady)}), {fmt_duration(round(lost / 1e6) * 10**6)} in all"
+                f"{n} kernels' first launches took {fmt_ns(float(rows.dur[mask].min()))}–{fmt_ns(float(rows.dur[mask].max()))} "
+                f"(steady launch {fmt_ns(steady)}), {fmt_duration(round(lost / 1e6) * 10**6)} in all"
             )
             if sev == "LOW":
                 notes.append(
@@ -159,7 +155,7 @@ def _chain(
             TimelineEntry(
                 layer_of(stats.source),
                 stats.name,
-                f"{n} first launches, worst {_fmt(float(rows.dur[mask].max()))}",
+                f"{n} first launches, worst {fmt_ns(float(rows.dur[mask].max()))}",
                 round(float(rows.dur[mask].max()) / 1000),
             )
         ],
