@@ -1,7 +1,7 @@
 """``cgroup_metadata``: what each cgroup id of ``events.cgroup_id`` is — container, pod, Slurm job.
 
-Written by the tracer (:mod:`ingero.agent.trace.cgroups` resolves the ids from /proc) in its own short
-transaction; read by ``explain --per-cgroup`` and the noisy-neighbour chains.
+Resolved by the tracer (:mod:`ingero.agent.trace.cgroups` reads /proc in its maintenance thread) and
+written in its single writer's batches, never over a second connection; read by ``explain --per-cgroup`` and the noisy-neighbour chains.
 """
 
 from __future__ import annotations
@@ -38,13 +38,20 @@ class CgroupInfo:
         return f"cgroup {self.path}"
 
 
-def write_cgroups(db: Path, rows: list[CgroupInfo], *, seen_at: int | None = None) -> None:
+INSERT_SQL = f"INSERT OR REPLACE INTO cgroup_metadata({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+CgroupRow = tuple[int, str, str, str, str, str, int]  # in COLUMNS order
+
+
+def cgroup_rows(infos: list[CgroupInfo], *, seen_at: int | None = None) -> list[CgroupRow]:
+    """``cgroup_metadata`` rows (the tracer hands them to its single writer's next batch)."""
     at = now_ns() if seen_at is None else seen_at
+    return [(as_sqlite_int(r.cgroup_id), r.container_id, r.path, r.pod_name, r.namespace, r.job_id, at) for r in infos]
+
+
+def write_cgroups(db: Path, rows: list[CgroupInfo], *, seen_at: int | None = None) -> None:
+    """Write rows in a transaction of their own (a database no tracer is writing: tests, scenarios)."""
     with write_transaction(db) as conn:
-        conn.executemany(
-            f"INSERT OR REPLACE INTO cgroup_metadata({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
-            [(as_sqlite_int(r.cgroup_id), r.container_id, r.path, r.pod_name, r.namespace, r.job_id, at) for r in rows],
-        )
+        conn.executemany(INSERT_SQL, cgroup_rows(rows, seen_at=seen_at))
 
 
 def cgroup_labels(conn: sqlite3.Connection) -> dict[int, CgroupInfo]:
@@ -66,4 +73,4 @@ def cgroup_labels(conn: sqlite3.Connection) -> dict[int, CgroupInfo]:
     return {int(r[0]): CgroupInfo(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), str(r[5])) for r in rows}
 
 
-__all__ = ["COLUMNS", "CgroupInfo", "cgroup_labels", "write_cgroups"]
+__all__ = ["COLUMNS", "INSERT_SQL", "CgroupInfo", "CgroupRow", "cgroup_labels", "cgroup_rows", "write_cgroups"]

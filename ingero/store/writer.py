@@ -36,6 +36,7 @@ from ingero.errors import StoreError
 from ingero.identity import Identity, validate_node_name
 from ingero.store.annotations import insert_sql as annotations_insert_sql
 from ingero.store.budget import errorname
+from ingero.store.cgroups import INSERT_SQL as CGROUP_INSERT_SQL
 from ingero.store.db import is_disk_full, open_writable, translate
 from ingero.store.engine_metrics import insert_sql as engine_metrics_insert_sql
 from ingero.store.schema import AGGREGATE_BUCKET_NS
@@ -226,6 +227,7 @@ class StoreWriter:
         nccl_calls: Iterable[tuple[int, ...]] = (),
         annotations: Iterable[tuple[int | str, ...]] = (),
         engine_metrics: Iterable[tuple[int | str | float, ...]] = (),
+        cgroups: Iterable[tuple[int | str, ...]] = (),
     ) -> int:
         """Write everything given in one transaction. Returns the number of events written.
 
@@ -262,6 +264,7 @@ class StoreWriter:
             )
             self.conn.executemany(annotations_insert_sql(self._node_lit), annotations)
             self.conn.executemany(engine_metrics_insert_sql(self._node_lit), engine_metrics)
+            self.conn.executemany(CGROUP_INSERT_SQL, cgroups)
             self._commit()
         except sqlite3.Error as e:
             self._rollback()

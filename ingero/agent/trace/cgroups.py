@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ingero.errors import StoreError
 from ingero.store import catalog
-from ingero.store.cgroups import CgroupInfo, write_cgroups
+from ingero.store.cgroups import CgroupInfo, CgroupRow, cgroup_rows
 
 PROC = Path("/proc")
 MAX_ATTEMPTS = 8  # syncs (take) in which an unresolved cgroup id is tried before it is left unnamed
@@ -150,7 +149,6 @@ class CgroupTracker:
         self._pending: list[CgroupInfo] = []
         self._todo: dict[int, list[int]] = {}  # cgroup id -> a few of its processes, to resolve
         self.known: dict[int, CgroupInfo] = {}
-        self.write_errors = 0
 
     def on_events(self, ev: np.ndarray) -> None:
         """Note the cgroup ids not resolved yet, with a few of their processes (the drain calls this on
@@ -201,19 +199,10 @@ class CgroupTracker:
             out, self._pending = self._pending, []
         return out
 
-    def flush(self, db: Path) -> int:
-        """Write the cgroups resolved since the last flush (own short transaction). Returns rows written."""
-        rows = self.take()
-        if not rows:
-            return 0
-        try:
-            write_cgroups(db, rows)
-        except StoreError:  # metadata only: the events keep their cgroup ids; try again next time
-            self.write_errors += 1
-            with self._lock:
-                self._pending = rows + self._pending
-            return 0
-        return len(rows)
+    def rows(self) -> list[CgroupRow]:
+        """The ``cgroup_metadata`` rows resolved since the last call, for the writer's next batch (the
+        tracer's single writer: never a second connection to the database it is writing)."""
+        return cgroup_rows(self.take())
 
 
 __all__ = [

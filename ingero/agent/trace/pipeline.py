@@ -289,6 +289,7 @@ class Pipeline:
                             nccl_calls=batch.nccl_calls,
                             annotations=batch.annotations,
                             engine_metrics=batch.engine_metrics,
+                            cgroups=batch.cgroups,
                         )
                         done = max(1, len(chunk)) if events else 1
                     else:

@@ -132,6 +132,7 @@ class WriteBatch:
     nccl_comms: list[tuple[int, ...]] = field(default_factory=list)  # (comm, pid, rank, nranks, seen_at, comm_id)
     nccl_calls: list[tuple[int, ...]] = field(default_factory=list)  # see ingero.agent.trace.nccl_calls
     annotations: list[tuple[int | str, ...]] = field(default_factory=list)  # ingero.store.annotations.ROW_COLUMNS
+    cgroups: list[tuple[int | str, ...]] = field(default_factory=list)  # ingero.store.cgroups.COLUMNS
     engine_metrics: list[tuple[int | str | float, ...]] = field(default_factory=list)  # store.engine_metrics
 
     def merge(self, other: WriteBatch) -> None:
@@ -143,6 +144,7 @@ class WriteBatch:
         self.nccl_comms += other.nccl_comms
         self.nccl_calls += other.nccl_calls
         self.annotations += other.annotations
+        self.cgroups += other.cgroups
         self.engine_metrics += other.engine_metrics
 
 

@@ -16,6 +16,7 @@ forgets what is kept per process (kernel page-allocation counters, recorder stat
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -179,6 +180,7 @@ class _Follower:
         self.targets: set[int] = set(opts.pids)
         self.exited: list[int] = []
         self.cgroups = CgroupTracker()  # cgroup id -> container / pod / Slurm job (cgroup_metadata)
+        self.side_rows: Callable[[WriteBatch], bool] | None = None  # the pipeline's add_rows, once it runs
         self.pyframes: PyFrames | None = None
         self.py_noted: set[int] = set()
         # pid -> its address-space size at the last rescan (given: as before the start-up discovery,
@@ -236,7 +238,9 @@ class _Follower:
         traced processes, cgroup names resolved and written. Returns the newly probed libraries."""
         new = self.rescan() if self.opts.follow else []
         self.sync_sockets()
-        self.cgroups.flush(self.opts.db_path)
+        rows = self.cgroups.rows()
+        if rows and self.side_rows is not None:
+            self.side_rows(WriteBatch(cgroups=list(rows)))  # the writer's next batch
         return new
 
 
@@ -343,6 +347,7 @@ async def run_trace(
             live=live,
             on_events=follower.on_events if opts.observer is None else _both(follower.on_events, opts.observer),
         )
+        follower.side_rows = pipeline.add_rows  # cgroup rows go through the one writer's batches
         if opts.observer is not None:
             opts.observer.attach(pipeline)
         async with trio.open_nursery() as nursery:
@@ -372,7 +377,9 @@ async def run_trace(
             pipeline.request_stop()
             with trio.CancelScope(shield=True):
                 await pipeline_done.wait()
-                await trio.to_thread.run_sync(follower.cgroups.flush, opts.db_path)
+                last = await trio.to_thread.run_sync(follower.cgroups.rows)
+                if last:  # resolved after the last batch: the same writer, now idle, takes them
+                    await trio.to_thread.run_sync(functools.partial(writer.write_batch, cgroups=last))
             nursery.cancel_scope.cancel()
     except BaseException:
         with trio.CancelScope(shield=True):
