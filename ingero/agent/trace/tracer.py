@@ -381,26 +381,50 @@ async def run_trace(
                 if last:  # resolved after the last batch: the same writer, now idle, takes them
                     await trio.to_thread.run_sync(functools.partial(writer.write_batch, cgroups=last))
             nursery.cancel_scope.cancel()
-    except BaseException:
+    except BaseException as e:
         with trio.CancelScope(shield=True):
-            await _close(writer, session_id, pipeline, probes, t0)
+            elapsed, stats = await _close(writer, session_id, pipeline, probes, t0)
             await trio.to_thread.run_sync(probes.close)
+        cause = _recording_error(e)
+        if view is not None and pipeline is not None and cause is not None:
+            # recording could not go on (a disk with no room even for the aggregates, ...): what was
+            # recorded until then is still summed up, then the one-line error follows
+            view.finished(_summary(opts, session_id, elapsed, stats, live, attached, f"stopped ({cause.message})"))
         raise
     elapsed, stats = await _close(writer, session_id, pipeline, probes, t0)
-    summary = TraceSummary(
+    summary = _summary(opts, session_id, elapsed, stats, live, attached, control.reason or "stopped")
+    if view is not None:
+        view.finished(summary)
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(probes.close)
+    return summary
+
+
+def _summary(
+    opts: TraceOptions,
+    session_id: int,
+    elapsed: float,
+    stats: dict[str, int],
+    live: LiveStats,
+    attached: list[LibraryAttach],
+    reason: str,
+) -> TraceSummary:
+    return TraceSummary(
         session_id=session_id,
         db_path=opts.db_path,
         elapsed_s=elapsed,
         stats=stats,
         ops=[line.as_dict() for line in live.snapshot(max(elapsed, 1e-9))],
         libraries=[{"kind": a.kind, "path": a.path, "functions": [p.symbol for p in a.probes]} for a in attached],
-        reason=control.reason or "stopped",
+        reason=reason,
     )
-    if view is not None:
-        view.finished(summary)
-    with trio.CancelScope(shield=True):
-        await trio.to_thread.run_sync(probes.close)
-    return summary
+
+
+def _recording_error(e: BaseException) -> IngeroError | None:
+    """The ingero error that ended a recording (alone, or the one error of trio's group), else None."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e if isinstance(e, IngeroError) else None
 
 
 async def _close(
