@@ -225,6 +225,7 @@ def test_fleet_status_rows(fleet3: list[str], pki: Pki, capsys: pytest.CaptureFi
         "events",
         "first",
         "last",
+        "shipping",
         "tls",
     ]
     assert "gpu-node-03" in out and "2/3" in out and "mtls" in out

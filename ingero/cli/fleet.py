@@ -1,4 +1,4 @@
-"""``ingero fleet status`` (one row per node — reachable, identity, version, RTT, clock skew, data, TLS),
+"""``ingero fleet status`` (one row per node — reachable, identity, version, RTT, clock skew, data, shipping, TLS),
 ``ingero fleet stragglers`` (which rank drags the job, from aligned NCCL collectives) and ``ingero fleet
 cost`` (what the waiting for it costs)."""
 
@@ -25,6 +25,7 @@ Columns: reachable (or why not), node (the agent's own name), addr, rank (rank/w
 rtt_ms (lowest /time round trip), skew (agent clock minus this host's, ± its uncertainty; "(outlier)"
 when it stands out from the fleet's median by MAD), drift_ppm (how much faster the agent's clock runs,
 ± its 95 % interval; with --samples 3 or more), events, first/last (time range of the recording),
+shipping (to ClickHouse: "caught up" or how many rows and seconds behind; empty when never shipped),
 tls (tls, mtls or plaintext; +token when a token is required).
 A warning names every node whose clock is off by more than fleet.skew_threshold (10 ms).
 """

@@ -74,6 +74,20 @@ def lag_of(conn: sqlite3.Connection, target: str) -> list[TableLag]:
     return out
 
 
+def shipping_summary(conn: sqlite3.Connection, now_ns: int) -> dict[str, dict[str, float | int]] | None:
+    """Per store this recording ships to: unshipped rows and the age of the oldest one (seconds); None
+    when it was never shipped. What the agent's ``/info`` and ``fleet status`` show."""
+    out: dict[str, dict[str, float | int]] = {}
+    for target in targets(conn):
+        lags = lag_of(conn, target)
+        oldest = min((lg.oldest_unshipped_ns for lg in lags if lg.oldest_unshipped_ns), default=None)
+        out[target] = {
+            "unshipped_rows": sum(lg.unshipped_rows for lg in lags),
+            "lag_s": round(max(0.0, (now_ns - oldest) / 1e9), 3) if oldest else 0.0,
+        }
+    return out or None
+
+
 def targets(conn: sqlite3.Connection) -> list[str]:
     """The stores this recording has been shipped to (none: never shipped)."""
     have = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (PROGRESS_TABLE,)).fetchone()

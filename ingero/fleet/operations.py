@@ -158,8 +158,22 @@ STATUS_COLUMNS = [
     "events",
     "first",
     "last",
+    "shipping",
     "tls",
 ]
+
+
+def _shipping(lag: Any) -> str:
+    """``caught up`` / ``1,234 rows, 12.5s behind`` per ClickHouse store ('' when never shipped)."""
+    if not isinstance(lag, dict):
+        return ""
+    parts = []
+    for target, d in sorted(lag.items()):
+        rows = int(d.get("unshipped_rows", 0)) if isinstance(d, dict) else 0
+        behind = float(d.get("lag_s", 0.0)) if isinstance(d, dict) else 0.0
+        words = "caught up" if rows == 0 else f"{rows:,} rows, {behind:.1f}s behind"
+        parts.append(words if len(lag) == 1 else f"{target}: {words}")
+    return "; ".join(parts)
 
 
 @dataclass
@@ -189,6 +203,7 @@ class FleetStatus(Outcomes):
                     info.get("events", ""),
                     fmt_ts(info.get("first_ns")) if info.get("first_ns") else "",
                     fmt_ts(info.get("last_ns")) if info.get("last_ns") else "",
+                    _shipping(info.get("shipping")),
                     _tls_mode(info) if info else "",
                 ]
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ingero import API_VERSION, __version__, compactjson
 from ingero.agent.api.workers import Admission, Job
+from ingero.clickhouse.progress import shipping_summary
 from ingero.errors import QueryTimeoutError, StoreError, UsageError
 from ingero.identity import Identity
 from ingero.store import guard
@@ -140,6 +142,7 @@ def info_fields(ctx: AgentContext, s: DbSummary, conn: sqlite3.Connection) -> di
         "first_ns": s.first_ns,
         "last_ns": s.last_ns,
         "live": s.live,
+        "shipping": shipping_summary(conn, time.time_ns()),  # to ClickHouse: None when never shipped
         "tls": ctx.tls_mode,
         "auth": ctx.auth_mode,
     }
