@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from ingero.errors import StoreError, UsageError
 from ingero.explain.frame import I64, Frame, load_frames
-from ingero.explain.ledger import DRAINING, children, steady_ns
+from ingero.explain.ledger import DRAINING, children, steady_ns, thread_evidence
 from ingero.explain.ledger_gaps import (
     BUCKETS,
     GAP_BUCKETS,
@@ -49,12 +49,11 @@ from ingero.explain.ledger_gaps import (
     gap_classes,
     paint,
 )
-from ingero.explain.offcpu import Intervals, OffCpu, union, wakeups
+from ingero.explain.offcpu import Intervals, OffCpu, union
 from ingero.explain.rules_ledger import DOMINANT, MIN_LOST_NS, SHARES
 from ingero.explain.storage import load_storage
 from ingero.store.annotation_join import MAX_ANNOTATIONS
 from ingero.store.annotations import TABLE, has_annotations
-from ingero.store.catalog import IO, NET
 from ingero.store.window import Window
 from ingero.timeutil import fmt_latency
 
@@ -259,18 +258,7 @@ def _node_parts(
     gpu = fr.select(fr.gpu_mask())
     if gpu.size == 0 or not here.any():
         return
-    a = fr.args
-    net, io = fr.source == NET, fr.source == IO
-    h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
-    ev = ThreadEvidence(
-        OffCpu(a),
-        {
-            "wakeup": wakeups(a),
-            "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
-            "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
-        },
-        (h[:, 0], h[:, 1]),
-    )
+    ev = thread_evidence(fr, OffCpu(fr.args), holes)
     steady = steady_ns(gpu.source, gpu.op, gpu.dur)
     order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
     pid, tid, ts = gpu.pid[order], gpu.tid[order], gpu.ts_ns[order]
@@ -282,7 +270,7 @@ def _node_parts(
         mine = np.flatnonzero(here & ((scope == 0) | (scope == p)))
         if mine.size:
             sl = slice(lo, hi)
-            th = _ThreadCut(ts[sl], end[sl], st[sl], key[sl], ev, t, set(children(a, p)), s0[mine], s1[mine])
+            th = _ThreadCut(ts[sl], end[sl], st[sl], key[sl], ev, t, set(children(fr.args, p)), s0[mine], s1[mine])
             rows, inside = th.parts()
             yield mine[inside], rows[inside]
 

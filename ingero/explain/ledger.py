@@ -287,6 +287,22 @@ class Ledger:
     steady: dict[tuple[int, int], int] = field(default_factory=dict)  # per op: steady_ns's level
 
 
+def thread_evidence(fr: Frame, off: OffCpu, holes: list[tuple[int, int]] | None = None) -> ThreadEvidence:
+    """What the ledger reads beside a node's GPU calls: its off-CPU intervals, wakeups (either layout),
+    socket and block I/O calls, and the recording's holes."""
+    net, io = fr.source == NET, fr.source == IO
+    h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
+    return ThreadEvidence(
+        off,
+        {
+            "wakeup": wakeups(fr.args),
+            "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
+            "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
+        },
+        (h[:, 0], h[:, 1]),
+    )
+
+
 def build_ledger(
     fr: Frame,
     gpu: Frame,
@@ -299,19 +315,7 @@ def build_ledger(
     """The ledger of every GPU thread of one node (``gpu``: its GPU API rows; ``fr``: all its rows)."""
     if gpu.size == 0:
         return Ledger([])
-    a = fr.args
-    net = fr.source == NET
-    h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
-    io = fr.source == IO
-    ev = ThreadEvidence(
-        off,
-        {
-            "wakeup": wakeups(a),
-            "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
-            "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
-        },
-        (h[:, 0], h[:, 1]),
-    )
+    ev = thread_evidence(fr, off, holes)
     steady, levels = _steady(gpu.source, gpu.op, gpu.dur)
     pid, tid, ts, dur, src, op = gpu.pid, gpu.tid, gpu.ts_ns, gpu.dur, gpu.source, gpu.op
     if (pid == pid[0]).all() and (tid == tid[0]).all():  # one thread, the common case: time order only
@@ -332,7 +336,7 @@ def build_ledger(
     for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [ts.size])), strict=True):
         p, t = int(pid[lo]), int(tid[lo])
         if p not in kids_of:
-            kids_of[p] = set(children(a, p))
+            kids_of[p] = set(children(fr.args, p))
         mine = owner == t
         row = _thread_row(
             fr.node,
