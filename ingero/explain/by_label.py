@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.errors import StoreError, UsageError
+from ingero.explain import causes as cz
 from ingero.explain.frame import I64, Frame, load_frames
 from ingero.explain.ledger import DRAINING, children, steady_ns, thread_evidence
 from ingero.explain.ledger_gaps import (
@@ -50,7 +51,7 @@ from ingero.explain.ledger_gaps import (
     paint,
 )
 from ingero.explain.offcpu import Intervals, OffCpu, union
-from ingero.explain.rules_ledger import DOMINANT, MIN_LOST_NS, SHARES
+from ingero.explain.rules_ledger import DOMINANT, MIN_LOST_NS
 from ingero.explain.storage import load_storage
 from ingero.store.annotation_join import MAX_ANNOTATIONS
 from ingero.store.annotations import TABLE, has_annotations
@@ -58,7 +59,7 @@ from ingero.store.window import Window
 from ingero.timeutil import fmt_latency
 
 MARGIN_NS = 10 * 1_000_000_000  # loaded around the spans: the calls that bound a gap a span starts in
-NAMED_SHARE = dict(SHARES)["MEDIUM"]  # lost share of a value's wall time that names a cause
+NAMED_SHARE = cz.MEDIUM_SHARE  # lost share of a value's wall time that names a cause
 CAUSES = {
     GPU_SLOW: "GPU calls slower than steady",
     HOST_CODE: "own host code (CPU-bound)",

@@ -58,7 +58,6 @@ from ingero.explain.rules_idle import ledger_chain, ms
 from ingero.store.catalog import op_name
 from ingero.timeutil import NS_PER_MS
 
-SHARES = (("HIGH", 0.20), ("MEDIUM", 0.05), ("LOW", 0.01))
 MIN_CALLS = 10  # a thread with fewer GPU calls is not a GPU loop
 MIN_LOST_NS = 10 * NS_PER_MS  # below this, nothing worth a chain whatever the share
 DOMINANT = 0.5  # a share that names the root cause
@@ -77,10 +76,9 @@ RECORD = (
 
 def severity(lost: int, wall: int) -> str | None:
     """HIGH ≥ 20 %, MEDIUM ≥ 5 %, LOW ≥ 1 % of the wall time lost; None below."""
-    if wall <= 0 or lost < MIN_LOST_NS:
+    if wall <= 0 or lost < MIN_LOST_NS or not cz.worth_a_chain(lost, wall):
         return None
-    share = lost / wall
-    return next((s for s, least in SHARES if share >= least), None)
+    return cz.severity_of_loss(lost, wall)  # the one ladder (causes.py)
 
 
 def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chain]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ingero.explain import causes as cz
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.store.engine_metrics import Series, load_rows, series
 from ingero.store.window import Window
@@ -41,7 +42,6 @@ RISING = 0.6  # share of scrape steps in which the queue grew or held (of those 
 TTFT_X = 2.0
 TTFT_HIGH_X = 3.0
 MIN_SCRAPES = 6
-SHARES = (("HIGH", 0.20), ("MEDIUM", 0.05))
 HOL_RUNNING = 2  # head-of-line blocking: at most this many running ...
 HOL_WAITING = 8  # ... at least this many waiting ...
 HOL_STEPS = 3  # ... with no request finishing, over at least this many scrape steps
@@ -155,7 +155,7 @@ def _hol_chain(node: str, pid: int, engine: str, ss: dict[str, Series], grid: np
         return None
     held = float(np.diff(grid)[stuck].sum())
     share = held / (int(grid[-1] - grid[0]) or 1)
-    sev = next((s for s, least in SHARES if share >= least), "LOW")
+    sev = cz.severity_of_loss(share, 1.0)
     worst = int(np.nanmax(np.where(stuck, wait, 0)))
     return _chain(
         node,
@@ -189,7 +189,7 @@ def _hol_chain(node: str, pid: int, engine: str, ss: dict[str, Series], grid: np
 def _kv_chain(
     node: str, pid: int, engine: str, kv: str, pre: str, share: float, n: int, peak: float, grid: np.ndarray
 ) -> Chain:
-    sev = next((s for s, least in SHARES if share >= least), "LOW")
+    sev = cz.severity_of_loss(share, 1.0)
     return _chain(
         node,
         pid,
