@@ -289,3 +289,64 @@ def test_ctrl_c_during_a_fan_out_is_one_line_and_exit_130(pki: Pki) -> None:
                 proc.wait()
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["ingero: interrupted (Ctrl-C)"], err
+
+
+def ledger_block(text: str) -> dict[str, list[str]]:
+    """The GPU-thread lines of an explain text report, under the node they follow."""
+    out: dict[str, list[str]] = {}
+    node, inside = "", False
+    for line in text.splitlines():
+        if line.startswith("gpu-node-"):
+            node = line.strip()
+        elif line.startswith("  GPU thread "):
+            out.setdefault(node, []).append(line.strip())
+        elif inside and line.startswith("    "):  # the line wrapped
+            out[node][-1] += " " + line.strip()
+            continue
+        inside = line.startswith("  GPU thread ")
+    return out
+
+
+def test_explain_nodes_prints_each_nodes_ledger_as_local_explain_does(
+    fleet3: list[str], fleet3_dbs: dict[str, Path], pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fleet report's wall-time ledger: per node, one line per GPU thread, word for word what
+    ``explain --db`` prints for that node's database (the same formatter over the agent's rows)."""
+    assert main(["explain", "--nodes", ",".join(fleet3), *tls_flags(pki)]) == 0
+    out = capsys.readouterr().out
+    head, _, rest = out.partition("WALL-TIME LEDGER — where each GPU thread's time went, on 3 nodes\n")
+    assert head.startswith("FLEET DIAGNOSIS") and "root cause: " in head  # after the chains,
+    assert rest and rest.index("straggler: ") > 0  # before the verdict
+    fleet = ledger_block(rest.split("\nstraggler: ")[0])
+    local: dict[str, list[str]] = {}
+    for db in fleet3_dbs.values():
+        assert main(["explain", "--db", str(db)]) == 0
+        local |= ledger_block(capsys.readouterr().out)
+    assert list(fleet) == list(fleet3_dbs) and fleet == local
+    for lines in fleet.values():
+        (line,) = lines
+        assert re.fullmatch(r"GPU thread 4242 \(pid 4242\): \d+ms = \d+ % GPU calls.* \+ \d+ % preempted.*", line)
+    # the JSON rows behind them add up to their wall time
+    assert main(["explain", "--nodes", ",".join(fleet3), *tls_flags(pki), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ledger"]
+    assert sorted(r["node"] for r in rows) == list(fleet3_dbs)
+    assert all(sum(r["buckets"].values()) == r["wall_ns"] > 0 for r in rows)
+
+
+def test_fleet_ledger_lines_past_the_node_cap_show_the_least_busy_gpus(
+    fleet3: list[str], pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ingero.explain.ledger import LedgerRow
+    from ingero.fleet.render import ledger_lines
+
+    assert main(["explain", "--nodes", ",".join(fleet3), *tls_flags(pki), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ledger"]
+    assert all(LedgerRow.from_dict(r).as_dict() == r for r in rows)  # the agents' rows, read back whole
+    share = {r["node"]: (r["buckets"]["gpu_steady"] + r["buckets"]["gpu_slow"]) / r["wall_ns"] for r in rows}
+    busiest = max(share, key=share.__getitem__)
+    lines = ledger_lines(rows, most_nodes=2)
+    assert lines[0] == "WALL-TIME LEDGER — where each GPU thread's time went, on 2 nodes"
+    shown = [line for line in lines if line.startswith("gpu-node-")]
+    assert shown == sorted(set(share) - {busiest})
+    assert lines[-1] == "... 1 more node with busier GPU threads (--json shows the whole ledger)"
+    assert ledger_lines([]) == []

@@ -238,6 +238,29 @@ class LedgerRow:
         d |= {"wall_ns": self.wall_ns, "buckets": dict(self.buckets)}
         return d | ({"gpu_idle": dict(self.idle_ns)} if self.tid is not None else {})
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LedgerRow:
+        """A row back from :meth:`as_dict` (an agent's answer): the figures it carries (not the gaps or
+        the per-op excess); buckets it does not name (an older agent's) are 0."""
+        buckets = dict.fromkeys(BUCKETS, 0) | {str(b): int(ns) for b, ns in dict(d.get("buckets") or {}).items()}
+        tid = d.get("tid")
+        start = int(d.get("start_ns") or 0)
+        end = int(d.get("end_ns") or start + sum(buckets.values()))
+        idle = {str(b): int(ns) for b, ns in dict(d.get("gpu_idle") or {}).items()}
+        pid = d.get("pid")
+        row = cls(
+            str(d.get("node") or ""),
+            None if pid is None else int(pid),
+            None if tid is None else int(tid),
+            start,
+            end,
+            buckets,
+            int(d.get("calls") or 0),
+            idle,
+        )
+        row.name = str(d.get("name") or "")
+        return row
+
 
 def aggregate(rows: list[LedgerRow], *, by_process: bool) -> list[LedgerRow]:
     """Rows summed per (node, pid) or per node: their wall time is the sum of their threads' (thread-time,

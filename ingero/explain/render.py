@@ -48,7 +48,7 @@ def _host_line(h: HostSummary) -> str:
     return "  host: " + ", ".join(parts)
 
 
-def _ledger_lines(rows: list[LedgerRow], limit: int = 8) -> list[str]:
+def ledger_lines(rows: list[LedgerRow], limit: int = 8) -> list[str]:
     """One line per GPU thread, the longest first: where its wall time went (the ledger's buckets)."""
     rows = sorted(rows, key=lambda r: -r.wall_ns)
     out = []
@@ -107,7 +107,7 @@ def render_report(report: ExplainReport, *, source: str = "", op_limit: int = 12
         host = report.hosts.get(node)
         if host is not None:
             out.append(_host_line(host))
-        out += _ledger_lines([r for r in report.ledger if r.node == node])
+        out += ledger_lines([r for r in report.ledger if r.node == node])
     out.append("")
     if report.chains:
         out.append(f"causal chains ({len(report.chains)})")

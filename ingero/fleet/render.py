@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 from ingero.fleet.merge import FleetChains, FleetResult
 from ingero.fleet.outcome import NodeOutcome
 from ingero.fleet.skew import warning as skew_warning
+
+MAX_LEDGER_NODES = 32  # nodes whose GPU threads the text report lists (JSON carries every one)
 
 
 def _plural(n: int, word: str) -> str:
@@ -91,8 +93,40 @@ def render_chains(fleet: FleetChains, *, verbose: bool = False) -> str:
         parts.append(render_chain_list(fleet.chains, verbose=verbose).rstrip())
     else:
         parts.append(f"FLEET DIAGNOSIS — no causal chains on any of {n} node(s)")
+    ledger = ledger_lines(fleet.ledger)
+    if ledger:
+        parts.append("\n".join(ledger))
     parts.append(f"straggler: {fleet.verdict.line}")
     return "\n\n".join(parts)
+
+
+def ledger_lines(rows: Sequence[dict[str, Any]], *, most_nodes: int = MAX_LEDGER_NODES) -> list[str]:
+    """Where each node's GPU threads' wall time went: the node's name, then one line per GPU thread as
+    ``ingero explain`` prints it (its formatter, over the agents' ledger rows). Past ``most_nodes``
+    nodes, those whose threads spent the least of their time in GPU calls are shown."""
+    from ingero.explain.ledger import LedgerRow
+    from ingero.explain.render import ledger_lines as thread_lines
+
+    by_node: dict[str, list[LedgerRow]] = {}
+    for d in rows:
+        r = LedgerRow.from_dict(d)
+        by_node.setdefault(r.node, []).append(r)
+    if not by_node:
+        return []
+    names = sorted(by_node)
+    if len(names) > most_nodes:
+
+        def gpu_share(node: str) -> float:
+            return sum(r.gpu_ns for r in by_node[node]) / max(1, sum(r.wall_ns for r in by_node[node]))
+
+        names = sorted(sorted(names, key=gpu_share)[:most_nodes])
+    out = [f"WALL-TIME LEDGER — where each GPU thread's time went, on {_plural(len(names), 'node')}"]
+    for node in names:
+        out += [node, *thread_lines(by_node[node])]
+    if len(by_node) > len(names):
+        more = len(by_node) - len(names)
+        out.append(f"... {_plural(more, 'more node')} with busier GPU threads (--json shows the whole ledger)")
+    return out
 
 
 class Progress:
