@@ -54,7 +54,8 @@ def _old_schema_2(path: Path) -> None:
         DROP TABLE nccl_calls;
         ALTER TABLE nccl_comms DROP COLUMN comm_id;
         INSERT INTO nccl_comms(comm, pid, rank, nranks, node, seen_at) VALUES (192, 7, 1, 2, 'n1', 5);
-        INSERT INTO event_aggregates VALUES (0, 8, 1, 7, 1, 1, 500, 500, 500, 4096);
+        INSERT INTO event_aggregates(bucket, source, op, pid, count, stored, sum_dur, min_dur, max_dur, sum_arg0)
+            VALUES (0, 8, 1, 7, 1, 1, 500, 500, 500, 4096);
         PRAGMA user_version = 2;
         """
     )

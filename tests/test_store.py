@@ -41,6 +41,7 @@ def test_schema_matches_ingero_tables_and_columns(tmp_path: Path, samples: Path)
     additions = {
         "system_snapshots": [("node", "TEXT")],  # schema 2: snapshots say whose they are
         "cgroup_metadata": [("job_id", "TEXT"), ("seen_at", "INTEGER")],  # schema 4: Slurm job, last seen
+        "event_aggregates": [("node", "TEXT")],  # schema 6: whose minute counts they are (and in the key)
     }
     for table in their_tables:
         assert _columns(ours, table) == _columns(theirs, table) + additions.get(table, []), table

@@ -195,14 +195,14 @@ class Shipper:
 
     def _columns(self, table: Table) -> tuple[list[str], list[str]]:
         """(ClickHouse columns sent, SQLite expressions of the TabSeparated line) for this recording."""
-        have = {r[1] for r in self.conn.execute(f"PRAGMA table_info({table.name})")}
+        have = self._sqlite_columns(table)
         names: list[str] = []
         parts: list[str] = []
         for c in table.columns:
-            if c.in_sqlite and c.name not in have:
+            if c.in_sqlite and c.name not in have and c.name != "node":
                 continue  # an older layout: ClickHouse fills the column's default
             names.append(c.name)
-            if not c.in_sqlite:
+            if c.name not in have:  # node, of a table without one (or an older layout's): the recording's
                 parts.append(_sql_text_literal(_tsv_value(self.node)))
             else:
                 expr = f'"{c.name}"'
@@ -211,11 +211,15 @@ class Shipper:
                 parts.append(f"ifnull({expr}, '\\N')" if c.type.startswith("Nullable") else expr)
         return names, parts
 
+    def _sqlite_columns(self, table: Table) -> set[str]:
+        """The recording's own columns of ``table`` (an older layout lacks later ones: ``node`` of
+        ``event_aggregates`` before schema 6, of ``system_snapshots`` before schema 2)."""
+        return {r[1] for r in self.conn.execute(f"PRAGMA table_info({table.name})")}
+
     def _read(
         self, conn: sqlite3.Connection, table: Table, after: int, parts: list[str], closed_before: int | None
     ) -> _Batch | None:
-        has_node = any(c.name == "node" and c.in_sqlite for c in table.columns)
-        node_expr = '"node"' if has_node else "''"
+        node_expr = '"node"' if "node" in self._sqlite_columns(table) else "''"
         time_expr = f'"{table.time}"' if table.time else "0"
         line = _line_sql(parts)
         window = f"{table.name} WHERE rowid > ? ORDER BY rowid LIMIT ?"
@@ -284,8 +288,7 @@ class Shipper:
     def _ship_keyed(self, table: Table, names: list[str], parts: list[str], prog: TableProgress) -> None:
         """Send the rows whose identity (and version) the store lacks: exact after any crash, no progress kept."""
         (key,) = (k for k in table.key if k != "node")
-        has_node = any(c.name == "node" and c.in_sqlite for c in table.columns)
-        node_expr = '"node"' if has_node else _sql_text_literal(self.node)
+        node_expr = '"node"' if "node" in self._sqlite_columns(table) else _sql_text_literal(self.node)
         ver = f'"{table.version}"' if table.version else "0"
         fingerprint = self.conn.execute(f"SELECT count(*), total(rowid), total({ver}) FROM {table.name}").fetchone()
         if self._keyed_seen.get(table.name) == fingerprint:

@@ -27,8 +27,13 @@ What happens to each table (collisions are about rows from *different* inputs)
 * ``process_names``: Ingero's primary key is ``pid`` alone, and pids collide across nodes. The
   table keeps one row per pid (the first input's, as Ingero's own merge does); the complete
   per-node mapping is in ``node_process_names(node, pid, name, seen_at)``.
-* ``event_aggregates``: summed per (bucket, source, op, pid) — cluster totals. With ``dedupe``, an
-  input whose nodes were all merged already contributes none (it would double count).
+* ``event_aggregates``: kept per node (schema 6's ``node``, in the key), so each node's storage regime
+  and unstored calls stay its own; an input without the column gives its rows its only node (an older
+  merge holding several nodes: ``''``, attributed to none). The same node's same (bucket, source, op,
+  pid) in two inputs (a rotated database) is summed; with ``dedupe``, an input whose nodes were all
+  merged already contributes none (it would double count).
+* ``engine_metrics`` (schema 5), ``annotations``: every row, with its node (``annotations`` renumbered);
+  with ``dedupe``, as ``event_aggregates``: rows with no identity of their own are not copied twice.
 * ``cgroup_metadata``, ``cgroup_schedstat``, ``nccl_comms``: first row per key wins.
 * ``schema_info``: ours, plus the inputs' notes and a ``merge_inputs`` entry (JSON).
 * ``node_seq``: one row per node, past its highest id, so a writer can append later.
@@ -315,10 +320,12 @@ class _Merger:
         self.report.snapshots_moved += moved
         mt.copy_process_names(c, info)
         if not (self.dedupe and info.nodes and all(n.node in self.merged_nodes for n in info.nodes)):
+            # tables without a row identity: a copy of a database merged already would count twice
             mt.copy_aggregates(c, info)
+            mt.copy_simple(c, info, "annotations", skip=("id",))
+            mt.copy_simple(c, info, "engine_metrics")
         for table in ("cgroup_metadata", "cgroup_schedstat", "nccl_comms", "nccl_calls"):
             mt.copy_simple(c, info, table)
-        mt.copy_simple(c, info, "annotations", skip=("id",))
         if info.has("schema_info", "value"):
             c.execute("INSERT OR IGNORE INTO schema_info(key, value) SELECT key, value FROM src.schema_info")
 

@@ -20,22 +20,6 @@ from ingero.store.instance import stored_instance_id
 from ingero.store.schema import inspect_layout
 from ingero.timeutil import fmt_duration
 
-# Tables a merge copies (besides events), with the columns it reads when present.
-COPIED_TABLES = (
-    "stack_traces",
-    "causal_chains",
-    "sessions",
-    "session_stats",
-    "system_snapshots",
-    "process_names",
-    "event_aggregates",
-    "cgroup_metadata",
-    "cgroup_schedstat",
-    "nccl_comms",
-    "node_seq",
-    "node_process_names",
-)
-
 
 @dataclass
 class NodeStats:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sqlite3
 
 from ingero.store import merge_inputs as mi
+from ingero.store.schema import AGGREGATE_COLUMNS, AGGREGATES_UPSERT
 from ingero.store.writer import SESSION_FIELDS
 
 # every sessions column but the id and the node identity (what the writer fills, plus its own stamps)
@@ -151,15 +152,17 @@ def copy_process_names(conn: sqlite3.Connection, info: mi.InputInfo) -> None:
 
 
 def copy_aggregates(conn: sqlite3.Connection, info: mi.InputInfo) -> None:
+    """Each node's minute counts kept apart (schema 6's ``node``): an input without the column (an older
+    or Ingero recording) counted its only node's; one holding several nodes without it (an older merge:
+    cluster totals) stays unattributed (``''``). The same node's same key twice (a rotated database) adds up."""
     if not info.has("event_aggregates", "bucket"):
         return
-    cols = "bucket, source, op, pid, count, stored, sum_dur, min_dur, max_dur, sum_arg0"
+    cols = ", ".join(c for c in AGGREGATE_COLUMNS if info.has("event_aggregates", c))
+    fallback = lit(info.single_node or "")
+    node = f"CASE WHEN node != '' THEN node ELSE {fallback} END" if info.has("event_aggregates", "node") else fallback
     conn.execute(
-        f"INSERT INTO main.event_aggregates({cols}) SELECT {cols} FROM src.event_aggregates WHERE true "
-        "ON CONFLICT(bucket, source, op, pid) DO UPDATE SET count = count + excluded.count, "
-        "stored = stored + excluded.stored, sum_dur = sum_dur + excluded.sum_dur, "
-        "min_dur = min(min_dur, excluded.min_dur), max_dur = max(max_dur, excluded.max_dur), "
-        "sum_arg0 = sum_arg0 + excluded.sum_arg0"
+        f"INSERT INTO main.event_aggregates({cols}, node) SELECT {cols}, {node} FROM src.event_aggregates "
+        f"WHERE true {AGGREGATES_UPSERT}"
     )
 
 

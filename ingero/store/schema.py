@@ -27,6 +27,8 @@ Compatibility rules
   ``datatype`` the ``ncclDataType_t``, ``redop`` the ``ncclRedOp_t`` (−1 where the call has none),
   ``count`` elements, ``bytes`` = count × the datatype's size, ``peer`` the peer rank of
   ``ncclSend``/``ncclRecv`` and the root of ``ncclBroadcast``/``ncclReduce`` (−1 otherwise).
+* Schema 6: ``event_aggregates.node`` (appended to Ingero's columns, and in the primary key): whose
+  minute counts a row holds, so a merged cluster database keeps each node's storage regime apart.
 * Our schema version lives in ``PRAGMA user_version`` (Ingero leaves it at 0). ``migrate()``
   brings any older layout we can write to ``SCHEMA_VERSION``; a database with a newer version is
   refused by every reader and writer (:class:`~ingero.errors.SchemaTooNewError`).
@@ -55,7 +57,7 @@ from ingero.timeutil import NS_PER_S
 
 AGGREGATE_BUCKET_NS = 60 * NS_PER_S  # event_aggregates.bucket: one row per minute (Ingero's layout)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 INGERO_LAYOUT = "0.9"
 
 # Ingero's DDL, column for column (comments kept: they are what `.schema` shows users), with the
@@ -325,16 +327,22 @@ CREATE UNIQUE INDEX IF NOT EXISTS idx_nccl_calls_call ON nccl_calls(node, pid, t
 """
 
 
+def _single_node(conn: sqlite3.Connection) -> str | None:
+    """The one node a database being migrated holds (its sessions, else its events); None for none or several."""
+    nodes = [r[0] for r in conn.execute("SELECT DISTINCT node FROM sessions WHERE node != ''")]
+    if not nodes:
+        nodes = [r[0] for r in conn.execute("SELECT DISTINCT node FROM events WHERE node != '' LIMIT 2")]
+    return nodes[0] if len(nodes) == 1 else None
+
+
 def _migrate_to_2(conn: sqlite3.Connection) -> None:
     """Schema 2: ``system_snapshots.node``; existing snapshots of a one-node database become its own."""
     cols = {r[1] for r in conn.execute("PRAGMA table_info(system_snapshots)")}
     if "node" not in cols:
         conn.execute("ALTER TABLE system_snapshots ADD COLUMN node TEXT NOT NULL DEFAULT ''")
-    nodes = [r[0] for r in conn.execute("SELECT DISTINCT node FROM sessions WHERE node != ''")]
-    if not nodes:
-        nodes = [r[0] for r in conn.execute("SELECT DISTINCT node FROM events WHERE node != '' LIMIT 2")]
-    if len(nodes) == 1:
-        conn.execute("UPDATE system_snapshots SET node = ? WHERE node = ''", (nodes[0],))
+    node = _single_node(conn)
+    if node is not None:
+        conn.execute("UPDATE system_snapshots SET node = ? WHERE node = ''", (node,))
 
 
 def _migrate_to_3(conn: sqlite3.Connection) -> None:
@@ -391,6 +399,56 @@ def _migrate_to_5(conn: sqlite3.Connection) -> None:
     _exec_script(conn, TABLE_SQL)
 
 
+# event_aggregates from schema 6: Ingero's columns in Ingero's order, then the node that counted the row,
+# which joins the primary key (two nodes count the same minute, op and pid in a merged database).
+AGGREGATE_KEY = ("bucket", "source", "op", "pid", "node")
+# Ingero's columns of a row (what a recorder's aggregate tuple holds, in this order); ``node`` is the writer's
+AGGREGATE_COLUMNS = ("bucket", "source", "op", "pid", "count", "stored", "sum_dur", "min_dur", "max_dur", "sum_arg0")
+_INGERO_AGGREGATE_KEY = "\tPRIMARY KEY (bucket, source, op, pid)\n"
+
+
+def _aggregates_table() -> str:
+    """The schema-6 ``event_aggregates`` DDL: Ingero's (from :data:`INGERO_TABLES`, declared there once)
+    with ``node`` added and in the key."""
+    start = INGERO_TABLES.index("CREATE TABLE IF NOT EXISTS event_aggregates (")
+    end = INGERO_TABLES.index("\n);", start) + 4
+    index = INGERO_TABLES.index("CREATE INDEX IF NOT EXISTS idx_aggregates_bucket")
+    ddl = INGERO_TABLES[start:end] + INGERO_TABLES[index : INGERO_TABLES.index("\n", index) + 1]
+    if ddl.count(_INGERO_AGGREGATE_KEY) != 1:
+        raise AssertionError("Ingero's event_aggregates DDL changed: update _aggregates_table")
+    node = "\tnode      TEXT    NOT NULL DEFAULT '',  -- the node that counted them ('' = unknown: an older merge)\n"
+    return ddl.replace(_INGERO_AGGREGATE_KEY, f"{node}\tPRIMARY KEY ({', '.join(AGGREGATE_KEY)})\n")
+
+
+AGGREGATES_TABLE = _aggregates_table()
+# Counts of one key written again (the writer's next flush of an open minute; a merge of a rotated database)
+# add up: the upsert every writer of event_aggregates ends its INSERT with.
+AGGREGATES_UPSERT = (
+    f"ON CONFLICT({', '.join(AGGREGATE_KEY)}) DO UPDATE SET count = count + excluded.count, "
+    "stored = stored + excluded.stored, sum_dur = sum_dur + excluded.sum_dur, "
+    "min_dur = min(min_dur, excluded.min_dur), max_dur = max(max_dur, excluded.max_dur), "
+    "sum_arg0 = sum_arg0 + excluded.sum_arg0"
+)
+
+
+def _migrate_to_6(conn: sqlite3.Connection) -> None:
+    """Schema 6: ``event_aggregates.node``, in the primary key (SQLite cannot change a key in place: the
+    table is rebuilt, its rows kept). The rows of a one-node database become its own; those of a database
+    holding several (an older ``ingero merge``: cluster totals) keep ``''``, attributable to no node."""
+    cols = [r[1] for r in conn.execute("PRAGMA table_info(event_aggregates)")]
+    if "node" in cols:
+        return
+    kept = ", ".join(c for c in cols if c != "node")
+    conn.execute("DROP INDEX IF EXISTS idx_aggregates_bucket")
+    conn.execute("ALTER TABLE event_aggregates RENAME TO event_aggregates_schema5")
+    _exec_script(conn, AGGREGATES_TABLE)
+    conn.execute(
+        f"INSERT INTO event_aggregates({kept}, node) SELECT {kept}, ? FROM event_aggregates_schema5",
+        (_single_node(conn) or "",),
+    )
+    conn.execute("DROP TABLE event_aggregates_schema5")
+
+
 # MIGRATIONS[i] takes user_version i to i + 1.
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _migrate_to_1,
@@ -398,6 +456,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _migrate_to_3,
     _migrate_to_4,
     _migrate_to_5,
+    _migrate_to_6,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 

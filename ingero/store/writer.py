@@ -39,7 +39,7 @@ from ingero.store.budget import errorname
 from ingero.store.cgroups import INSERT_SQL as CGROUP_INSERT_SQL
 from ingero.store.db import is_disk_full, open_writable, translate
 from ingero.store.engine_metrics import insert_sql as engine_metrics_insert_sql
-from ingero.store.schema import AGGREGATE_BUCKET_NS
+from ingero.store.schema import AGGREGATE_BUCKET_NS, AGGREGATE_COLUMNS, AGGREGATES_UPSERT
 from ingero.store.writer_lock import WriterLock
 from ingero.timeutil import now_ns
 
@@ -322,13 +322,11 @@ class StoreWriter:
         self.conn.executemany("INSERT OR IGNORE INTO stack_traces(hash, ips, frames) VALUES (?, ?, ?)", stacks)
 
     def _merge_aggregates(self, rows: Iterable[Sequence[int]]) -> None:
-        """(bucket, source, op, pid, count, stored, sum_dur, min_dur, max_dur, sum_arg0), merged."""
+        """Rows of :data:`~ingero.store.schema.AGGREGATE_COLUMNS` (bucket, source, op, pid, count, stored,
+        sum_dur, min_dur, max_dur, sum_arg0), merged into this node's."""
         self.conn.executemany(
-            "INSERT INTO event_aggregates(bucket, source, op, pid, count, stored, sum_dur, min_dur, max_dur,"
-            " sum_arg0) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(bucket, source, op, pid) DO UPDATE SET"
-            " count = count + excluded.count, stored = stored + excluded.stored,"
-            " sum_dur = sum_dur + excluded.sum_dur, min_dur = min(min_dur, excluded.min_dur),"
-            " max_dur = max(max_dur, excluded.max_dur), sum_arg0 = sum_arg0 + excluded.sum_arg0",
+            f"INSERT INTO event_aggregates({', '.join(AGGREGATE_COLUMNS)}, node) "
+            f"VALUES ({', '.join('?' * len(AGGREGATE_COLUMNS))}, {self._node_lit}) {AGGREGATES_UPSERT}",
             rows,
         )
 
@@ -451,7 +449,7 @@ class StoreWriter:
             self.conn.execute("BEGIN IMMEDIATE")
             self.conn.executemany(
                 "UPDATE event_aggregates SET stored = max(stored - ?, 0) "
-                "WHERE bucket = ? AND source = ? AND op = ? AND pid = ?",
+                f"WHERE bucket = ? AND source = ? AND op = ? AND pid = ? AND node = {self._node_lit}",
                 [(n, *key) for key, n in keys.items()],
             )
             self.conn.execute("COMMIT")
