@@ -232,3 +232,44 @@ def test_preflight_keeps_the_port_it_checked(tmp_path: Path) -> None:
         rival.bind(("127.0.0.1", port))
     assert taken.value.errno == errno.EADDRINUSE
     setup.sock.close()
+
+
+_LISTENING: list[list[str]] = []  # the list a test collects opened database files in (sqlite3's audit event)
+
+
+def _count_opens(event: str, args: tuple[Any, ...]) -> None:
+    if event == "sqlite3.connect" and _LISTENING:
+        _LISTENING[-1].append(str(args[0]))
+
+
+sys.addaudithook(_count_opens)
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_serve_start_up_opens_its_database_once(tmp_path: Path, named: bool) -> None:
+    """`ingero serve`'s start-up (settings, preflight, the app) opens the recording once, read-only: its
+    recorded node names the agent, the open checks it, and it says which database the instance id is of."""
+    from ingero.agent.api.server import build_app, database_instance, preflight
+    from ingero.cli.main import build_parser
+    from ingero.cli.serve import settings_from
+
+    db = tmp_path / "rec.db"
+    db.write_bytes((SAMPLES / "sample-gpu-node-02.db").read_bytes())
+    argv = ["serve", "--db", str(db), "--listen", "127.0.0.1:0", "--no-tls", *(["--node", "x"] if named else [])]
+    args = build_parser("serve").parse_args(argv)
+    opened: list[str] = []
+    _LISTENING.append(opened)
+    try:
+        settings = settings_from(args)
+        setup = preflight(settings)
+        app = build_app(settings, setup.mode)
+    finally:
+        _LISTENING.remove(opened)
+    assert setup.sock is not None
+    setup.sock.close()
+    assert len(opened) == 1 and "mode=ro" in opened[0] and opened[0].startswith(f"file:{db}")
+    assert settings.identity.node == ("x" if named else "gpu-node-02")
+    assert settings.identity.source == ("--node" if named else "recorded")
+    # the same instance id as reading the database again would give
+    assert app.ctx.instance == database_instance(db, settings.identity.node)
+    assert not Path(f"{db}-wal").exists() and not Path(f"{db}-shm").exists()

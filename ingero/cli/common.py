@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,21 +88,13 @@ def config_from(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def identity_from(args: argparse.Namespace, recording: Path | None = None) -> Identity:
-    """This agent's identity; ``recording``: the database an agent serves, whose recorded node names it
-    when neither --node nor agent.node does."""
+def identity_from(args: argparse.Namespace, recorded: Callable[[], str | None] | None = None) -> Identity:
+    """This agent's identity; ``recorded``: the node a served recording was made on (read only when neither
+    --node nor agent.node names the agent)."""
     cfg = config_from(args)
     cli_node, config_node = getattr(args, "node", None), cfg.agent.node
-    recorded = None
-    if recording is not None and not (cli_node or config_node):
-        from ingero.store.db import open_readonly, recorded_node
-
-        conn = open_readonly(recording)
-        try:
-            recorded = recorded_node(conn)
-        finally:
-            conn.close()
-    return resolve_identity(cli_node, config_node, recorded=recorded)
+    name = recorded() if recorded is not None and not (cli_node or config_node) else None
+    return resolve_identity(cli_node, config_node, recorded=name)
 
 
 def fleet_nodes_from(args: argparse.Namespace) -> list[NodeSpec]:

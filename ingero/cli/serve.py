@@ -14,6 +14,7 @@ from ingero.config import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from ingero.agent.api.server import BoundServer, ServerSettings, TLSSetup
+    from ingero.identity import Identity
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise
 DEFAULT_LISTEN = f"{DEFAULT_HOST}:{DEFAULT_PORT}"  # the one agent port (what --nodes HOST means too)
@@ -209,6 +210,20 @@ def bearer_token(
     return token
 
 
+def served_database(args: argparse.Namespace, db_path: Path) -> tuple[Identity, str]:
+    """One read-only open of the recording ``ingero serve`` serves, at start-up: it checks the database,
+    gives the node recorded in it (the agent's name when neither --node nor agent.node does) and which
+    database it is (the agent's instance id)."""
+    from ingero.store.db import open_readonly, recorded_node
+    from ingero.store.instance import database_key
+
+    conn = open_readonly(db_path)
+    try:
+        return common.identity_from(args, recorded=lambda: recorded_node(conn)), database_key(conn, db_path)
+    finally:
+        conn.close()
+
+
 def settings_from(args: argparse.Namespace, *, recording: bool = True) -> ServerSettings:
     """``recording``: the database is a recording to serve (its recorded node names the agent when neither
     --node nor agent.node does); ``ingero trace --listen`` serves the database it is writing, as itself."""
@@ -235,9 +250,11 @@ def settings_from(args: argparse.Namespace, *, recording: bool = True) -> Server
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     db_path = common.db_path_from(args)
+    identity, db_key = served_database(args, db_path) if recording else (common.identity_from(args), None)
     settings = ServerSettings(
         db_path=db_path,
-        identity=common.identity_from(args, recording=db_path if recording else None),
+        identity=identity,
+        db_key=db_key,
         host=host,
         port=port,
         tls_cert=None if args.no_tls or not cert else Path(cert).expanduser(),

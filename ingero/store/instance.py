@@ -70,11 +70,22 @@ def machine_id() -> str:
     return os.uname().nodename
 
 
+def database_key(conn: sqlite3.Connection, path: str | Path) -> str:
+    """Which database ``path`` is: its stored instance id and the file's device and inode (see the module
+    docstring). Read once, when an agent starts; :func:`instance_of` makes the agent's instance id of it."""
+    st = Path(path).expanduser().stat()
+    return f"{stored_instance_id(conn) or ''}:{st.st_dev}:{st.st_ino}"
+
+
+def instance_of(db_key: str, node: str) -> str:
+    """The instance id an agent named ``node`` serving the database :func:`database_key` named sends with
+    its answers."""
+    host = f"{machine_id()}:{boot_id()}"
+    digest = hashlib.sha256(f"{host}\0{db_key}\0{node}".encode()).hexdigest()
+    return digest[:INSTANCE_HEX]
+
+
 def agent_instance(conn: sqlite3.Connection, path: str | Path, node: str) -> str:
     """The instance id an agent named ``node`` serving ``path`` sends with its answers (see the module
     docstring)."""
-    st = Path(path).expanduser().stat()
-    db_id = f"{stored_instance_id(conn) or ''}:{st.st_dev}:{st.st_ino}"
-    host = f"{machine_id()}:{boot_id()}"
-    digest = hashlib.sha256(f"{host}\0{db_id}\0{node}".encode()).hexdigest()
-    return digest[:INSTANCE_HEX]
+    return instance_of(database_key(conn, path), node)

@@ -37,7 +37,7 @@ from ingero.errors import PortInUseError, UsageError
 from ingero.identity import Identity
 from ingero.store.budget import QueryBudget
 from ingero.store.db import open_readonly
-from ingero.store.instance import agent_instance
+from ingero.store.instance import agent_instance, instance_of
 from ingero.tls import context
 
 log = logging.getLogger("ingero.agent.api.server")
@@ -60,6 +60,10 @@ class ServerSettings:
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     tls_dir: Path | None = None  # where the self-signed certificate lives (default ~/.ingero/tls)
     backlog: int = 128
+    # which database is served (:func:`ingero.store.instance.database_key`), when the caller read it in the
+    # one read-only open of its start-up (``ingero serve``): the database is then neither checked nor
+    # opened again here. None: read it when the app is built (``trace --listen`` serves what it writes).
+    db_key: str | None = None
 
     @property
     def tls_mode(self) -> str:
@@ -209,7 +213,8 @@ def check_database(path: Path) -> None:
 def preflight(settings: ServerSettings) -> TLSSetup:
     """Every check that can fail before listening: the database, then the TLS settings (this makes the
     self-signed certificate when one is needed). Raises IngeroError."""
-    check_database(settings.db_path.expanduser())
+    if settings.db_key is None:  # else read (so checked) already, in the caller's one open
+        check_database(settings.db_path.expanduser())
     # bound (and kept) first: a busy port fails here, before the self-signed certificate is made or renewed
     sock = bind_socket(settings.host, settings.port, settings.backlog)
     try:
@@ -229,9 +234,14 @@ def database_instance(path: Path, node: str) -> str:
 
 
 def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
+    node = settings.identity.node
     ctx = AgentContext(
         db_path=settings.db_path.expanduser(),
-        instance=database_instance(settings.db_path.expanduser(), settings.identity.node),
+        instance=(
+            instance_of(settings.db_key, node)
+            if settings.db_key is not None
+            else database_instance(settings.db_path.expanduser(), node)
+        ),
         identity=settings.identity,
         tls_mode=tls_mode,
         token=settings.token or None,
