@@ -52,7 +52,7 @@ from ingero.explain.ledger_gaps import (
 )
 from ingero.explain.offcpu import Intervals, OffCpu, union
 from ingero.explain.rules_ledger import DOMINANT, MIN_LOST_NS
-from ingero.explain.storage import load_storage
+from ingero.explain.storage import aggregate_scopes, load_storage
 from ingero.store.annotation_join import MAX_ANNOTATIONS
 from ingero.store.annotations import TABLE, has_annotations
 from ingero.store.window import Window
@@ -225,7 +225,7 @@ def by_label(
         # is split by rowid and skips the time index: faster than any window over most of the table)
         load = window if window.unbounded else Window(lo - MARGIN_NS, hi + MARGIN_NS)
         frames = load_frames(conn, load, node=node, threads=threads)
-        holes = load_storage(conn, load, None).holes if len(frames) == 1 else []
+        holes = {n: load_storage(conn, load, None, by).holes for n, by in aggregate_scopes(conn, list(frames)).items()}
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
     index: dict[str, int] = {}
@@ -241,7 +241,7 @@ def by_label(
     scope = np.asarray([s.pid for s in spans], dtype=np.int64)
     for fr in frames.values():
         here = np.asarray([not s.node or s.node == fr.node for s in spans], dtype=bool)
-        for k, part in _node_parts(fr, s0, s1, scope, here, holes):
+        for k, part in _node_parts(fr, s0, s1, scope, here, holes.get(fr.node, [])):
             np.add.at(acc, of[k], part)
             np.add.at(threads_in, of[k], 1)
     counts = np.bincount(of, minlength=len(index))

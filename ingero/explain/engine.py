@@ -43,7 +43,7 @@ from ingero.explain.ledger import LedgerRow, Unstored, aggregate, build_ledger, 
 from ingero.explain.model import Chain, sort_chains
 from ingero.explain.offcpu import OffCpu
 from ingero.explain.stats import HostSummary, OpStats, host_summary_from_columns, stats_from_columns
-from ingero.explain.storage import Storage, load_storage, with_true_counts
+from ingero.explain.storage import Storage, aggregate_scopes, load_storage, with_true_counts
 from ingero.store.catalog import NCCL, op_id
 from ingero.store.window import Window
 
@@ -105,9 +105,10 @@ def explain(
         names = with_cgroups(_process_names(conn), pid_cgroups(conn, window, named_only=True))
         cores = _cpu_cores(conn)
         snap_rows = _snapshot_rows(conn, frames)
-        # event_aggregates carry no node: they describe the database's only node, or nobody
-        storage = load_storage(conn, window, pid) if len(frames) == 1 else Storage()
-        unstored = load_unstored(conn, window, pid) if len(frames) == 1 else Unstored()
+        # each node's own event_aggregates (none where they cannot be told apart: an older merge)
+        scopes = aggregate_scopes(conn, list(frames))
+        storage = {n: load_storage(conn, window, pid, by) for n, by in scopes.items()}
+        unstored = {n: load_unstored(conn, window, pid, by) for n, by in scopes.items()}
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None
     notes: list[str] = [window.note] if window.note else []
@@ -126,8 +127,8 @@ def explain(
             pid=pid,
             per_process=per_process,
             cores=_cores_of(cores, name),
-            storage=storage,
-            unstored=unstored,
+            storage=storage.get(name),
+            unstored=unstored.get(name),
         )
         ledger += led
         chains += c

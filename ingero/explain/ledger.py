@@ -180,9 +180,12 @@ class Unstored:
     sum_ns: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
-def load_unstored(conn: sqlite3.Connection, window: Window, pid: int | None = None) -> Unstored:
-    """The aggregates' rows of GPU ops with calls not stored (none for an older or foreign recording)."""
-    where, sql_params = aggregates_where(window, pid)
+def load_unstored(
+    conn: sqlite3.Connection, window: Window, pid: int | None = None, node: str | None = None
+) -> Unstored:
+    """The aggregates' rows of GPU ops with calls not stored (none for an older or foreign recording);
+    ``node``: the node's own (:func:`~ingero.explain.storage.aggregate_scopes`)."""
+    where, sql_params = aggregates_where(window, pid, node)
     try:
         rows = conn.execute(
             "SELECT bucket, pid, source, op, count - stored, sum_dur FROM event_aggregates "

@@ -10,7 +10,11 @@ min and max). Explain reads it to:
   come from a sample (never a p50 of stored-only rows presented as complete);
 * find recording holes: minutes inside the recording with nothing counted.
 
-``event_aggregates`` has no ``node`` column: in a database holding several nodes it is not used.
+Each node is judged by its own aggregates (:func:`aggregate_scopes`): by ``event_aggregates.node``
+(schema 6), which keeps a merged cluster database's nodes apart — one that sampled heavily is selective
+while its peer that stored everything is complete. A database without the column (an older or Ingero
+recording) counted its only node's; one holding several nodes without it (an older merge: cluster totals
+summed over nodes) tells no node's regime, and its aggregates are not used.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ingero.explain.stats import OpStats
@@ -57,20 +62,44 @@ class Storage:
         return out
 
 
-def aggregates_where(window: Window, pid: int | None = None) -> tuple[str, list[int]]:
-    """The WHERE clause (and its parameters) of ``event_aggregates`` rows in ``window`` (of ``pid``)."""
+def aggregate_scopes(conn: sqlite3.Connection, nodes: Sequence[str]) -> dict[str, str | None]:
+    """The nodes explained (``nodes``) whose own aggregates this database holds, each with the ``node``
+    filter that selects them: its name (schema 6), or None (all rows: a database without the column, holding
+    that node alone). A node left out has none that can be told apart (see the module docstring)."""
+    try:
+        cols = {r[1] for r in conn.execute("PRAGMA table_info(event_aggregates)")}
+    except sqlite3.OperationalError:
+        return {}
+    if "node" in cols:
+        return {n: n for n in nodes}
+    if not cols or len(nodes) != 1:
+        return {}
+    try:  # the database's sessions (cheap): an explain of one node of an older merge is not that node's
+        (recorded,) = conn.execute("SELECT count(DISTINCT node) FROM sessions WHERE node != ''").fetchone()
+    except sqlite3.OperationalError:
+        recorded = 0
+    return {nodes[0]: None} if recorded <= 1 else {}
+
+
+def aggregates_where(window: Window, pid: int | None = None, node: str | None = None) -> tuple[str, list[int | str]]:
+    """The WHERE clause (and its parameters) of ``event_aggregates`` rows in ``window`` (of ``pid``; counted
+    by ``node``, a filter from :func:`aggregate_scopes`)."""
     where, params = window.clause("bucket")
     if window.start_ns is not None:  # buckets are minute-truncated: the window's first minute counts
         where, params = Window(window.start_ns - window.start_ns % MINUTE_NS, window.end_ns).clause("bucket")
-    sql_params = list(params)
+    sql_params: list[int | str] = list(params)
     if pid is not None:
         where += " AND pid = ?"
         sql_params.append(pid)
+    if node is not None:
+        where += " AND node = ?"
+        sql_params.append(node)
     return where, sql_params
 
 
-def load_storage(conn: sqlite3.Connection, window: Window, pid: int | None = None) -> Storage:
-    where, sql_params = aggregates_where(window, pid)
+def load_storage(conn: sqlite3.Connection, window: Window, pid: int | None = None, node: str | None = None) -> Storage:
+    """The regime, true counts and holes of the aggregates in ``window`` (of ``pid``; counted by ``node``)."""
+    where, sql_params = aggregates_where(window, pid, node)
     try:
         rows = conn.execute(
             "SELECT source, op, sum(count), sum(stored), sum(sum_dur), max(max_dur) FROM event_aggregates "
