@@ -16,13 +16,23 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ingero.agent.trace.engine_scrape import Scraper
+from ingero.agent.trace.engines import Engine as Found
+from ingero.store.engine_metrics import EngineMetricRow
 
 ROOT = Path(__file__).resolve().parents[1]
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-# scenario: at scrape k of n -> (running, waiting, kv usage 0..1, preemptions added, TTFT seconds)
-State = tuple[float, float, float, int, float]
+# scenario: at scrape k of n -> (running, waiting, kv usage 0..1, preemptions added, TTFT seconds), and
+# optionally (prompt tokens, generated tokens, time per output token) of the scrape interval; without them a
+# steady mix: PROMPT_LEN tokens per request admitted (as many as finished), a token per running request
+# per decode step of STEADY_TPOT.
+State = tuple[float, ...]
 N = 30
+PROMPT_LEN = 512
+STEADY_TPOT = 0.02
 
 
 def healthy_busy(k: int) -> State:
@@ -46,16 +56,46 @@ def queue_growth(k: int) -> State:
     return (32.0, float(2 + 6 * k), 0.75, 0, 0.08 * (1 + k / 3))
 
 
+def _burst(k: int) -> bool:
+    """Prefill bursts (long prompts arriving together): now and then early on, most of the last third."""
+    return k in (3, 13, 17) or (k >= 2 * N // 3 and k % 5 != 0)
+
+
+def mixed_phases(k: int) -> State:
+    """A healthy server whose mix shifts to long prompts: in a burst 16 prompts of 2,000 tokens are
+    prefilled, first tokens take 0.5 s and the decode steps in between slow to 60 ms (prefill shares the
+    GPU); between bursts a steady decode at 20 ms a token. Each phase is as fast as it always was."""
+    if _burst(k):
+        return (64.0, 3.0, 0.85, 0, 0.5, 16 * 2000.0, 64 / 0.06, 0.06)
+    return (64.0, 1.0, 0.8, 0, 0.08, 4 * PROMPT_LEN, 64 / STEADY_TPOT, STEADY_TPOT)
+
+
+def decode_regression(k: int) -> State:
+    """The same mix with bursts spread evenly, and decode slowing 2.5x from the second half on (another
+    tenant's kernels, clocks throttled): the decode steps between bursts take 50 ms a token."""
+    slow = k >= N // 2
+    if k % 4 == 3:
+        return (64.0, 3.0, 0.85, 0, 0.5, 16 * 2000.0, 64 / 0.06, 0.06)
+    tpot = 2.5 * STEADY_TPOT if slow else STEADY_TPOT
+    return (64.0, 1.0, 0.8, 0, 0.08, 4 * PROMPT_LEN, 64 / tpot, tpot)
+
+
 SCENARIOS: dict[str, Callable[[int], State]] = {
-    f.__name__: f for f in (healthy_busy, full_cache_no_preemption, kv_pressure, queue_growth)
+    f.__name__: f
+    for f in (healthy_busy, full_cache_no_preemption, kv_pressure, queue_growth, mixed_phases, decode_regression)
 }
-NAMES = {  # engine: (running, waiting, kv usage, preemptions counter, TTFT histogram), as each publishes
+NAMES = {  # engine: (running, waiting, kv usage, preemptions counter, TTFT histogram, finished counter,
+    # prompt and generated token counters, time-per-output-token histogram), as each publishes them
     "vllm": (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:num_preemptions",
         "vllm:time_to_first_token_seconds",
+        "vllm:request_success",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:time_per_output_token_seconds",
     ),
     "sglang": (
         "sglang:num_running_reqs",
@@ -63,6 +103,10 @@ NAMES = {  # engine: (running, waiting, kv usage, preemptions counter, TTFT hist
         "sglang:token_usage",
         "sglang:num_retracted_reqs",
         "sglang:time_to_first_token_seconds",
+        "sglang:num_requests",
+        "sglang:prompt_tokens",
+        "sglang:generation_tokens",
+        "sglang:time_per_output_token_seconds",
     ),
 }
 
@@ -70,7 +114,6 @@ NAMES = {  # engine: (running, waiting, kv usage, preemptions counter, TTFT hist
 # vLLM's other families (a real page's weight, for the scrape-cost bench): histograms and counters
 FULL_PAGE = (
     "e2e_request_latency_seconds",
-    "time_per_output_token_seconds",
     "inter_token_latency_seconds",
     "request_queue_time_seconds",
     "request_prefill_time_seconds",
@@ -80,7 +123,8 @@ FULL_PAGE = (
     "request_generation_tokens",
     "request_params_max_tokens",
 )
-FULL_COUNTERS = ("prompt_tokens", "generation_tokens", "request_success")
+FULL_COUNTERS = ("num_aborted_requests",)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
 class Engine:
@@ -93,14 +137,16 @@ class Engine:
         self.lock = threading.Lock()
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        run, wait, kv, pre, ttft = NAMES[engine]
+        run, wait, kv, pre, ttft, finished, prompt, gen, tpot = NAMES[engine]
         self.running = Gauge(run, "Number of requests running", labels, registry=self.registry)
         self.waiting = Gauge(wait, "Number of requests waiting", labels, registry=self.registry)
         self.kv = Gauge(kv, "KV-cache usage (1 = 100%)", labels, registry=self.registry)
         self.pre = Counter(pre, "Cumulative preemptions", labels, registry=self.registry)
         self.ttft = Histogram(ttft, "Time to first token", labels, buckets=TTFT_BUCKETS, registry=self.registry)
-        finished = "vllm:request_success" if engine == "vllm" else "sglang:num_requests"
         self.finished = Counter(finished, "Requests finished", labels, registry=self.registry)
+        self.prompt = Counter(prompt, "Prefill tokens processed", labels, registry=self.registry)
+        self.gen = Counter(gen, "Generation tokens processed", labels, registry=self.registry)
+        self.tpot = Histogram(tpot, "Time per output token", labels, buckets=TPOT_BUCKETS, registry=self.registry)
         Gauge("process_open_fds", "not the engine's own", registry=self.registry).set(12)
         prefix = run.split(":")[0] + ":"
         self.extra = (
@@ -112,7 +158,11 @@ class Engine:
 
     def page(self) -> bytes:
         with self.lock:
-            running, waiting, kv, pre, ttft = self.scenario(self.k)
+            state = self.scenario(self.k)
+            running, waiting, kv, pre, ttft = state[:5]
+            prompt, gen, tpot = (
+                state[5:] if len(state) > 5 else (PROMPT_LEN * (running // 8), running / STEADY_TPOT, STEADY_TPOT)
+            )
             m = "llama-3-8b"
             self.running.labels(m).set(running)
             self.waiting.labels(m).set(waiting)
@@ -121,6 +171,10 @@ class Engine:
             self.finished.labels(m).inc(running // 8)  # a moving batch finishes requests
             for _ in range(4):
                 self.ttft.labels(m).observe(ttft)
+            self.prompt.labels(m).inc(prompt)
+            self.gen.labels(m).inc(gen)
+            for _ in range(8):
+                self.tpot.labels(m).observe(tpot)
             for i, h in enumerate(self.extra):
                 h.labels(m).observe(0.01 * (1 + (self.k + i) % 50))
             for c in self.counters:
@@ -156,6 +210,54 @@ def serve(engine: Engine, port: int = 0) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def scrape(
+    find: Callable[[], list[Found]], seconds: float, interval: float = 0.02, *, until: int = 0, **kw: float
+) -> tuple[Scraper, list[EngineMetricRow]]:
+    """Run a scraper for ``seconds``; with ``until``, until it has scraped that many pages (at most 60 s:
+    a loaded machine slows the ticks, never the count a scenario needs)."""
+    rows: list[EngineMetricRow] = []
+
+    def sink(batch: list[EngineMetricRow]) -> bool:
+        rows.extend(batch)
+        return True
+
+    scraper = Scraper(sink, interval_s=interval, find=find, **kw)
+
+    async def main() -> None:
+        with trio.move_on_after(60 if until else seconds):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(scraper.run)
+                if until:
+                    while scraper.scrapes < until:
+                        await trio.sleep(interval / 2)
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return scraper, rows
+
+
+def recording(path: Path, node: str, engines: list[tuple[int, str, str]], scrapes: int, *, full: bool = False) -> Path:
+    """A recording of ``engines`` ((pid, engine, scenario) each, served in-process) scraped ``scrapes``
+    times by the real scraper and written through the tracer's writer as ``node``."""
+    from ingero.identity import Identity
+    from ingero.store.writer import StoreWriter
+
+    servers = {pid: serve(Engine(engine, scenario, full=full)) for pid, engine, scenario in engines}
+    try:
+        found = [
+            Found(pid, engine, f"http://127.0.0.1:{servers[pid].server_address[1]}/metrics")
+            for pid, engine, _ in engines
+        ]
+        scraper, rows = scrape(lambda: found, 0, interval=0.01, until=scrapes * len(engines))
+    finally:
+        for s in servers.values():
+            s.shutdown()
+    assert not scraper.failing
+    with StoreWriter(path, Identity(node)) as w:
+        w.write_batch(engine_metrics=rows)
+    return path
 
 
 def free_port() -> int:

@@ -16,13 +16,11 @@ import socket
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import trio
 
-from ingero.agent.trace.engine_scrape import Scraper, parse
+from ingero.agent.trace.engine_scrape import parse
 from ingero.agent.trace.engines import Engine, detect, endpoint, kind_of
 from ingero.cli.main import main
 from ingero.explain.engine import explain
@@ -33,7 +31,7 @@ from ingero.store.schema import SCHEMA_VERSION
 from ingero.store.writer import StoreWriter
 from ingero.tools.local import get_engine_metrics
 from ingero.tools.registry import ToolEnv
-from tests.engine_standin import SCENARIOS, N, free_port, launcher, serve
+from tests.engine_standin import SCENARIOS, N, free_port, launcher, scrape, serve
 from tests.engine_standin import Engine as StandIn
 
 NODE = "serve-node-01"
@@ -80,32 +78,6 @@ def test_parse_keeps_the_published_names_buckets_and_counters() -> None:
     assert "process_open_fds" not in got  # only the engine's own families
     buckets = [json.loads(lb)["le"] for m, lb, _ in parse("vllm", text) if m.endswith("_bucket")]
     assert "+Inf" in buckets and "0.1" in buckets
-
-
-def scrape(
-    find: Callable[[], list[Engine]], seconds: float, interval: float = 0.02, *, until: int = 0, **kw: float
-) -> tuple[Scraper, list[EngineMetricRow]]:
-    """Run a scraper for ``seconds``; with ``until``, until it has scraped that many pages (at most 60 s:
-    a loaded machine slows the ticks, never the count a scenario needs)."""
-    rows: list[EngineMetricRow] = []
-
-    def sink(batch: list[EngineMetricRow]) -> bool:
-        rows.extend(batch)
-        return True
-
-    scraper = Scraper(sink, interval_s=interval, find=find, **kw)
-
-    async def main() -> None:
-        with trio.move_on_after(60 if until else seconds):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(scraper.run)
-                if until:
-                    while scraper.scrapes < until:
-                        await trio.sleep(interval / 2)
-                    nursery.cancel_scope.cancel()
-
-    trio.run(main)
-    return scraper, rows
 
 
 def record(path: Path, rows: list[EngineMetricRow]) -> Path:

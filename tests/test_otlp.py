@@ -278,3 +278,53 @@ def test_slow_gpu_calls_are_pushed_once_as_log_records(tmp_path: Path, logs_rece
     assert first.event_name == "ingero.slow_call" and first.severity_text == "WARN"
     assert first.body.string_value.startswith("cudaStreamSync took 25ms") and "pid 4242" in first.body.string_value
     assert first.time_unix_nano == 10**18 + 3
+
+
+def test_engine_series_arrive_typed_with_the_node(tmp_path: Path, receiver: Receiver) -> None:
+    """A recording of a stand-in vLLM (trace --inference): its gauges, counters and histograms are pushed
+    under ingero_engine_* with the node, the engine and its own labels, and the values the recording
+    holds last; other families of the page (process_*) never were recorded."""
+    from ingero.metrics.dbfeed import attach_database
+    from ingero.store.db import open_readonly
+    from ingero.store.engine_metrics import load_rows
+    from tests.engine_standin import TTFT_BUCKETS, recording
+
+    db = recording(tmp_path / "serve.db", "serve-node-07", [(4242, "vllm", "kv_pressure")], 12)
+    st = MetricState(Identity("serve-node-07"), "serve")
+    attach_database(st, db)
+    pusher = OtlpPusher(st, otlp_exporter(receiver.url), interval_s=3600)
+    pusher.start()
+    pusher.enqueue()
+    assert receiver.arrived.acquire(timeout=30)
+    pusher.close(flush=False)
+    (scope,) = receiver.requests[0].resource_metrics[0].scope_metrics
+    got = {m.name: m for m in scope.metrics if m.name.startswith("ingero_engine_")}
+    conn = open_readonly(db)
+    try:
+        last = {(m, lb): v for _, _, _, _, m, lb, v in load_rows(conn)}  # oldest first: the last value wins
+    finally:
+        conn.close()
+    model = '{"model_name":"llama-3-8b"}'
+
+    (kv,) = got["ingero_engine_vllm_kv_cache_usage_perc"].gauge.data_points
+    a = attrs(kv.attributes)
+    assert a == {
+        "node": "serve-node-07",
+        "rank": "",
+        "engine": "vllm",
+        "engine_pid": "4242",
+        "model_name": "llama-3-8b",
+    }
+    assert kv.as_double == last[("vllm:kv_cache_usage_perc", model)] == 0.985
+
+    pre = got["ingero_engine_vllm_num_preemptions"].sum
+    assert pre.is_monotonic and pre.aggregation_temporality == 2  # cumulative
+    assert pre.data_points[0].as_double == last[("vllm:num_preemptions_total", model)] > 0
+    created = last[("vllm:num_preemptions_created", model)]
+    assert pre.data_points[0].start_time_unix_nano == round(created * 1e9)  # the engine's own start
+
+    (h,) = got["ingero_engine_vllm_time_to_first_token_seconds"].histogram.data_points
+    assert list(h.explicit_bounds) == list(TTFT_BUCKETS)
+    assert sum(h.bucket_counts) == h.count == last[("vllm:time_to_first_token_seconds_count", model)]
+    assert h.sum == pytest.approx(last[("vllm:time_to_first_token_seconds_sum", model)])
+    assert not any("process_" in n or n.endswith("_created") for n in got)

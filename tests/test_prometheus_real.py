@@ -9,6 +9,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,3 +177,95 @@ def test_prometheus_scrapes_three_agents(agents: dict[str, str], tmp_path: Path)
                     with_data += 1
                     assert {s["metric"].get("node") for s in result} <= set(NODES)
         assert with_data >= 8
+
+
+def engine_recording(tmp_path: Path) -> Path:
+    """A node serving a stand-in vLLM (its page in full) and SGLang, recorded by trace --inference."""
+    from tests.engine_standin import recording
+
+    engines = [(4242, "vllm", "kv_pressure"), (5151, "sglang", "healthy_busy")]
+    return recording(tmp_path / "serve.db", "serve-node-01", engines, 12, full=True)
+
+
+def test_promtool_checks_the_engine_series(tmp_path: Path) -> None:
+    """The engines' series re-exported by --prometheus pass promtool's lint: valid names (no colon),
+    counters with _total, histograms whole. Triton's own pending_request_count is the one name promtool
+    would rename, and it is kept as Triton publishes it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ingero.identity import Identity
+    from ingero.metrics.dbfeed import attach_database
+    from ingero.metrics.prometheus import IngeroCollector
+    from ingero.metrics.state import MetricState
+    from ingero.store.writer import StoreWriter
+
+    db = engine_recording(tmp_path)
+    st = MetricState(Identity("serve-node-01"), "serve")
+    attach_database(st, db)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(IngeroCollector(st.snapshot))
+    text = generate_latest(reg).decode()
+    assert "ingero_engine_vllm_num_requests_running{" in text and "ingero_engine_sglang_token_usage{" in text
+    assert "# TYPE ingero_engine_vllm_e2e_request_latency_seconds histogram" in text
+    assert "# TYPE ingero_engine_vllm_num_aborted_requests_total counter" in text
+    out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+    triton = [(time.time_ns(), 99, "triton", "nv_inference_pending_request_count", '{"model":"r"}', 3.0)]
+    with StoreWriter(db, Identity("serve-node-01")) as w:
+        w.write_batch(engine_metrics=triton)
+    st = MetricState(Identity("serve-node-01"), "serve")
+    attach_database(st, db)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(IngeroCollector(st.snapshot))
+    again = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(reg), capture_output=True)
+    problems = (again.stdout + again.stderr).decode().strip().splitlines()
+    assert problems == [
+        'ingero_engine_nv_inference_pending_request_count non-histogram and non-summary metrics should not have "_count" suffix'
+    ]
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_the_engine_series(tmp_path: Path) -> None:
+    """A real Prometheus scraping `ingero serve --prometheus` on a serving node's recording: the engines'
+    gauges, counters and histograms arrive with the node, and PromQL's histogram_quantile and rate work on
+    them as on the engine's own."""
+    db = engine_recording(tmp_path)
+    conn = sqlite3.connect(db)
+    try:
+        (waiting,) = conn.execute(
+            "SELECT value FROM engine_metrics WHERE metric = 'vllm:num_requests_waiting' ORDER BY ts DESC LIMIT 1"
+        ).fetchone()
+        (ttft_count,) = conn.execute(
+            "SELECT value FROM engine_metrics WHERE metric = 'vllm:time_to_first_token_seconds_count' "
+            "ORDER BY ts DESC LIMIT 1"
+        ).fetchone()
+    finally:
+        conn.close()
+    proc, addr = start_agent(db, "serve-node-01")
+    try:
+        with running_prometheus(tmp_path / "prom", {"serve-node-01": addr}, rules=False) as prom:
+            wait_until("the engine series", lambda: prom.query("ingero_engine_vllm_num_requests_waiting"))
+            (s,) = prom.query("ingero_engine_vllm_num_requests_waiting")
+            labels = s["metric"]
+            assert labels["node"] == "serve-node-01" and labels["engine"] == "vllm" and labels["engine_pid"] == "4242"
+            assert labels["model_name"] == "llama-3-8b" and float(s["value"][1]) == waiting
+            (c,) = prom.query("ingero_engine_vllm_time_to_first_token_seconds_count")
+            assert float(c["value"][1]) == ttft_count
+            (q,) = prom.query(
+                "histogram_quantile(0.5, sum by (node, le) (ingero_engine_vllm_time_to_first_token_seconds_bucket))"
+            )
+            assert 0.01 < float(q["value"][1]) <= 0.1  # kv_pressure's first tokens: 90 ms
+            assert prom.query('ingero_engine_sglang_num_running_reqs{node="serve-node-01",engine_pid="5151"}')
+            meta = prom.get("/api/v1/metadata")
+            assert (
+                meta["ingero_engine_vllm_num_preemptions"][0]["type"] == "counter"
+            )  # the family, as Prometheus keys it
+            assert meta["ingero_engine_vllm_time_to_first_token_seconds"][0]["type"] == "histogram"
+            assert meta["ingero_engine_vllm_num_requests_waiting"][0]["type"] == "gauge"
+            wait_until(
+                "two scrapes (rate)",
+                lambda: prom.query("rate(ingero_engine_vllm_request_success_total[1m])"),
+            )
+    finally:
+        stop(proc)

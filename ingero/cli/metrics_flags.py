@@ -67,7 +67,7 @@ def start(args: argparse.Namespace, identity: Identity, db_path: Path, mode: str
     if not wanted(args):
         return None
     from ingero.errors import UsageError
-    from ingero.metrics.dbfeed import DatabaseFeed, database_provider
+    from ingero.metrics.dbfeed import DatabaseFeed, attach_database
     from ingero.metrics.state import MetricState
     from ingero.timeutil import parse_duration
 
@@ -86,7 +86,7 @@ def start(args: argparse.Namespace, identity: Identity, db_path: Path, mode: str
     else:
         feed = DatabaseFeed(state, db_path)
         feed.refresh(force=True)
-        state.add_provider(database_provider(state, db_path))
+        attach_database(state, db_path)
         before = feed.refresh
     try:
         if args.otlp:

@@ -4,6 +4,8 @@ which has no recorder — the recording itself.
 * :func:`database_provider` (trace and serve): ``ingero_db_size_bytes`` from ``stat`` and
   ``ingero_causal_chains{severity}`` from one ``GROUP BY`` over ``causal_chains``, cached for
   :data:`CHAINS_TTL_S` so a scrape storm never reaches SQLite more than that often.
+* the serving engines' own series (``trace --inference``): :class:`~ingero.metrics.engine_series.EngineReader`;
+  :func:`attach_database` registers it with the provider above;
 * :class:`DatabaseFeed` (serve only): replays the rows added since its last read through the very
   same :meth:`MetricState.observe` the tracer feeds (``main.events`` by rowid, at most every
   :data:`REFRESH_TTL_S`), then sets the event and byte totals from ``event_aggregates`` (exact even
@@ -43,6 +45,14 @@ def db_size(path: Path) -> int:
         with contextlib.suppress(FileNotFoundError):
             total += os.stat(p).st_size
     return total
+
+
+def attach_database(state: MetricState, path: Path) -> None:
+    """Everything the recording at ``path`` contributes at scrape time: size, chains, shipping, engines."""
+    from ingero.metrics.engine_series import EngineReader
+
+    state.add_provider(database_provider(state, path))
+    state.add_engine_provider(EngineReader(path, *state.base_labels()))
 
 
 def database_provider(state: MetricState, path: Path) -> Provider:

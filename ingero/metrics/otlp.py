@@ -13,6 +13,12 @@ loses resolution, never counts. Resource attributes follow the OpenTelemetry sem
 (``service.name=ingero``, ``service.version``, ``host.name``, ``k8s.*`` from the downward-API
 environment variables in :data:`K8S_ENV`, plus ``OTEL_RESOURCE_ATTRIBUTES``) and ingero's own
 ``ingero.node`` / ``ingero.rank``.
+
+The serving engines' own series (:mod:`ingero.metrics.engine_series`) go under the same names as in
+the Prometheus exposition, with the same attributes (``node`` among them): a counter is a monotonic
+cumulative sum starting at the engine's ``_created`` (else the agent's start), a histogram keeps the
+engine's bucket bounds, and a summary — which the SDK's data model lacks — is its ``_sum`` and
+``_count`` as sums (its quantiles are not sent).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from ingero import __version__
 from ingero.errors import UsageError
 from ingero.metrics import registry as r
+from ingero.metrics.engine_series import EngineFamily
 from ingero.metrics.state import MetricState
 
 EXPORTER = "otlp"
@@ -131,8 +138,47 @@ def metrics_data(snap: r.Snapshot, resource: Resource) -> MetricsData:
         else:
             data = Histogram(pts, AggregationTemporality.CUMULATIVE)
         metrics.append(Metric(m.name, m.help, m.unit, data))
+    for fam in snap.engines:
+        metrics += engine_metrics(fam, snap)
     scope = ScopeMetrics(_SCOPE, metrics, "")
     return MetricsData([ResourceMetrics(resource, [scope], "")])
+
+
+def engine_metrics(fam: EngineFamily, snap: r.Snapshot) -> list[Metric]:
+    """One serving engine's family in the SDK's data model (see the module doc)."""
+
+    def start(created_s: float | None) -> int:
+        return round(created_s * 1e9) if created_s else snap.start_ns
+
+    def cumulative(name: str, values: list[tuple[dict[str, str], float, float | None]]) -> Metric:
+        pts = [NumberDataPoint(lab, start(c), snap.time_ns, v) for lab, v, c in values]
+        return Metric(name, fam.help, "", Sum(pts, AggregationTemporality.CUMULATIVE, is_monotonic=True))
+
+    if fam.kind == "gauge":
+        return [
+            Metric(
+                fam.name, fam.help, "", Gauge([NumberDataPoint(s.labels, 0, snap.time_ns, s.value) for s in fam.series])
+            )
+        ]
+    if fam.kind == "counter":
+        return [cumulative(fam.name, [(s.labels, s.value, s.created_s) for s in fam.series])]
+    if fam.kind == "summary":
+        return [
+            cumulative(fam.name + "_sum", [(s.labels, s.sum, s.created_s) for s in fam.series]),
+            cumulative(fam.name + "_count", [(s.labels, s.count, s.created_s) for s in fam.series]),
+        ]
+    pts: list[HistogramDataPoint] = []
+    unknown: Any = None  # min and max: the engine does not publish them (the encoder leaves them unset)
+    for s in fam.series:
+        cum = [n for _, n in s.buckets]
+        counts = [round(b - a) for a, b in zip([0.0, *cum[:-1]], cum, strict=True)]
+        bounds = [le for le, _ in s.buckets[:-1]]  # the last is +Inf
+        pts.append(
+            HistogramDataPoint(
+                s.labels, start(s.created_s), snap.time_ns, round(s.count), s.sum, counts, bounds, unknown, unknown
+            )
+        )
+    return [Metric(fam.name, fam.help, "", Histogram(pts, AggregationTemporality.CUMULATIVE))]
 
 
 class ExportCounts:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from ingero.errors import UsageError
 from ingero.metrics import registry as r
+from ingero.metrics.engine_series import EngineFamily
 from ingero.metrics.state import MetricState
 
 _LE = [*(repr(float(b)) for b in r.DURATION_BUCKETS_S), "+Inf"]
@@ -46,7 +47,32 @@ def families(snap: r.Snapshot) -> list[Metric]:
             cum += n
             buckets.append((le, float(cum)))
         hist.add_metric(list(h.labels), buckets, h.sum)
-    return [f for f in out.values() if f.samples]
+    return [f for f in out.values() if f.samples] + [engine_family(f) for f in snap.engines]
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+def engine_family(fam: EngineFamily) -> Metric:
+    """One serving engine's family as published, under its exported name (see :mod:`ingero.metrics.engine_series`)."""
+    m = Metric(fam.name, fam.help, fam.kind)
+    for s in fam.series:
+        if fam.kind == "histogram":
+            for le, n in s.buckets:
+                m.add_sample(fam.name + "_bucket", {**s.labels, "le": _le(le)}, n)
+            m.add_sample(fam.name + "_count", s.labels, s.count)
+            m.add_sample(fam.name + "_sum", s.labels, s.sum)
+        elif fam.kind == "summary":
+            for q, v in s.quantiles:
+                m.add_sample(fam.name, {**s.labels, "quantile": repr(q)}, v)
+            m.add_sample(fam.name + "_count", s.labels, s.count)
+            m.add_sample(fam.name + "_sum", s.labels, s.sum)
+        else:
+            m.add_sample(fam.name + ("_total" if fam.kind == "counter" else ""), s.labels, s.value)
+        if s.created_s is not None and fam.kind != "gauge":
+            m.add_sample(fam.name + "_created", s.labels, s.created_s)
+    return m
 
 
 class IngeroCollector(Collector):

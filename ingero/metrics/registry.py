@@ -17,7 +17,11 @@ across agents (no single agent sees its peers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ingero.metrics.engine_series import EngineFamily
 
 # Latency buckets (seconds): 1 µs … 10 s, 1-2.5-5 steps, fit for kernel launches and for collectives.
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -169,9 +173,11 @@ class HistogramSample:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything one scrape or one push sends; ``start_ns`` is when the counters started."""
+    """Everything one scrape or one push sends; ``start_ns`` is when the counters started. ``engines``:
+    the serving engines' own series (:mod:`ingero.metrics.engine_series`), named and typed per family."""
 
     samples: list[Sample]
     histograms: list[HistogramSample]
     start_ns: int
     time_ns: int
+    engines: list[EngineFamily] = field(default_factory=list)

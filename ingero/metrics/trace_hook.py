@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ingero.metrics import registry as r
-from ingero.metrics.dbfeed import database_provider
+from ingero.metrics.dbfeed import attach_database
 from ingero.metrics.state import MetricState, op_labels
 from ingero.store import catalog
 
@@ -29,7 +29,7 @@ class TraceMetrics:
         self.state = state
         self._pipeline: Pipeline | None = None
         state.add_provider(self._pipeline_samples)
-        state.add_provider(database_provider(state, db_path))
+        attach_database(state, db_path)
 
     def attach(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
