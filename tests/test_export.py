@@ -38,6 +38,9 @@ def check_trace_invariants(doc: dict[str, Any]) -> None:
         if e["ph"] == "M":
             continue
         assert e["pid"] in proc_names, e
+        if e["ph"] == "C":  # a counter track: on its process, one numeric arg
+            assert e["ts"] >= 0 and [type(v) for v in e["args"].values()] == [float], e
+            continue
         assert thread_names.get(e["tid"]) == e["pid"], e  # every thread named, under its own process
         assert isinstance(e["ts"], int | float) and e["ts"] >= 0
         if e["ph"] == "X":
@@ -258,3 +261,74 @@ def test_investigations_cluster_exports(tmp_path: Path) -> None:
     assert len([e for e in doc["traceEvents"] if e["ph"] in ("X", "i") and e["cat"] != "causal_chain"]) == total
     chains = slices(doc, cat="causal_chain")
     assert chains and all(c["pid"] == 1 for c in chains)  # the straggler, gpu-node-01, alone has a chain
+
+
+def test_engine_series_are_counter_tracks(tmp_path: Path) -> None:
+    """A serving node's recording (trace --inference): each engine process and metric is a counter track
+    on the node's process holding the recorded values; a histogram is its mean per scrape interval; its
+    buckets and the _created start times are not tracks."""
+    from ingero.store.engine_metrics import load_rows, series
+    from tests.engine_standin import recording
+
+    db = recording(tmp_path / "serve.db", "serve-node-01", [(4242, "vllm", "kv_pressure")], 12)
+    doc = export(db, tmp_path / "t.json")
+    counters: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in doc["traceEvents"]:
+        if e["ph"] == "C":
+            counters[e["name"]].append((e["ts"], e["args"]["value"]))
+    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
+    assert list(procs.values()) == ["serve-node-01"]
+    assert not [n for n in counters if n.endswith("_bucket") or n.endswith("_created") or "_sum" in n]
+    conn = open_readonly(db)
+    try:
+        recorded = series(load_rows(conn))
+    finally:
+        conn.close()
+    for metric in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"):
+        s = recorded[("serve-node-01", 4242, "vllm", metric)]
+        points = counters[f"vllm 4242: {metric}"]
+        assert [v for _, v in points] == s.values  # every recorded change, in order
+        assert [t for t, _ in points] == sorted(t for t, _ in points)
+    assert counters["vllm 4242: vllm:kv_cache_usage_perc"][-1][1] == 0.985
+    ttft = counters["vllm 4242: vllm:time_to_first_token_seconds (mean)"]
+    assert len(ttft) >= 10 and all(v == pytest.approx(0.09) for _, v in ttft)  # kv_pressure: 90 ms throughout
+
+
+def counter_values(doc: dict[str, Any]) -> dict[tuple[int, str], list[float]]:
+    out: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for e in doc["traceEvents"]:
+        if e["ph"] == "C":
+            out[(e["pid"], e["name"])].append(e["args"]["value"])
+    return dict(out)
+
+
+def test_fleet_export_carries_the_engine_series(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`export --nodes`: an agent's engine series arrive as the same counter tracks a local export draws,
+    paged through the query API (pages of 100 rows here: the fetch goes on past the first)."""
+    from ingero.export import fleet_source
+    from tests.engine_standin import recording
+    from tests.fleet_agents import AgentSpec, agents_in_thread, make_pki
+
+    engines = [(4242, "vllm", "kv_pressure"), (5151, "sglang", "queue_growth")]
+    db = recording(tmp_path / "serve.db", "serve-node-02", engines, 12, full=True)
+    local = counter_values(export(db, tmp_path / "local.json"))
+    conn = open_readonly(db)
+    try:
+        (rows,) = conn.execute("SELECT count(*) FROM engine_metrics WHERE metric NOT LIKE '%bucket'").fetchone()
+    finally:
+        conn.close()
+    monkeypatch.setattr(fleet_source, "PAGE_ROWS", 100)
+    assert rows > 3 * fleet_source.PAGE_ROWS
+    pki = make_pki(tmp_path / "pki")
+    out = tmp_path / "fleet.json"
+    with agents_in_thread(pki, [AgentSpec(db, "serve-node-02")]) as servers:
+        tls = ["--ca-cert", str(pki.ca), "--client-cert", str(pki.client_cert), "--client-key", str(pki.client_key)]
+        empty = tmp_path / "empty.yaml"
+        empty.write_text("")
+        code = main(["export", "--config", str(empty), "--nodes", f"127.0.0.1:{servers[0].port}", *tls, "-o", str(out)])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    check_trace_invariants(doc)
+    assert counter_values(doc) == local and len(local) > 20

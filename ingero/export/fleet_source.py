@@ -8,7 +8,9 @@ clock-skew samples taken alongside on the same connections:
 2. ``process_names`` through ``/api/v1/query``;
 3. the events in the window, paged with keyset SQL on ``(timestamp, rowid)`` (the timestamp index
    serves it; each page is one guarded query, well under the agent's row and byte caps) until the
-   window is exhausted or ``--max-events``.
+   window is exhausted or ``--max-events``;
+4. the serving engines' series in the window (``trace --inference``), paged by rowid, when the
+   recording has them: counter tracks (:mod:`ingero.export.engine_tracks`).
 
 Each node's measured clock offset (agent minus this host) is subtracted from its timestamps, and the
 trace metadata records it with its uncertainty. Nodes that fail are reported and left out; with none
@@ -23,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from ingero.errors import NoNodeAnsweredError
 from ingero.explain.model import Chain
+from ingero.export.engine_tracks import rows_sql, tracks_of
 from ingero.export.perfetto import EXPORT_COLUMNS, NodeTrace, iter_rows
 from ingero.fleet.outcome import NodeOutcome
+from ingero.store.engine_metrics import TABLE as ENGINE_TABLE
 
 if TYPE_CHECKING:
     from ingero.config import NodeSpec
@@ -34,12 +38,12 @@ PAGE_ROWS = 5000
 DEFAULT_EXPORT_TIMEOUT_S = 120.0
 
 
-def _window_sql(start: Any, end: Any) -> list[str]:
+def _window_sql(start: Any, end: Any, column: str = "timestamp") -> list[str]:
     conds = []
     if isinstance(start, int):
-        conds.append(f"timestamp >= {int(start)}")
+        conds.append(f"{column} >= {int(start)}")
     if isinstance(end, int):
-        conds.append(f"timestamp <= {int(end)}")
+        conds.append(f"{column} <= {int(end)}")
     return conds
 
 
@@ -72,7 +76,37 @@ async def _fetch_node(conn: Any, params: dict[str, str] | None, max_events: int)
             capped = True
             break
         cursor = (int(got[-1][2]), int(got[-1][0]))
-    return {"info": info, "chains": chains, "names": names, "rows": rows, "window": window, "capped": capped}
+    engine = await _engine_rows(conn, window) if has_node else []
+    return {
+        "info": info,
+        "chains": chains,
+        "names": names,
+        "rows": rows,
+        "engine": engine,
+        "window": window,
+        "capped": capped,
+    }
+
+
+async def _engine_rows(conn: Any, window: dict[str, Any]) -> list[list[Any]]:
+    """The agent's engine_metrics rows in the window (none when its recording has no such table)."""
+    has = await conn.post(
+        "/api/v1/query",
+        {"sql": f"SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '{ENGINE_TABLE}'", "limit": 1},
+    )
+    if not has.get("rows"):
+        return []
+    out: list[list[Any]] = []
+    last = 0
+    while True:
+        conds = [*_window_sql(window.get("start_ns"), window.get("end_ns"), "ts"), f"rowid > {last}"]
+        sql = rows_sql(" AND ".join(conds), "rowid", with_rowid=True)
+        page = await conn.post("/api/v1/query", {"sql": sql, "limit": PAGE_ROWS})
+        got = page.get("rows") or []
+        out += [r[1:] for r in got]
+        if not page.get("truncated") or not got:
+            return out
+        last = int(got[-1][0])
 
 
 def _chains(body: Any, default_node: str) -> list[Chain]:
@@ -106,6 +140,11 @@ def node_traces(outcome: NodeOutcome) -> list[NodeTrace]:
         if c.node == ident:
             c.node = own_label
         by_node.setdefault(c.node, [])
+    engine = tracks_of(
+        [[*r[:1], own_label if str(r[1] or ident) == ident else r[1], *r[2:]] for r in data.get("engine", [])]
+    )
+    for node in engine:
+        by_node.setdefault(node, [])
     traces = []
     for node, rows in by_node.items():
         own = node == own_label
@@ -120,6 +159,7 @@ def node_traces(outcome: NodeOutcome) -> list[NodeTrace]:
                 chains=[c for c in chains if c.node == node],
                 offset_ns=offset,
                 offset_uncertainty_ns=uncertainty,
+                engine_tracks=engine.get(node, []),
             )
         )
     return traces

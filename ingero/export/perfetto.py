@@ -8,6 +8,8 @@ Layout of the trace
   on a companion lane right below it (``"... off-CPU"``);
 * **block I/O** on per-node lanes (``block I/O #k``): requests overlap, so each lane holds requests
   that do not (greedy interval partitioning);
+* the **serving engines' own series** (``trace --inference``) as counter tracks on the node's process
+  (:mod:`ingero.export.engine_tracks`);
 * **causal chains** as instant markers on per-severity lanes (``causal chains: HIGH`` ...), with
   Chrome's colour names by severity (``cname``) and the chain's summary, root cause and
   recommendations as args.
@@ -36,6 +38,7 @@ from typing import IO, Any
 
 from ingero import __version__
 from ingero.explain.model import SEVERITIES, Chain
+from ingero.export.engine_tracks import CounterTrack
 from ingero.store.annotations import Annotation, format_labels
 from ingero.store.catalog import ALLOC_OPS, CUDA, DRIVER, NCCL, NET, SOURCE_NAMES, op_id, op_ids, op_name
 from ingero.store.catalog import IO as IO_SOURCE
@@ -75,6 +78,7 @@ class NodeTrace:
     offset_ns: int = 0  # this node's clock minus the reference clock: subtracted from its timestamps
     offset_uncertainty_ns: int | None = None
     annotations: list[Annotation] = field(default_factory=list)  # ``ingero annotate`` marks of this node
+    engine_tracks: list[CounterTrack] = field(default_factory=list)  # serving engines' series (trace --inference)
 
     @property
     def label(self) -> str:
@@ -92,6 +96,7 @@ class ExportStats:
     chains: int = 0
     overlaps: int = 0
     io_lanes: int = 0
+    counters: int = 0  # counter-track points (serving engines' series)
     base_ns: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -205,6 +210,7 @@ class TraceWriter:
         self._io_lanes(slot, base, io, nt.process_names)
         self._chains(slot, base, nt, shift)
         self._annotations(slot, base, nt, shift)
+        self._counters(slot, nt, shift)
 
     def _meta(self, pid: int, tid: int | None, name: str, args: dict[str, Any]) -> None:
         ev: dict[str, Any] = {"ph": "M", "pid": pid, "name": name, "args": args}
@@ -329,6 +335,22 @@ class TraceWriter:
             )
             self.stats.chains += 1
 
+    def _counters(self, pid: int, nt: NodeTrace, shift: int) -> None:
+        """Serving engines' series: one counter track (ph "C", one arg) per engine process and metric."""
+        for track in nt.engine_tracks:
+            for ts, value in track.points:
+                self._emit(
+                    {
+                        "ph": "C",
+                        "pid": pid,
+                        "ts": _us(ts - shift),
+                        "name": track.name,
+                        "cat": "engine",
+                        "args": {"value": value},
+                    }
+                )
+            self.stats.counters += len(track.points)
+
     def _annotations(self, pid: int, base: int, nt: NodeTrace, shift: int) -> None:
         """``ingero annotate`` marks: process-wide instant events (a line across the node's lanes); label
         spans (``with ingero.annotate.span(step=12)``): slices, one lane per process scope and label keys."""
@@ -375,6 +397,7 @@ def base_for(nodes: Iterable[NodeTrace]) -> int:
     """A whole second at or before the earliest corrected timestamp (0 when there is nothing)."""
     firsts = [n.first_ns - n.offset_ns for n in nodes if n.first_ns is not None]
     firsts += [c.detected_at - n.offset_ns for n in nodes for c in n.chains if c.detected_at]
+    firsts += [t.points[0][0] - n.offset_ns for n in nodes for t in n.engine_tracks if t.points]
     if not firsts:
         return 0
     return (min(firsts) // 1_000_000_000) * 1_000_000_000

@@ -3,7 +3,8 @@
 Local (:func:`traces_from_db`): one read-only connection; for each node in the window, a lazy cursor
 over its events (the trace writer consumes one node at a time), its process names (per node from a
 merged database's ``node_process_names`` when present), its identity (rank, world size) and its causal
-chains: the chains stored in the database plus those the explain engine computes, by id.
+chains: the chains stored in the database plus those the explain engine computes, by id; and its serving
+engines' series as counter tracks (:mod:`ingero.export.engine_tracks`).
 
 Fleet (:func:`traces_from_fleet`): every agent answers through the fleet client; events are paged
 with keyset SQL through ``/api/v1/query`` (the guard caps each answer), chains come from
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from ingero.errors import StoreError
 from ingero.explain.model import Chain, stored_chains
+from ingero.export.engine_tracks import read_tracks
 from ingero.export.perfetto import EXPORT_COLUMNS, ExportRow, NodeTrace, iter_rows
 from ingero.store.annotations import list_annotations
 from ingero.store.db import open_readonly, translate
@@ -95,9 +97,10 @@ def traces_from_db(path: str | Path, window: Window | None = None) -> LocalExpor
         first = conn.execute(f"SELECT min(timestamp) FROM events WHERE {where}", params).fetchone()[0]
         chains = local_chains(conn, window)
         marks = list_annotations(conn, window.start_ns, window.end_ns, limit=100_000, overlapping=True)
-        for c in chains:
-            if c.node not in nodes:
-                nodes.append(c.node)
+        tracks = read_tracks(conn, window)
+        for other in [c.node for c in chains] + list(tracks):
+            if other not in nodes:
+                nodes.append(other)
         traces = []
         for node in nodes:
             rank, world = _identity(conn, node)
@@ -111,6 +114,7 @@ def traces_from_db(path: str | Path, window: Window | None = None) -> LocalExpor
                     process_names=_process_names(conn, node),
                     chains=[c for c in chains if c.node == node],
                     annotations=[a for a in marks if a.node == node or (not a.node and len(nodes) == 1)],
+                    engine_tracks=tracks.get(node, []),
                 )
             )
         traces.sort(key=lambda t: (t.rank if t.rank is not None else 1 << 30, t.node))
