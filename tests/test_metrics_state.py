@@ -17,7 +17,7 @@ from ingero.identity import Identity
 from ingero.metrics import registry as r
 from ingero.metrics.dbfeed import DatabaseFeed, database_provider, db_size
 from ingero.metrics.prometheus import families, parse_prometheus_addr
-from ingero.metrics.state import MetricState, duration_buckets
+from ingero.metrics.state import MetricState, duration_buckets, op_labels
 from ingero.store import catalog
 from tests.conftest import INVESTIGATIONS
 
@@ -451,3 +451,30 @@ def test_duration_buckets_match_searchsorted() -> None:
     d = np.array(sorted(e for e in edges if 0 <= e < 2**64), dtype=np.uint64)
     d = np.concatenate((d, np.random.default_rng(0).integers(0, 2**63, 100_000, dtype=np.uint64)))
     assert (duration_buckets(d) == np.searchsorted(bounds, d, side="left")).all()
+
+
+def test_batches_are_folded_late_but_every_read_sees_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ingero.metrics.state as state_mod
+
+    st = state()
+    src, op = op_labels(catalog.CUDA << 8 | 3)
+    launch = {"source": catalog.CUDA, "op": 3, "pid": 5, "tid": 5, "ts": MS, "duration": 10}
+    st.observe(events([launch] * 3))
+    assert st.batches == 0  # pending: folded with the next ones, or by a read
+    assert series(st)[("ingero_events_total", lab(source=src, op=op))] == 3
+    assert st.batches == 1 and st.read_fold_cpu_s > 0
+    # Aggregates replace the rows' totals: the rows observed before them are folded first, not added after.
+    st.observe(events([launch] * 4))
+    st.set_counts({catalog.CUDA << 8 | 3: (100, 0)})
+    assert series(st)[("ingero_events_total", lab(source=src, op=op))] == 100
+    # Without a read: once FOLD_EVENTS events wait, or the oldest batch is FOLD_AFTER_S old.
+    assert st.batches == 2
+    monkeypatch.setattr(state_mod, "FOLD_EVENTS", 5)
+    st.observe(events([launch] * 2))
+    assert st.batches == 2
+    st.observe(events([launch] * 3))
+    assert st.batches == 4
+    monkeypatch.setattr(state_mod, "FOLD_AFTER_S", 0.0)
+    st.observe(events([launch]))
+    assert st.batches == 5
+    assert series(st)[("ingero_events_total", lab(source=src, op=op))] == 106
