@@ -16,6 +16,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from ingero.agent.trace.engines import Engine, detect, endpoint, kind_of
 from ingero.cli.main import main
 from ingero.explain.engine import explain
 from ingero.identity import Identity
+from ingero.store import catalog
 from ingero.store.db import open_readonly
 from ingero.store.engine_metrics import EngineMetricRow, summary
 from ingero.store.schema import SCHEMA_VERSION
@@ -414,3 +416,152 @@ def test_no_head_of_line_blocking_when_the_batch_moves_or_is_full(
         [finished] * SCRAPES,
     )
     assert "serving/head-of-line" not in serving_of(path)
+
+
+# --- phase-aware baselines: prefill-like and decode-like intervals, each against its own phase ---------
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_healthy_server_mixing_prefill_and_decode_gets_no_chain(tmp_path: Path, engine: str) -> None:
+    """Long-prompt bursts, most of them in the last third: first tokens take 0.5 s and decode steps 60 ms
+    while they are prefilled, 80 ms and 20 ms between them, from start to end. Against one baseline that is
+    a 2.3x decode slowdown and 3.6x slower first tokens; against each phase's own, nothing changed."""
+    got = chains_of(scenario_db(tmp_path, engine, "mixed_phases"))
+    assert not [c for c in got if c[1] in ("HIGH", "MEDIUM")], got
+    assert not {f for f, _ in got} & {"serving/decode", "serving/queue"}, got
+
+
+def test_mixed_phases_judged_against_one_baseline_would_be_called_a_regression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same recording with the phase split turned off (no gap is wide enough): the prefill bursts are
+    judged against decode's baseline and called a decode regression — what the phases prevent."""
+    from ingero.explain import serving_phases
+
+    monkeypatch.setattr(serving_phases, "SHARE_GAP", 2.0)
+    got = dict(chains_of(scenario_db(tmp_path, "vllm", "mixed_phases")))
+    assert got.get("serving/decode") in ("HIGH", "MEDIUM"), got
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_decode_regression_is_named_among_prefill_bursts(tmp_path: Path, engine: str) -> None:
+    """Bursts spread evenly; from the second half the decode steps between them take 50 ms a token (2.5x):
+    named, as a decode regression of the decode-like intervals, and nothing else is."""
+    path = scenario_db(tmp_path, engine, "decode_regression")
+    conn = open_readonly(path)
+    try:
+        chains = {c.family: c for c in explain(conn).chains}
+    finally:
+        conn.close()
+    assert set(chains) == {"serving/decode"}, chains
+    c = chains["serving/decode"]
+    assert c.severity in ("HIGH", "MEDIUM")
+    assert c.evidence["phase"] == "decode-like" and c.evidence["phases_by"] == "tokens"
+    assert c.evidence["ratio"] == pytest.approx(2.5, rel=0.05) and "decode regression" in c.root_cause
+
+
+LAUNCH_OP = catalog.op_id("cudaLaunchKernel")
+
+
+def phase_db(
+    path: Path, tpot: Callable[[int], float], burst: Callable[[int], bool], *, by: str, engine: str = "vllm"
+) -> Path:
+    """SCRAPES scrapes a second apart of an engine steadily decoding (TPOT ``tpot(k)``) with prefill bursts
+    (``burst(k)``: 8x the prompt tokens, 3x slower decode steps, big launches). ``by="tokens"``: vLLM's token
+    counters; ``by="launches"``: TGI's series (no token counters) and the engine process's kernel launches
+    (40 an interval: 4,096 blocks in a burst, 64 between)."""
+    rows: list[EngineMetricRow] = []
+    events = []
+    prompt = gen = tp_sum = tp_n = done = 0.0
+    m = '{"model_name":"m"}'
+    for k in range(SCRAPES):
+        ts = T0 + k * S
+        step = 3 * tpot(k) if burst(k) else tpot(k)
+        prompt += 16_000 if burst(k) else 2_000
+        gen += 32 / step
+        tp_sum, tp_n, done = tp_sum + 8 * step, tp_n + 8, done + 4
+        if by == "tokens":
+            rows += [
+                (ts, 7, engine, "vllm:prompt_tokens_total", m, prompt),
+                (ts, 7, engine, "vllm:generation_tokens_total", m, gen),
+                (ts, 7, engine, "vllm:time_per_output_token_seconds_sum", m, tp_sum),
+                (ts, 7, engine, "vllm:time_per_output_token_seconds_count", m, tp_n),
+                (ts, 7, engine, "vllm:num_requests_waiting", m, 1.0),
+            ]
+        else:
+            rows += [
+                (ts, 7, engine, "tgi_request_mean_time_per_token_duration_sum", "", tp_sum),
+                (ts, 7, engine, "tgi_request_mean_time_per_token_duration_count", "", tp_n),
+                (ts, 7, engine, "tgi_queue_size", "", 1.0),
+                (ts, 7, engine, "tgi_request_success", "", done),
+            ]
+            blocks = 4096 if burst(k) else 64
+            for i in range(40):  # in (ts - 1 s, ts]: the interval that ends at this scrape
+                at = ts - S + (i + 1) * S // 40
+                events.append((at, 7, 8, *LAUNCH_OP, 5_000, 0, 0x7F00, blocks << 32 | 128, 0, 0, 0))
+    from tests.conftest import write_db
+
+    write_db(path, events, node=NODE)
+    with StoreWriter(path, Identity(NODE)) as w:
+        w.write_batch(engine_metrics=rows)
+    return path
+
+
+@pytest.mark.parametrize("by", ["tokens", "launches"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(("x", "named"), [(1.8, False), (2.2, True)])
+def test_decode_regression_threshold_by_counters_and_by_launches(
+    tmp_path: Path, by: str, seed: int, x: float, named: bool
+) -> None:
+    """Decode slows ``x`` times from a point anywhere in the second half; bursts every 3 to 5 scrapes. Named
+    at 2.2x (≥ 2x), not at 1.8x — by the token counters, and by launch grid sizes where there are none."""
+    import random
+
+    rnd = random.Random(seed)
+    start = rnd.randrange(SCRAPES // 2, 2 * SCRAPES // 3)
+    bursts = set(range(rnd.randrange(2, 4), SCRAPES, rnd.choice((3, 4, 5))))
+    path = phase_db(
+        tmp_path / "p.db",
+        lambda k: 0.02 * (x if k >= start else 1.0),
+        lambda k: k in bursts,
+        by=by,
+        engine="vllm" if by == "tokens" else "tgi",
+    )
+    conn = open_readonly(path)
+    try:
+        chains = {c.family: c for c in explain(conn).chains if c.family.startswith("serving/")}
+    finally:
+        conn.close()
+    assert ("serving/decode" in chains) is named, chains
+    if named:
+        ev = chains["serving/decode"].evidence
+        assert ev["phase"] == "decode-like" and ev["phases_by"] == by
+    assert "serving/queue" not in chains
+
+
+@pytest.mark.parametrize("by", ["tokens", "launches"])
+def test_prefill_bursts_late_in_the_window_are_not_a_decode_regression(tmp_path: Path, by: str) -> None:
+    """Steady decode and, from two thirds in, a burst at every other scrape (decode steps 3x slower while
+    they are prefilled): each phase is steady against its own baseline — no chain."""
+    path = phase_db(
+        tmp_path / "p.db",
+        lambda k: 0.02,
+        lambda k: k in (4, 9, 14, 19) or (k >= 2 * SCRAPES // 3 and k % 2 == 0),
+        by=by,
+        engine="vllm" if by == "tokens" else "tgi",
+    )
+    assert serving_of(path) == {}
+
+
+def test_otsu_splits_two_groups_and_refuses_one() -> None:
+    import numpy as np
+
+    from ingero.explain.serving_phases import by_tokens, otsu
+
+    assert otsu(np.array([0.1, 0.12, 0.11, 0.9, 0.92])) == pytest.approx((0.51, 0.11, 0.91))
+    assert otsu(np.array([0.3, 0.3, 0.3])) is None
+    steady = by_tokens(np.full(30, 2000.0), np.full(30, 3000.0) + np.arange(30))  # one mix, a little noise
+    assert not steady.split and set(steady.of.tolist()) == {0}
+    k = np.arange(30)
+    bursts = by_tokens(np.where(k % 4 == 3, 32_000.0, 2_000.0), np.full(30, 3_000.0))
+    assert bursts.by == "tokens" and bursts.of.tolist() == (k % 4 == 3).astype(int).tolist()

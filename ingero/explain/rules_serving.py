@@ -18,19 +18,34 @@ Per engine process (node, pid), over the window's scrapes (values carried forwar
   waiting and no request finishing, over :data:`HOL_STEPS` scrape steps or more: a long request holds
   the batch. Severity is its share of the window, as for the KV cache; the queue chain then names it.
 
-A busy but healthy server — a full batch, a cache well used, a steady queue, steady TTFT — gets no chain.
+* **Token generation slowed** — time per output token (vLLM's ``time_per_output_token_seconds`` or
+  ``inter_token_latency_seconds``, SGLang's, TGI's mean time per token) reaches :data:`TPOT_X` times its
+  baseline. Severity is the time lost (what the baseline speed would have saved) as a share of the window.
+
+**Phases.** TTFT and time per output token are judged per phase (:mod:`ingero.explain.serving_phases`):
+scrape intervals are told apart as prefill-like or decode-like by the engine's prompt and generated token
+counters, or by the grid sizes of its kernel launches where it has none, and an interval's latency is
+compared only with the baseline of its own phase — a burst of long prompts, which slows first tokens and
+the decode steps between them, is not a regression against decode's baseline, nor decode against prefill's.
+
+A busy but healthy server — a full batch, a cache well used, a steady queue, steady TTFT, prefill bursts
+among steady decoding — gets no chain.
 Each engine's series are named as it publishes them: :data:`NAMES`.
 """
 
 from __future__ import annotations
 
+import functools
 import sqlite3
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ingero.explain import causes as cz
 from ingero.explain.model import Chain, TimelineEntry
+from ingero.explain.serving_phases import DECODE, Judgement, Phases, by_launches, by_tokens, judge, one_phase, worst
+from ingero.store.catalog import LAUNCH_GRID_SHIFT, op_ids
 from ingero.store.engine_metrics import Series, load_rows, series
 from ingero.store.window import Window
 
@@ -45,8 +60,11 @@ MIN_SCRAPES = 6
 HOL_RUNNING = 2  # head-of-line blocking: at most this many running ...
 HOL_WAITING = 8  # ... at least this many waiting ...
 HOL_STEPS = 3  # ... with no request finishing, over at least this many scrape steps
+TPOT_X = 2.0  # time per output token this many times its phase's baseline: token generation slowed
+LAUNCH_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")
+Launches = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # scrape grid -> (launch ts, grid blocks)
 # per engine: KV-cache usage gauges, preemption counters, waiting and running gauges, TTFT histograms,
-# finished-request counters
+# finished-request counters, time-per-output-token histograms, prompt and generated token counters
 NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {
         "kv": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
@@ -55,6 +73,9 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "running": ("vllm:num_requests_running",),
         "ttft": ("vllm:time_to_first_token_seconds",),
         "done": ("vllm:request_success_total",),
+        "tpot": ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
+        "prompt": ("vllm:prompt_tokens_total",),
+        "generated": ("vllm:generation_tokens_total",),
     },
     "sglang": {
         "kv": ("sglang:token_usage",),
@@ -63,6 +84,9 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "running": ("sglang:num_running_reqs",),
         "ttft": ("sglang:time_to_first_token_seconds",),
         "done": ("sglang:num_requests_total",),
+        "tpot": ("sglang:time_per_output_token_seconds", "sglang:inter_token_latency_seconds"),
+        "prompt": ("sglang:prompt_tokens_total",),
+        "generated": ("sglang:generation_tokens_total",),
     },
     "tgi": {
         "kv": (),
@@ -71,6 +95,9 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "running": ("tgi_batch_current_size",),
         "ttft": ("tgi_request_queue_duration",),
         "done": ("tgi_request_success",),
+        "tpot": ("tgi_request_mean_time_per_token_duration",),
+        "prompt": (),
+        "generated": (),
     },
     "triton": {
         "kv": (),
@@ -79,15 +106,22 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "running": (),
         "ttft": (),
         "done": ("nv_inference_request_success",),
+        "tpot": (),
+        "prompt": (),
+        "generated": (),
     },
 }
+
+
+HISTOGRAMS = ("ttft", "tpot")  # roles read as a histogram's _sum and _count
+_HISTOGRAM = ("_sum", "_count")
 
 
 def _wanted() -> tuple[str, ...]:
     out: list[str] = []
     for kinds in NAMES.values():
         for role, names in kinds.items():
-            out += [f"{n}{suffix}" for n in names for suffix in (("_sum", "_count") if role == "ttft" else ("",))]
+            out += [f"{n}{suffix}" for n in names for suffix in (_HISTOGRAM if role in HISTOGRAMS else ("",))]
     return tuple(out)
 
 
@@ -100,8 +134,25 @@ def serving_chains(conn: sqlite3.Connection, window: Window, nodes: list[str], n
     chains: list[Chain] = []
     for (nd, pid, engine), ss in sorted(by_engine.items()):
         if engine in NAMES:
-            chains += _engine_chains(nd or (nodes[0] if len(nodes) == 1 else ""), pid, engine, ss)
+            named = nd or (nodes[0] if len(nodes) == 1 else "")
+            chains += _engine_chains(named, pid, engine, ss, functools.partial(_launches, conn, nd, pid))
     return chains
+
+
+def _launches(conn: sqlite3.Connection, node: str, pid: int, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(timestamp, grid blocks) of engine process ``pid``'s kernel launches between the first and last scrape."""
+    cols = {row[1] for row in conn.execute("PRAGMA main.table_info(events)")}
+    if not cols:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    ops = " OR ".join("(source = ? AND op = ?)" for _ in LAUNCH_OPS)
+    where = f"pid = ? AND timestamp > ? AND timestamp <= ? AND ({ops})"
+    params: list[Any] = [pid, int(grid[0]), int(grid[-1]), *(x for o in LAUNCH_OPS for x in o)]
+    if node and "node" in cols:
+        where += " AND node = ?"
+        params.append(node)
+    sql = f"SELECT timestamp, (arg1 >> {LAUNCH_GRID_SHIFT}) & {(1 << 32) - 1} FROM main.events WHERE {where}"
+    got = np.array(conn.execute(sql, params).fetchall(), dtype=np.int64).reshape(-1, 2)
+    return got[:, 0], got[:, 1]
 
 
 def _pick(ss: dict[str, Series], names: tuple[str, ...], suffix: str = "") -> Series | None:
@@ -117,7 +168,19 @@ def _grid(s: Series, grid: np.ndarray) -> np.ndarray:
     return out
 
 
-def _engine_chains(node: str, pid: int, engine: str, ss: dict[str, Series]) -> list[Chain]:
+def _phases(ss: dict[str, Series], engine: str, grid: np.ndarray, launches: Launches) -> Phases:
+    """Each scrape interval's phase: by the engine's token counters, else by its launches (only when it
+    has a latency to judge: the launches are read from the events then)."""
+    names = NAMES[engine]
+    prompt, generated = _pick(ss, names["prompt"]), _pick(ss, names["generated"])
+    if prompt is not None and generated is not None:
+        return by_tokens(np.diff(_grid(prompt, grid)), np.diff(_grid(generated, grid)))
+    if not any(_pick(ss, names[role], "_count") for role in HISTOGRAMS):
+        return one_phase(grid.size - 1)
+    return by_launches(grid, *launches(grid))
+
+
+def _engine_chains(node: str, pid: int, engine: str, ss: dict[str, Series], launches: Launches) -> list[Chain]:
     names = NAMES[engine]
     grid = np.unique(np.concatenate([np.asarray(s.ts, dtype=np.int64) for s in ss.values()]))
     if grid.size < MIN_SCRAPES:
@@ -139,8 +202,10 @@ def _engine_chains(node: str, pid: int, engine: str, ss: dict[str, Series]) -> l
     hol = _hol_chain(node, pid, engine, ss, grid)
     if hol is not None:
         out.append(hol)
-    q = _queue_chain(node, pid, engine, ss, grid, pressure or hol)
-    return out + ([q] if q is not None else [])
+    phases = _phases(ss, engine, grid, launches)
+    q = _queue_chain(node, pid, engine, ss, grid, pressure or hol, phases)
+    decode = _decode_chain(node, pid, engine, ss, grid, phases)
+    return out + [c for c in (q, decode) if c is not None]
 
 
 def _hol_chain(node: str, pid: int, engine: str, ss: dict[str, Series], grid: np.ndarray) -> Chain | None:
@@ -237,21 +302,31 @@ def _thirds(x: np.ndarray) -> tuple[float, float]:
     return f, la
 
 
-def _ttft(ss: dict[str, Series], names: tuple[str, ...], grid: np.ndarray) -> tuple[str, float, float] | None:
-    """TTFT's mean per scrape interval (Δsum / Δcount): (metric, first third's level, last third's)."""
+def _per_interval(ss: dict[str, Series], names: tuple[str, ...], grid: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """A histogram's mean per scrape interval (Δsum / Δcount; NaN where nothing was observed): (metric, means)."""
     s, c = _pick(ss, names, "_sum"), _pick(ss, names, "_count")
     if s is None or c is None:
         return None
     ds, dc = np.diff(_grid(s, grid)), np.diff(_grid(c, grid))
-    per = np.where(dc > 0, ds / np.where(dc > 0, dc, 1), np.nan)
-    first, last = _thirds(per)
-    if not (np.isfinite(first) and np.isfinite(last)) or first <= 0:
-        return None
-    return s.metric[: -len("_sum")], first, last
+    per: np.ndarray = np.where(dc > 0, ds / np.where(dc > 0, dc, 1), np.nan)
+    return s.metric[: -len("_sum")], per
+
+
+def _judged(
+    ss: dict[str, Series], names: tuple[str, ...], grid: np.ndarray, phases: Phases
+) -> tuple[str, Judgement] | None:
+    """A latency's worst phase: its last third against the first third of the same phase's intervals."""
+    found = _per_interval(ss, names, grid)
+    j = worst(found[1], phases) if found is not None else None
+    return (found[0], j) if found is not None and j is not None else None
+
+
+def _which(j: Judgement, phases: Phases) -> str:
+    return f", {j.name(phases)} intervals against their own baseline" if phases.split else ""
 
 
 def _queue_chain(
-    node: str, pid: int, engine: str, ss: dict[str, Series], grid: np.ndarray, pressure: Chain | None
+    node: str, pid: int, engine: str, ss: dict[str, Series], grid: np.ndarray, pressure: Chain | None, phases: Phases
 ) -> Chain | None:
     names = NAMES[engine]
     w_s = _pick(ss, names["waiting"])
@@ -263,17 +338,20 @@ def _queue_chain(
         moved = moves[moves != 0]
         rising = float((moved > 0).mean()) if moved.size else 0.0
         grew = bool(np.isfinite(w0) and np.isfinite(w1) and w1 >= QUEUE_X * w0 + QUEUE_FLOOR and rising >= RISING)
-    t = _ttft(ss, names["ttft"], grid)
-    slower = t is not None and t[2] >= TTFT_X * t[1]
+    t = _judged(ss, names["ttft"], grid, phases)
+    slower = t is not None and t[1].ratio >= TTFT_X
     if not grew and not slower:
         return None
-    ratio = t[2] / t[1] if t is not None else 0.0
+    ratio = t[1].ratio if t is not None else 0.0
     sev = ("HIGH" if ratio >= TTFT_HIGH_X else "MEDIUM") if grew and slower else "LOW"
     parts = []
     if grew and w_s is not None:
         parts.append(f"requests waiting grew {w0:.0f} → {w1:.0f} ({w_s.metric})")
     if slower and t is not None:
-        parts.append(f"time to first token {t[1]:.3g} s → {t[2]:.3g} s ({ratio:.1f}x, {t[0]})")
+        metric, j = t
+        parts.append(
+            f"time to first token {j.baseline:.3g} s → {j.late:.3g} s ({ratio:.1f}x, {metric}{_which(j, phases)})"
+        )
     if pressure is not None and pressure.family == "serving/head-of-line":
         root = "head-of-line blocking: a long request holds the batch (see its chain)"
     elif pressure is not None:
@@ -306,9 +384,75 @@ def _queue_chain(
             "waiting_first": round(w0, 2),
             "waiting_last": round(w1, 2),
             "queue_grew": grew,
-            "ttft_first_s": round(t[1], 6) if t else None,
-            "ttft_last_s": round(t[2], 6) if t else None,
+            "ttft_first_s": round(t[1].baseline, 6) if t else None,
+            "ttft_last_s": round(t[1].late, 6) if t else None,
             "ttft_x": round(ratio, 2),
+            "phases_by": phases.by or None,
+        },
+    )
+
+
+def _decode_chain(
+    node: str, pid: int, engine: str, ss: dict[str, Series], grid: np.ndarray, phases: Phases
+) -> Chain | None:
+    """Token generation slowed: time per output token reaches TPOT_X times its phase's baseline (decode's
+    named first when both phases slowed). The time lost is, in each later interval of a slowed phase at
+    least TPOT_X over, the share of it the baseline speed would not have needed; its share of the window
+    is the severity."""
+    found = _per_interval(ss, NAMES[engine]["tpot"], grid)
+    regressed = [j for j in judge(found[1], phases) if j.ratio >= TPOT_X] if found is not None else []
+    if found is None or not regressed:
+        return None
+    metric, j = found[0], regressed[0]  # decode's when it regressed (judge lists it first)
+    lost = 0.0
+    for r in regressed:
+        slow = r.values >= TPOT_X * r.baseline
+        lost += float((np.diff(grid)[r.after[slow]] * (1 - r.baseline / r.values[slow])).sum())
+    span = float(grid[-1] - grid[0]) or 1.0
+    if not cz.worth_a_chain(lost, span):
+        return None
+    share = lost / span
+    what = f"time per output token {j.baseline * 1e3:.3g} ms → {j.late * 1e3:.3g} ms ({j.ratio:.1f}x, {metric}{_which(j, phases)})"
+    what += "".join(f"; {r.ratio:.1f}x in the {r.name(phases)} intervals too" for r in regressed[1:])
+    told = {"tokens": "their prompt and generated token counters", "launches": "the grid sizes of its kernel launches"}
+    return _chain(
+        node,
+        pid,
+        grid,
+        "decode",
+        severity=cz.severity_of_loss(lost, span),
+        summary=f"{engine} (pid {pid}): token generation slowed — {what}; {share:.0%} of the window lost",
+        root_cause="decode regression — each generation step takes longer than this engine's own decode baseline "
+        "(the GPU is shared, throttled or running slower kernels)"
+        if j.phase == DECODE
+        else "prefill regression — intervals of long prompts produce tokens slower than they did earlier",
+        explanation=f"From {engine}'s own metrics: {what}. "
+        + (
+            f"Scrape intervals were told apart as prefill-like or decode-like by {told[phases.by]}, and each is judged "
+            "only against earlier intervals of its own phase: a burst of long prompts slows the decode steps between "
+            "them, which is the mix of work, not a regression. "
+            if phases.split
+            else "The engine ran one steady mix of prefill and decode: the whole window shares one baseline. "
+        )
+        + f"Generating at the baseline speed would have saved {lost / 1e9:.1f} s of the {span / 1e9:.1f} s scraped.",
+        recommendations=[
+            "look for another process on the GPU (nvidia-smi, ingero explain on this node) or throttled clocks",
+            "compare the kernels of the slow steps with earlier ones (a new model revision, a changed batch shape)",
+            "cap the batch (vLLM: --max-num-seqs) if the slowdown follows a larger batch",
+        ],
+        timeline=[TimelineEntry("CUDA", "decode", what)],
+        evidence={
+            "rule": "serving",
+            "pid": pid,
+            "engine": engine,
+            "metric": metric,
+            "phase": j.name(phases),
+            "phases_by": phases.by or None,
+            "baseline_s": round(j.baseline, 6),
+            "late_s": round(j.late, 6),
+            "ratio": round(j.ratio, 2),
+            "lost_s": round(lost / 1e9, 3),
+            "share": round(share, 4),
         },
     )
 
