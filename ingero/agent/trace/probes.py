@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from ingero.agent.trace import btf, elfsyms
-from ingero.agent.trace.libc_sockets import SOCKET_FUNCTIONS, SOCKET_RETURN, libc_of, socket_probe_offset
+from ingero.agent.trace.libc_sockets import (
+    FSBASE_MEMBERS,
+    SOCKET_FUNCTIONS,
+    SOCKET_RETURN,
+    errno_tp_offset,
+    libc_of,
+    socket_probe_offset,
+)
 from ingero.agent.trace.ringbuf import EMPTY, RingReader
 from ingero.errors import TracingUnavailableError
 from ingero.store import catalog
@@ -232,9 +239,19 @@ def _cflags(options: ProbeOptions) -> list[str]:
         f"-DINGERO_HAVE_OOM={int(tracepoint_exists('oom', 'mark_victim'))}",
         f"-DINGERO_SOCKET_RW={int(options.io and options.socket_rw)}",
         *(btf.offset_defines() if options.io and options.socket_rw else []),
+        *_errno_defines(options),
         *catalog_defines(),
         "-Wno-unused-function",
     ]
+
+
+def _errno_defines(options: ProbeOptions) -> list[str]:
+    """errno of a failed libc socket call (net_probes.c's libc_errno): the FS base's place in
+    task_struct from the kernel's BTF; off (ret stays -1) without BTF or on another arch."""
+    if options.socket_uprobes:
+        with contextlib.suppress(TracingUnavailableError):
+            return ["-DINGERO_ERRNO_TLS=1", *btf.offset_defines(FSBASE_MEMBERS)]
+    return ["-DINGERO_ERRNO_TLS=0"]
 
 
 def catalog_defines() -> list[str]:
@@ -338,6 +355,7 @@ class BpfProbes:
             image = elfsyms.load(path)
         except (elfsyms.ElfError, OSError):
             return 0
+        tpoff = errno_tp_offset(pid, image)
         addrs: dict[int, str] = {}  # vaddr -> entry program (aliases at one address probed once)
         for symbol, fn in SOCKET_FUNCTIONS:
             where = socket_probe_offset(image, symbol)
@@ -352,6 +370,8 @@ class BpfProbes:
             self._sockets[pid] = done
             # bcc raises plain Exception; the process may have exited meanwhile (ESRCH): keep what went on
             with contextlib.suppress(Exception):
+                if tpoff is not None:  # before the probes: a failed call's errno is read from the first one on
+                    self.bpf[b"errno_tpoff"][ct.c_uint(pid)] = ct.c_int64(tpoff)
                 for vaddr, fn in addrs.items():  # the return first (see attach_library)
                     self.bpf.attach_uretprobe(name=name, addr=vaddr, fn_name=SOCKET_RETURN.encode(), pid=pid)
                     done.append((name, vaddr, True))
@@ -364,9 +384,14 @@ class BpfProbes:
         (~0.2 s here: 12 probes a process took 2.4 s one after another), so they are closed all at
         once from a few threads: about one grace period in all."""
         with self._lock:
-            todo = [(pid, probe) for pid in pids for probe in self._sockets.pop(pid, [])]
+            gone = [pid for pid in pids if pid in self._sockets]
+            todo = [(pid, probe) for pid in gone for probe in self._sockets.pop(pid)]
             if self._closed or not todo:
                 return
+            tpoffs = self.bpf[b"errno_tpoff"]
+            for pid in gone:
+                with contextlib.suppress(KeyError):
+                    del tpoffs[ct.c_uint(pid)]
 
             def close(item: tuple[int, tuple[bytes, int, bool]]) -> None:
                 pid, (name, vaddr, ret) = item

@@ -6,8 +6,10 @@
 // process may pay for it (bench/bench_overhead.py measures the mechanisms):
 //   * by default, uprobes on libc's socket functions, attached by probes.py to each traced process only
 //     (a perf event per process: the kernel plants the breakpoint in that process's memory alone, so
-//     every other process runs its socket calls untouched). ret = -1 on error (libc's return; errno
-//     stays in the thread's TLS). A target's calls are seen from the agent's next sync (tracer.py).
+//     every other process runs its socket calls untouched). On error libc returns -1 and leaves errno
+//     in the thread's TLS: the return probe reads it there (libc_errno below) and records -errno, as
+//     the tracepoints do; -1 stays where it cannot (no BTF for the FS base, a libc not of glibc's
+//     x86-64 shape). A target's calls are seen from the agent's next sync (tracer.py).
 //     The syscall tracepoints this replaced put every syscall of every process on the kernel's slow
 //     path (+40 % on an untraced socket round trip); fentry/BTF programs are refused by kernels in
 //     lockdown, like this one.
@@ -54,6 +56,34 @@ static __always_inline void net_exit(long ret) {
 }
 
 #if !INGERO_SOCKET_RW
+// tgid -> errno's offset from the thread pointer in that process (negative: x86-64 static TLS sits
+// below it), from the GOT slot glibc's __errno_location loads (libc_sockets.errno_tp_offset); set
+// by probes.py with the process's socket uprobes.
+BPF_HASH(errno_tpoff, u32, s64, 65536);
+
+// A failed libc call (-1): -errno, read from the thread's TLS at its FS base (task->thread.fsbase, at
+// the running kernel's offsets: INGERO_ERRNO_TLS / KOFF_*). Any other return, or -1 where errno cannot
+// be read, is kept as it is.
+static __always_inline long libc_errno(long ret) {
+#if INGERO_ERRNO_TLS
+    if (ret != -1)
+        return ret;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    s64 *off = errno_tpoff.lookup(&tgid);
+    if (!off)
+        return ret;
+    void *task = (void *)bpf_get_current_task();
+    u64 fsbase = 0;
+    bpf_probe_read_kernel(&fsbase, sizeof(fsbase), task + KOFF_task_struct_thread + KOFF_thread_struct_fsbase);
+    int err = 0;
+    if (!fsbase || bpf_probe_read_user(&err, sizeof(err), (void *)(fsbase + *off)) || err <= 0 || err >= 4096)
+        return ret;
+    return -err;
+#else
+    return ret;
+#endif
+}
+
 // libc's send/sendto/sendmsg (net_enter_send), recv/recvfrom/recvmsg (net_enter_recv): the fd is the
 // first argument of each; net_return at their return. Attached per traced process (probes.py).
 int net_enter_send(struct pt_regs *ctx) {
@@ -65,7 +95,7 @@ int net_enter_recv(struct pt_regs *ctx) {
     return 0;
 }
 int net_return(struct pt_regs *ctx) {
-    net_exit(PT_REGS_RC(ctx));
+    net_exit(libc_errno(PT_REGS_RC(ctx)));
     return 0;
 }
 #else
