@@ -172,6 +172,27 @@ def test_three_recordings_through_one_server_seen_through_either(
         assert _store_counts(store[1].url, _node(db)) == (n, n)
 
 
+def test_older_layouts_ship_with_their_node(store: list[Server], tmp_path: Path) -> None:
+    """A table an older layout has without ``node`` (``event_aggregates`` before schema 6, Ingero's
+    ``system_snapshots``) is shipped with the recording's node, never an empty or made-up one."""
+    from tests.conftest import SAMPLES as INGERO_SAMPLES
+    from tests.test_store_aggregates import as_schema_5
+
+    old = tmp_path / "old.db"
+    shutil.copyfile(SAMPLES[1], old)
+    as_schema_5(old)
+    ingero = tmp_path / "ingero.db"
+    shutil.copyfile(INGERO_SAMPLES / "sample-gpu-node-01.db", ingero)
+    for db in (old, ingero):
+        _ship(db, store[0].url)
+    got = _store_table_counts(store[1].url)
+    for db, node in ((old, "gpu-node-02"), (ingero, "gpu-node-01")):
+        for table, n in _sqlite_counts(db).items():
+            if n:
+                assert got[(node, table)] == (n, n), (node, table)
+    assert {node for node, _ in got} == {"gpu-node-01", "gpu-node-02"}
+
+
 def _local_rows(url: str, node: str) -> int:
     with ClickHouse(url) as ch:
         return int(ch.select(f"SELECT count() FROM events_local WHERE node = '{node}'").rows[0][0])

@@ -114,7 +114,7 @@ def test_each_nodes_ledger_takes_its_own_aggregates_in_a_merged_database(cluster
     assert launches[FULL].stored is None
 
 
-def _as_schema_5(path: Path) -> None:
+def as_schema_5(path: Path) -> None:
     """Rewrite ``path`` as schema 5 left it: Ingero's event_aggregates (no node), counts summed per key."""
     cols = ", ".join(AGGREGATE_COLUMNS)
     start = INGERO_TABLES.index("CREATE TABLE IF NOT EXISTS event_aggregates")
@@ -140,7 +140,7 @@ def test_an_older_merge_claims_no_nodes_regime_read_only_or_migrated(cluster: di
     neither read as it is nor after the migration (its rows keep node '')."""
     old = tmp_path / "old-cluster.db"
     shutil.copy(cluster["cluster"], old)
-    _as_schema_5(old)
+    as_schema_5(old)
     for migrated in (False, True):
         if migrated:
             open_writable(old).close()
@@ -165,7 +165,7 @@ def test_a_one_node_schema_5_recording_migrates_its_counts_to_its_node(
     old = tmp_path / "old-a.db"
     shutil.copy(cluster[SAMPLED], old)
     before = _counts(old)
-    _as_schema_5(old)
+    as_schema_5(old)
     conn = open_readonly(old)  # read as it is (readers never migrate): the database's only node's counts
     try:
         assert aggregate_scopes(conn, [SAMPLED]) == {SAMPLED: None}
@@ -189,7 +189,7 @@ def test_a_one_node_schema_5_recording_migrates_its_counts_to_its_node(
 def test_merging_an_older_node_database_gives_its_counts_its_node(cluster: dict[str, Path], tmp_path: Path) -> None:
     old = tmp_path / "old-a.db"
     shutil.copy(cluster[SAMPLED], old)
-    _as_schema_5(old)
+    as_schema_5(old)
     merge_databases([old, cluster[FULL]], tmp_path / "m.db")
     assert _counts(tmp_path / "m.db") == {**_counts(cluster[SAMPLED]), **_counts(cluster[FULL])}
 
