@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -36,7 +37,23 @@ def test_check_results_have_fixes_for_every_failure() -> None:
         assert r.detail
         if not r.ok:
             assert r.fix, r
-    assert check.ready(results) == all(r.ok for r in results if r.required)
+
+
+def test_ready_needs_every_required_check_and_no_optional_one() -> None:
+    fine = check.CheckResult("kernel", True, "6.18")
+    no_gpu = check.CheckResult("GPU / driver", False, "no NVIDIA driver", "install it", required=False)
+    no_bcc = check.CheckResult("bcc", False, "not importable", "apt install python3-bpfcc")
+    assert check.ready([fine, no_gpu])
+    assert not check.ready([fine, no_gpu, no_bcc])
+    assert not check.ready([no_bcc])
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or importlib.util.find_spec("bcc") is None, reason="needs root and bcc (CI's machine has both)"
+)
+def test_a_root_machine_with_bcc_is_ready() -> None:
+    results = check.run_checks()
+    assert check.ready(results), [(r.name, r.detail) for r in results if r.required and not r.ok]
 
 
 def test_kernel_version_parsing() -> None:
