@@ -15,13 +15,14 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ingero.agent.trace.engine_scrape import Scraper
-from ingero.agent.trace.engines import Engine as Found
-from ingero.store.engine_metrics import EngineMetricRow
+if TYPE_CHECKING:  # imported where used: a stand-in engine process starts without the tracer's modules
+    from ingero.agent.trace.engine_scrape import Scraper
+    from ingero.agent.trace.engines import Engine as Found
+    from ingero.store.engine_metrics import EngineMetricRow
 
 ROOT = Path(__file__).resolve().parents[1]
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -217,6 +218,10 @@ def scrape(
 ) -> tuple[Scraper, list[EngineMetricRow]]:
     """Run a scraper for ``seconds``; with ``until``, until it has scraped that many pages (at most 60 s:
     a loaded machine slows the ticks, never the count a scenario needs)."""
+    import trio
+
+    from ingero.agent.trace.engine_scrape import Scraper
+
     rows: list[EngineMetricRow] = []
 
     def sink(batch: list[EngineMetricRow]) -> bool:
@@ -241,6 +246,7 @@ def scrape(
 def recording(path: Path, node: str, engines: list[tuple[int, str, str]], scrapes: int, *, full: bool = False) -> Path:
     """A recording of ``engines`` ((pid, engine, scenario) each, served in-process) scraped ``scrapes``
     times by the real scraper and written through the tracer's writer as ``node``."""
+    from ingero.agent.trace.engines import Engine as Found
     from ingero.identity import Identity
     from ingero.store.writer import StoreWriter
 
