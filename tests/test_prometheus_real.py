@@ -187,24 +187,31 @@ def engine_recording(tmp_path: Path) -> Path:
     return recording(tmp_path / "serve.db", "serve-node-01", engines, 12, full=True)
 
 
-def test_promtool_checks_the_engine_series(tmp_path: Path) -> None:
-    """The engines' series re-exported by --prometheus pass promtool's lint: valid names (no colon),
-    counters with _total, histograms whole. Triton's own pending_request_count is the one name promtool
-    would rename, and it is kept as Triton publishes it."""
+def exposition(db: Path) -> str:
+    """What ``--prometheus`` serves for the recording ``db`` (``ingero serve``'s collector)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from ingero.identity import Identity
     from ingero.metrics.dbfeed import attach_database
     from ingero.metrics.prometheus import IngeroCollector
     from ingero.metrics.state import MetricState
-    from ingero.store.writer import StoreWriter
 
-    db = engine_recording(tmp_path)
     st = MetricState(Identity("serve-node-01"), "serve")
     attach_database(st, db)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(IngeroCollector(st.snapshot))
-    text = generate_latest(reg).decode()
+    return generate_latest(reg).decode()
+
+
+def test_promtool_checks_the_engine_series(tmp_path: Path) -> None:
+    """The engines' series re-exported by --prometheus pass promtool's lint: valid names (no colon),
+    counters with _total, histograms whole. Triton's own pending_request_count is the one name promtool
+    would rename, and it is kept as Triton publishes it."""
+    from ingero.identity import Identity
+    from ingero.store.writer import StoreWriter
+
+    db = engine_recording(tmp_path)
+    text = exposition(db)
     assert "ingero_engine_vllm_num_requests_running{" in text and "ingero_engine_sglang_token_usage{" in text
     assert "# TYPE ingero_engine_vllm_e2e_request_latency_seconds histogram" in text
     assert "# TYPE ingero_engine_vllm_num_aborted_requests_total counter" in text
@@ -214,12 +221,8 @@ def test_promtool_checks_the_engine_series(tmp_path: Path) -> None:
     triton = [(time.time_ns(), 99, "triton", "nv_inference_pending_request_count", '{"model":"r"}', 3.0)]
     with StoreWriter(db, Identity("serve-node-01")) as w:
         w.write_batch(engine_metrics=triton)
-    st = MetricState(Identity("serve-node-01"), "serve")
-    attach_database(st, db)
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(IngeroCollector(st.snapshot))
-    again = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(reg), capture_output=True)
-    problems = (again.stdout + again.stderr).decode().strip().splitlines()
+    again = subprocess.run(["promtool", "check", "metrics"], input=exposition(db), capture_output=True, text=True)
+    problems = (again.stdout + again.stderr).strip().splitlines()
     assert problems == [
         'ingero_engine_nv_inference_pending_request_count non-histogram and non-summary metrics should not have "_count" suffix'
     ]
