@@ -78,6 +78,12 @@ from perfetto.prebuilts.perfetto_prebuilts import get_perfetto_prebuilt
 get_perfetto_prebuilt(M)' >/dev/null 2>&1; then
     say "Perfetto trace_processor_shell cannot be downloaded here: the export test that loads traces with it will skip"
   fi
+  # The Python-frames bpf test runs under CPython 3.10, 3.11 and 3.12. Debian 12 packages 3.11 only; uv and
+  # pyenv fetch interpreters from GitHub / python.org, which CI's machine cannot reach (its skip says so).
+  local v
+  for v in 3.10 3.12; do
+    command -v "python$v" >/dev/null || say "python$v not on PATH (not packaged by Debian 12): its Python-frames test will skip"
+  done
   # bcc lives in Debian's dist-packages; expose only the bcc package to the venv.
   local site shim=.venv/bcc-shim
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

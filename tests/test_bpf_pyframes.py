@@ -26,10 +26,20 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build(tmp_path_factory.mktemp("bpf-build"))
 
 
+# Why CPython 3.10 / 3.12 may be missing (checked on CI's Debian 12): Debian 12 packages 3.11 only, and
+# every other source of a prebuilt or buildable interpreter is a download from a host CI cannot reach —
+# `uv python install` (python-build-standalone, from GitHub), pyenv (sources from python.org), and the
+# PyPI / npm packages that wrap them (they fetch the same archives at install time).
+MISSING = (
+    "no python{v} on PATH: Debian 12 packages CPython 3.11 only, and uv/pyenv fetch interpreters from hosts "
+    "this machine cannot reach; install python{v} (e.g. `uv python install {v}`) where they are reachable"
+)
+
+
 def _python(version: str) -> str:
     exe = python_interpreter(version)
     if exe is None:
-        pytest.skip(f"no python{version} here")
+        pytest.skip(MISSING.format(v=version))
     return exe
 
 

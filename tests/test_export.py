@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from ingero.store.merge import merge_databases
 from tests.conftest import INVESTIGATIONS, write_db
 
 NODES = ("sample-gpu-node-01.db", "sample-gpu-node-02.db", "sample-gpu-node-03.db")
+TRACE_EVENT_SCHEMA = Path(__file__).parent / "data" / "trace_event_format.schema.json"
 
 
 def export(db: Path, out: Path, *extra: str) -> dict[str, Any]:
@@ -198,13 +200,14 @@ def _trace_processor_shell() -> str | None:
 
         cache = Path.home() / ".local" / "share" / "perfetto" / "prebuilts"
         before = set(cache.glob("*.tmp")) if cache.is_dir() else set()
-        try:
-            return str(get_perfetto_prebuilt(TRACE_PROCESSOR_SHELL_MANIFEST))
+        try:  # soft_fail: None when no prebuilt exists for this platform
+            path = get_perfetto_prebuilt(TRACE_PROCESSOR_SHELL_MANIFEST, soft_fail=True)
         finally:
             for leftover in set(cache.glob("*.tmp")) - before if cache.is_dir() else ():
                 leftover.unlink(missing_ok=True)
-    except Exception:  # no network, no prebuilt for this platform
+    except (subprocess.CalledProcessError, FileNotFoundError):  # the download (curl) failed, or there is no curl
         return None
+    return None if path is None else str(path)
 
 
 def test_trace_processor_loads_the_export(tmp_path: Path, samples: Path) -> None:
@@ -247,6 +250,79 @@ def test_trace_processor_loads_the_export(tmp_path: Path, samples: Path) -> None
         assert errors == [], [(e.name, e.value) for e in errors]
     finally:
         tp.close()
+
+
+# --- the Trace Event Format, checked by a JSON Schema written from its specification ---------------
+
+
+def trace_event_format_errors(doc: dict[str, Any]) -> list[str]:
+    """Where ``doc`` breaks the Trace Event Format (``data/trace_event_format.schema.json``, validated by
+    the jsonschema package: nothing of ingero's exporter is involved)."""
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads(TRACE_EVENT_SCHEMA.read_text())
+    Draft202012Validator.check_schema(schema)
+    return [f"{list(e.absolute_path)}: {e.message}" for e in Draft202012Validator(schema).iter_errors(doc)]
+
+
+def test_exports_are_valid_trace_event_format(tmp_path: Path, samples: Path) -> None:
+    """Ingero's own sample node (durations, instants, chain markers, every metadata kind) and a serving
+    node's engine series (counters): each export is valid against the format's schema."""
+    from tests.engine_standin import recording
+
+    docs = {
+        "node": export(samples / NODES[0], tmp_path / "node.json"),
+        "counters": export(
+            recording(tmp_path / "serve.db", "serve-node-01", [(4242, "vllm", "kv_pressure")], 12),
+            tmp_path / "serve.json",
+        ),
+    }
+    phases = {name: Counter(e["ph"] for e in doc["traceEvents"]) for name, doc in docs.items()}
+    assert {"M", "X", "i"} <= set(phases["node"]) and "C" in phases["counters"], phases  # what was checked
+    for name, doc in docs.items():
+        assert trace_event_format_errors(doc) == [], name
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"ph": "X", "name": "a", "ts": 1, "pid": 1, "tid": 1},  # a complete event without its duration
+        {"ph": "X", "name": "a", "ts": 1, "dur": -1, "pid": 1, "tid": 1},
+        {"ph": "i", "name": "a", "ts": 1, "pid": 1, "s": "t"},  # a thread-scoped instant without its thread
+        {"ph": "i", "name": "a", "ts": 1, "pid": 1, "tid": 1, "s": "x"},
+        {"ph": "C", "name": "a", "ts": 1, "pid": 1, "args": {"value": "3"}},  # counter values are numbers
+        {"ph": "M", "name": "process_title", "pid": 1, "args": {"name": "x"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "args": {"name": "x"}},  # whose thread?
+        {"ph": "M", "name": "process_sort_index", "pid": 1, "args": {"sort_index": "1"}},
+        {"ph": "Q", "name": "a", "ts": 1, "pid": 1, "tid": 1},
+        {"ph": "X", "name": "a", "ts": 1, "dur": 1, "pid": "1", "tid": 1},
+    ],
+)
+def test_the_trace_event_schema_refuses_what_the_format_forbids(event: dict[str, Any]) -> None:
+    assert trace_event_format_errors({"traceEvents": [event]})
+
+
+def test_the_trace_event_schema_takes_the_formats_own_kinds_of_event() -> None:
+    valid = [
+        {"ph": "B", "name": "a", "cat": "c", "ts": 1, "pid": 1, "tid": 2},
+        {"ph": "E", "ts": 2, "pid": 1, "tid": 2},
+        {"ph": "X", "name": "a", "ts": 1.5, "dur": 0, "pid": 1, "tid": 2, "args": {"k": [1]}},
+        {"ph": "i", "name": "a", "ts": 1, "pid": 1, "s": "g"},
+        {"ph": "i", "name": "a", "ts": 1, "pid": 1, "tid": 2},
+        {"ph": "C", "name": "a", "ts": 1, "pid": 1, "args": {"cats": 0, "dogs": 2.5}},
+        {"ph": "b", "name": "a", "cat": "c", "ts": 1, "pid": 1, "id": "0x1"},
+        {"ph": "e", "name": "a", "cat": "c", "ts": 2, "pid": 1, "id": "0x1"},
+        {"ph": "s", "name": "a", "cat": "c", "ts": 1, "pid": 1, "tid": 2, "id": 7},
+        {"ph": "f", "name": "a", "cat": "c", "ts": 2, "pid": 1, "tid": 3, "id": 7, "bp": "e"},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "p"}},
+        {"ph": "M", "name": "process_labels", "pid": 1, "args": {"labels": "l"}},
+        {"ph": "M", "name": "process_sort_index", "pid": 1, "args": {"sort_index": 2}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "t"}},
+        {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": 2, "args": {"sort_index": -1}},
+    ]
+    assert trace_event_format_errors({"traceEvents": valid, "displayTimeUnit": "ns", "otherData": {}}) == []
+    assert trace_event_format_errors({"traceEvents": {"ph": "X"}})
+    assert trace_event_format_errors({"traceEvents": [], "displayTimeUnit": "s"})
 
 
 @pytest.mark.skipif(
