@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ def test_trace_inference_records_a_late_engine_beside_its_cuda_calls(
     db, ready = tmp_path / "serve.db", tmp_path / "ready.json"
     cmd = [sys.executable, "-m", "ingero", "trace", "--db", str(db), "--cuda-lib", str(built.cudart)]
     cmd += ["--no-system-search", "--no-follow", "--quiet", "--node", "serve-node", "--inference"]
+    metrics_port = free_port()  # --prometheus: the engine's series re-exported live, with the node
+    cmd += ["--prometheus", f"127.0.0.1:{metrics_port}"]
     tracer = subprocess.Popen([*cmd, "--ready-file", str(ready)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
     engine = None
     try:
@@ -45,6 +48,8 @@ def test_trace_inference_records_a_late_engine_beside_its_cuda_calls(
         assert engine.stdout is not None
         engine.stdout.readline()
         time.sleep(9)  # up to 5 s to be found, then a few scrapes at 1 s
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            exposition = r.read().decode()
     finally:
         if engine is not None:
             engine.kill()
@@ -66,5 +71,8 @@ def test_trace_inference_records_a_late_engine_beside_its_cuda_calls(
     assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"} <= names
     assert "vllm:time_to_first_token_seconds_bucket" in names and scrapes[0] >= 3
     assert calls[0] > 50  # its CUDA calls, recorded by the probes
+    live = f'engine="vllm",engine_pid="{engine.pid}",model_name="llama-3-8b",node="serve-node"'
+    assert f"ingero_engine_vllm_kv_cache_usage_perc{{{live}" in exposition
+    assert f"ingero_engine_vllm_num_preemptions_total{{{live}" in exposition
     assert main(["explain", "--db", str(db), "--json"]) == 0  # reads the engine's rows (scenarios: test_inference)
     assert json.loads(capsys.readouterr().out)["events"] > 0
