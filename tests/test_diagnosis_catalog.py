@@ -27,7 +27,6 @@ from tests.scenarios.judge import Outcome, build, explain_file, judge
 NOT_YET: dict[tuple[str, float], str] = {
     ("cpu-bimodal", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
     ("cpu-contention", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
-    ("tool-call", 0.26): "both layouts: not named at HIGH (said: idle/asleep_network LOW)",
 }
 
 

@@ -9,7 +9,8 @@ every figure against its invariant.
 * slow copies — bytes / time per copy against the process's fast copies (at least PCIe Gen3 x16);
 * hung rank — the rank that never entered the collective the others wait in (NCCL's in-flight calls),
   its GPU's silence as the lost time; no hang claimed without that signal;
-* late rank — host code before a collective that the rank then entered last.
+* late rank — host code before a collective that the rank then entered last (without NCCL rows: host
+  code its peers slept through, told across the nodes).
 """
 
 from __future__ import annotations
@@ -199,17 +200,27 @@ def test_the_lost_share_is_the_magnitude_built_in(tmp_path: Path, family: str, m
 
 
 @pytest.mark.parametrize("layout", [RECORDED, INGERO])
-def test_a_late_rank_is_named_as_recorded_and_peers_are_not(tmp_path: Path, layout: str) -> None:
+def test_a_late_rank_is_named_in_both_layouts_and_peers_are_not(tmp_path: Path, layout: str) -> None:
     p = Params(seed=5, magnitude=0.16, n_nodes=3, outlier=1)
     r = _report("late-rank", p, tmp_path, layout)
     check_invariants(r)
     late = [c for c in r.chains if c.family == "late-rank"]
-    if layout == INGERO:  # no NCCL rows: which rank was late cannot be told from collectives
-        assert late == []
-        return
-    assert [c.node for c in late] == [p.outlier_node]
+    assert [c.node for c in late] == [p.outlier_node], [(c.node, c.family, c.severity) for c in r.chains]
     assert late[0].evidence["lost_share"] == pytest.approx(0.16, rel=TOLERANCE)
     assert late[0].severity == "MEDIUM" and late[0].evidence["late_entries"] >= rules_ranks.MIN_LATE
+    if layout == INGERO:  # no NCCL rows: told across the nodes, the missing signal named, one chain per loss
+        assert late[0].evidence["missing_signal"] == "nccl_calls" and "NCCL" in late[0].root_cause
+        assert not [c for c in r.chains if c.node == p.outlier_node and c.family == "idle/host_code"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_host_code_bursts_the_other_nodes_did_not_wait_for_are_no_late_rank(tmp_path: Path, seed: int) -> None:
+    """Independent servers (no lock step): the outlier's host-code bursts are its own (idle/host_code),
+    never a late rank — its peers did not sleep through them."""
+    p = Params(seed=seed, magnitude=0.16, n_nodes=3, outlier=2)
+    r = _report("serving-host-bound", p, tmp_path, INGERO)
+    assert not [c for c in r.chains if c.family == "late-rank"]
+    assert [c.node for c in r.chains if c.family == "idle/host_code"] == [p.outlier_node]
 
 
 @pytest.mark.parametrize("family", ["healthy-sleeps", "healthy-collective", "healthy-idle-server"])

@@ -33,6 +33,7 @@ from ingero.explain import (
     rules_memory,
     rules_periodic,
     rules_ranks,
+    rules_ranks_fleet,
     rules_serving,
 )
 from ingero.explain.cgroups import pid_cgroups, with_cgroups
@@ -135,6 +136,7 @@ def explain(
         ops += o
         hosts[name] = h
         notes += n
+    chains = rules_ranks_fleet.fleet_late_ranks(frames, names, chains)
     try:
         rules_leak.add_stacks(conn, chains, window)
         chains += rules_serving.serving_chains(conn, window, list(frames), node)

@@ -78,8 +78,9 @@ from ingero.explain.ledger_gaps import (
     paint,
 )
 from ingero.explain.offcpu import OffCpu, union, wakeups
+from ingero.explain.sockets import socket_calls
 from ingero.explain.storage import MINUTE_NS, aggregates_where
-from ingero.store.catalog import IO, NCCL, NET, op_id, op_ids, op_name
+from ingero.store.catalog import IO, NCCL, op_id, op_ids, op_name
 from ingero.store.window import Window
 from ingero.timeutil import NS_PER_MS, fmt_duration
 
@@ -315,14 +316,15 @@ class Ledger:
 
 def thread_evidence(fr: Frame, off: OffCpu, holes: list[tuple[int, int]] | None = None) -> ThreadEvidence:
     """What the ledger reads beside a node's GPU calls: its off-CPU intervals, wakeups (either layout),
-    socket and block I/O calls, and the recording's holes."""
-    net, io = fr.source == NET, fr.source == IO
+    socket (either layout) and block I/O calls, and the recording's holes."""
+    io = fr.source == IO
+    net = socket_calls(fr.args)
     h = np.asarray(holes or [], dtype=np.int64).reshape(-1, 2)
     return ThreadEvidence(
         off,
         {
             "wakeup": wakeups(fr.args),
-            "net": (fr.tid[net], fr.ts_ns[net], fr.ts_ns[net] + fr.dur[net]),
+            "net": (net.tid, net.start, net.end),
             "disk": (fr.tid[io], fr.ts_ns[io], fr.ts_ns[io] + fr.dur[io]),
         },
         (h[:, 0], h[:, 1]),

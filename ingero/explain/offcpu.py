@@ -94,10 +94,16 @@ def wakeups(args: ArgRows) -> tuple[I64, I64, I64]:
     thread); its databases are told by their ``sched_switch`` rows, which carry no ``prev_state``
     (``arg1`` = the thread itself)."""
     wk = args.is_op(SCHED_WAKEUP)
-    sw = args.is_op(SCHED_SWITCH)
-    if sw.any() and bool((args.arg1[sw] == args.tid[sw]).all()):
+    if without_prev_state(args):
         return args.arg1[wk], args.ts_ns[wk], args.pid[wk]
     return args.tid[wk], args.ts_ns[wk], args.arg0[wk]
+
+
+def without_prev_state(args: ArgRows) -> bool:
+    """Whether the rows were written by Ingero's tracer: every ``sched_switch`` row carries the thread
+    itself in ``arg1`` and no ``prev_state`` (its wakeup and socket rows have their own layout too)."""
+    sw = args.is_op(SCHED_SWITCH)
+    return bool(sw.any()) and bool((args.arg1[sw] == args.tid[sw]).all())
 
 
 class OffCpu:

@@ -12,9 +12,10 @@ Not every idle second is somebody's fault:
 * ``asleep_timer`` — the thread chose to sleep (``usleep``, a poll timeout): between steps, an eval pause.
   A chain (LOW) only when it is most of the wall time.
 * ``asleep_network`` — asleep around the thread's own socket calls. A server idle between requests and
-  a loop waiting on a remote call (a tool call, remote data) look the same from the scheduler: the
-  first has no work, the second loses time. Without the protocol they cannot be told apart, so the
-  chain is at most LOW and says both.
+  a loop waiting on a remote call (a tool call, remote data) look the same from the scheduler; the
+  calls' connections tell them apart (:mod:`ingero.explain.rules_network`): asleep while a request it
+  received is unanswered is lost, graded by its share; between requests, nothing is lost (no chain).
+  Where no request is seen, the chain is at most LOW and says both.
 * ``asleep_unknown`` and ``offcpu_unknown`` — the cause is not measured (woken by another task; or no
   prev_state, as in Ingero's recordings): the lost time is reported with what the recording can still
   say (children active meanwhile, wakeups and their wakers, the thread's own on-CPU time) and the
@@ -55,6 +56,7 @@ from ingero.explain.ledger import (
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, wakeups
 from ingero.explain.rules_idle import ledger_chain, ms
+from ingero.explain.rules_network import network_chain, network_waits
 from ingero.store.catalog import op_name
 from ingero.timeutil import NS_PER_MS
 
@@ -95,6 +97,13 @@ def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chai
             if sev is None or bucket == NOT_RECORDED:
                 continue
             told = bucket == OFFCPU_UNKNOWN and int(row.tid or 0) in ctx.off.woken  # sleeps taken out by wakeups
+            net = network_waits(ctx, row) if bucket == ASLEEP_NETWORK else None
+            if net is not None and net.served:  # a server: only its waits inside open requests are lost
+                lost = net.in_requests
+                sev = severity(lost, row.wall_ns)
+                if sev is None:
+                    continue  # asleep between requests: a server idle at low load, nothing lost
+                told = True
             if bucket in AT_MOST_LOW and not told:
                 sev = "MEDIUM" if bucket == OFFCPU_UNKNOWN and lost >= MOSTLY_IDLE * row.wall_ns else "LOW"
             if bucket == ASLEEP_TIMER and lost < CHOSEN_SHARE * row.wall_ns:
@@ -108,7 +117,10 @@ def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chai
                 drop.evidence[f"ledger_{bucket}_ms"] = round(lost / 1e6, 1)
                 continue
             base = _evidence(row, bucket, lost)
-            chain = _BUILDERS[bucket](ctx, row, "LOW" if bucket == ASLEEP_TIMER else sev, base, ledger, explained)
+            if bucket == ASLEEP_NETWORK:
+                chain: Chain | None = network_chain(ctx, row, sev, base, net)
+            else:
+                chain = _BUILDERS[bucket](ctx, row, "LOW" if bucket == ASLEEP_TIMER else sev, base, ledger, explained)
             if chain is not None:
                 out.append(chain)
     return out
@@ -219,27 +231,6 @@ def _preempted(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_:
         [cz.PIN, cz.NICE],
         [TimelineEntry("HOST", "preemption", f"runnable, off-CPU {ms(lost)} between GPU calls", lost // 1000)],
         {**base, "preempted_by": {str(w): round(ns / 1e6, 1) for w, ns in top[:5]}},
-        sev,
-    )
-
-
-def _network(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any) -> Chain:
-    lost = row.idle_ns[ASLEEP_NETWORK]
-    return ledger_chain(
-        ctx,
-        row,
-        "idle/asleep_network",
-        f"GPU idle {100 * lost / row.wall_ns:.0f}% of wall time while its thread waited on the network ({ms(lost)})",
-        f"waiting on a network peer — the GPU thread of {ctx.proc(int(row.pid or 0))} slept {ms(lost)} around its "
-        "own socket calls with no GPU work queued: a remote call (a tool call, remote data, a parameter server) — "
-        "or, in a server idle between requests, no work at all (not lost time)",
-        [
-            cz.SOCKET,
-            "Overlap remote calls with GPU work: issue them asynchronously, batch them, or prefetch the next input "
-            "while the GPU runs",
-        ],
-        [TimelineEntry("NET", "socket", f"asleep {ms(lost)} around its own send/recv calls", lost // 1000)],
-        base,
         sev,
     )
 
@@ -414,7 +405,6 @@ _BUILDERS: dict[str, Any] = {
     PREEMPTED: _preempted,
     ASLEEP_WORKERS: lambda ctx, row, sev, base, *_: rules_idle.workers_chain(ctx, row, sev, base),
     ASLEEP_DISK: lambda ctx, row, sev, base, *_: rules_idle.io_chain(ctx, row, sev, base),
-    ASLEEP_NETWORK: _network,
     ASLEEP_TIMER: _sleep,
     ASLEEP_UNKNOWN: _asleep,
     OFFCPU_UNKNOWN: _offcpu,

@@ -16,6 +16,9 @@ Per GPU thread with collectives, in time order:
   no longer than the others (median): it arrived last and did not wait;
 * time lost: ``Σ (host code − median)`` over the late entries — the time every peer waited for it too —
   never more than the wall time; severity from its share of the thread's wall time.
+
+Without NCCL rows (Ingero's layout) the late rank is told across the nodes instead:
+:mod:`ingero.explain.rules_ranks_fleet`.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ MIN_LATE = 3  # late entries before a rank is called late
 MIN_COLLECTIVES = 10
 
 
-def late_entries(host_ns: I64, coll_dur: I64) -> tuple[np.ndarray, float] | None:
-    """(late-entry mask, median host code) of one thread's gaps before its collectives, or None when
-    it is not a late rank (see the module docstring)."""
+def long_host_code(host_ns: I64) -> tuple[np.ndarray, float] | None:
+    """(mask of the gaps whose host code is far beyond the usual, median host code), or None with too
+    few gaps or fewer than MIN_LATE such gaps (or fewer than MIN_LATE ordinary ones)."""
     if host_ns.size < MIN_COLLECTIVES:
         return None
     base = float(np.median(host_ns))
@@ -46,6 +49,16 @@ def late_entries(host_ns: I64, coll_dur: I64) -> tuple[np.ndarray, float] | None
     late = host_ns >= base + max(MIN_LATE_NS, SIGMAS * sigma)
     if int(late.sum()) < MIN_LATE or int((~late).sum()) < MIN_LATE:
         return None
+    return late, base
+
+
+def late_entries(host_ns: I64, coll_dur: I64) -> tuple[np.ndarray, float] | None:
+    """(late-entry mask, median host code) of one thread's gaps before its collectives, or None when
+    it is not a late rank (see the module docstring)."""
+    found = long_host_code(host_ns)
+    if found is None:
+        return None
+    late, base = found
     if float(np.median(coll_dur[late])) > float(np.median(coll_dur[~late])):
         return None  # it waited inside those collectives too: not the last to arrive
     return late, base
@@ -117,24 +130,31 @@ def _chain(
             f"all, {100 * share:.1f}% of its wall time. The collectives right after were no longer than the others: "
             "this rank was the last to arrive, and the job advanced at its pace."
         ),
-        recommendations=[
-            f"Profile the rank's host code before the collective: py-spy record --pid {pid} (logging, metrics, "
-            "checkpointing or data work done on one rank only)",
-            "Move per-rank extra work off the critical path (a background thread, or every N steps on all ranks "
-            "alike); compare the ranks with ingero explain --nodes",
-        ],
+        recommendations=recommendations(pid),
         family="late-rank",
-        evidence={
-            "rule": "late-rank",
-            "pid": pid,
-            "tid": tid,
-            "op": name,
-            "collectives": n,
-            "late_entries": n_late,
-            "usual_host_us": round(base / 1000, 1),
-            "lost_ms": round(lost / 1e6, 1),
-            "lost_share": round(share, 4),
-            "score": round(share, 4),
-        },
+        evidence={"rule": "late-rank", "op": name, "collectives": n, **figures(pid, tid, n_late, base, lost, share)},
         timeline=[TimelineEntry("NCCL", name, words)],
     )
+
+
+def recommendations(pid: int) -> list[str]:
+    """What to do about a late rank (either layout)."""
+    return [
+        f"Profile the rank's host code before the collective: py-spy record --pid {pid} (logging, metrics, "
+        "checkpointing or data work done on one rank only)",
+        "Move per-rank extra work off the critical path (a background thread, or every N steps on all ranks "
+        "alike); compare the ranks with ingero explain --nodes",
+    ]
+
+
+def figures(pid: int, tid: int, n_late: int, base: float, lost: float, share: float) -> dict[str, object]:
+    """A late-rank chain's figures (either layout): lost ≤ wall, its share in [0, 1]."""
+    return {
+        "pid": pid,
+        "tid": tid,
+        "late_entries": n_late,
+        "usual_host_us": round(base / 1000, 1),
+        "lost_ms": round(lost / 1e6, 1),
+        "lost_share": round(share, 4),
+        "score": round(share, 4),
+    }

@@ -7,7 +7,9 @@
 * ``loader-disk`` — the thread reads each slow batch from disk itself, asleep in D state.
 * ``serving-host-bound`` — serving's CPU bottleneck: the thread runs ~1.5 s of its own Python
   (detokenising, sampling) between GPU calls, a few times.
-* ``tool-call`` — an agent server sends a tool call over the network and sleeps until the reply.
+* ``tool-call`` — an agent server busy with user requests (each read from the user's connection and
+  answered on it) sends a tool call on another connection in the middle of some requests and sleeps
+  until the reply: the user's request stays open meanwhile (the socket rows carry each connection's fd).
 * ``checkpoint`` — every few seconds the thread copies the weights out and writes them with
   ``torch.save``: asleep in D state on its own block writes.
 
@@ -20,18 +22,23 @@ from __future__ import annotations
 from ingero.demo.realistic import _fork_workers
 from ingero.demo.synth import MEMCPY, SyntheticNode
 from ingero.store.catalog import op_id
-from ingero.timeutil import NS_PER_MS, NS_PER_S
+from ingero.timeutil import NS_PER_MS, NS_PER_S, NS_PER_US
 from tests.scenarios.base import (
     SECONDS,
+    Gap,
     Loop,
     Params,
     disturb,
     fleet,
     incidents,
+    lost_budget,
     split,
+    spread_steps,
+    steps_in,
 )
 
 NET_SEND, NET_RECV = op_id("net_send"), op_id("net_recv")
+USER_FD, TOOL_FD = 7, 9  # an agent server's connections: the user's (requests in, replies out), the tool's
 SLOW_BATCH_S, MOST_SLOW_BATCHES = 0.02, 60  # a chronic disturbance: slow batches of ~20 ms, 60 at most
 
 
@@ -90,20 +97,50 @@ def serving_host_bound(p: Params) -> list[SyntheticNode]:
     return fleet(p, disturbed, cmd="python3 serve.py --model llama")
 
 
+def _net(lp: Loop, op: tuple[int, int], fd: int, nbytes: int, dur_ns: float) -> None:
+    """A socket call of the loop's thread, written as ingero's tracer does (arg0 = bytes, arg1 = the fd)."""
+    lp.rec.ev(lp.t, lp.pid, *op, dur_ns, arg0=nbytes, arg1=fd)
+    lp.t += dur_ns / 1e9 + 10e-6
+
+
+def serve(loop: Loop, incidents: dict[int, float], gap: Gap) -> None:
+    """An agent server busy with one user request after another until it has done ``SECONDS`` of its own
+    work: it reads the request from the user's connection (already queued: no wait), runs the prefill
+    and decode steps, and writes the reply back; ``incidents[k]`` seconds of ``gap`` before step k, inside
+    the request then open (the time they take is lost)."""
+    rng = loop.rec.rng
+    while loop.healthy_s < SECONDS:
+        _net(loop, NET_RECV, USER_FD, int(rng.integers(300, 4000)), float(rng.uniform(15, 40)) * NS_PER_US)
+        for _ in range(int(rng.integers(8, 24))):
+            if loop.healthy_s >= SECONDS:
+                break
+            hit = incidents.pop(loop.steps, None)
+            if hit is not None:
+                t0 = loop.t
+                gap(loop, hit)
+                loop.lost += loop.t - t0
+            loop.step()
+        _net(loop, NET_SEND, USER_FD, int(rng.integers(200, 8000)), float(rng.uniform(20, 60)) * NS_PER_US)
+    assert not incidents, "every tool call falls inside the run"
+
+
 def tool_call(p: Params) -> list[SyntheticNode]:
     def call(lp: Loop, s: float) -> None:
+        """The tool call: its request written to the tool's connection, asleep until the reply comes."""
         rec = lp.rec
-        rec.ev(lp.t, lp.pid, *NET_SEND, 40_000, arg0=1800)  # the tool request
-        lp.t += 60e-6
+        _net(lp, NET_SEND, TOOL_FD, 1800, 40_000)
         wait = s * NS_PER_S - 100_000
         rec.sleep(lp.t, lp.pid, wait, waker=0)  # woken from softirq when the reply arrives
-        rec.ev(lp.t, lp.pid, *NET_RECV, wait + 30_000, arg0=int(rec.rng.integers(2_000, 40_000)))
+        rec.ev(lp.t, lp.pid, *NET_RECV, wait + 30_000, arg0=int(rec.rng.integers(2_000, 40_000)), arg1=TOOL_FD)
         lp.t += (wait + 40_000) / 1e9
 
     def disturbed(loop: Loop, p: Params) -> None:
-        disturb(loop, p.magnitude, 12, call)
+        k = 12
+        parts = split(loop.rec.rng, lost_budget(p.magnitude), k)
+        steps = sorted(spread_steps(loop.rec.rng, steps_in(SECONDS), k))
+        serve(loop, dict(zip(steps, parts, strict=True)), call)
 
-    return fleet(p, disturbed, cmd="python3 agent_server.py")
+    return fleet(p, disturbed, cmd="python3 agent_server.py", healthy=lambda loop: serve(loop, {}, call))
 
 
 def checkpoint(p: Params) -> list[SyntheticNode]:

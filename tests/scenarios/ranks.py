@@ -8,7 +8,8 @@
 * ``healthy-sleeps`` — a trainer that sleeps by choice: usleep between steps and two evaluation
   pauses (a timer wakes it).
 * ``healthy-collective`` — equal ranks whose all-reduce waits come from ordinary jitter.
-* ``healthy-idle-server`` — an inference server at low load, asleep in epoll between requests.
+* ``healthy-idle-server`` — an inference server at low load, asleep between requests (in epoll or in
+  the read), streaming each reply back on the request's connection.
 
 These must never get a HIGH or MEDIUM chain (the healthy ones), nor CPU contention at any severity.
 """
@@ -132,20 +133,35 @@ def healthy_sleeps(p: Params) -> list[SyntheticNode]:
     return out
 
 
+CLIENT_FDS = (11, 12, 13, 14)  # the idle server's client connections (kept alive between requests)
+
+
 def healthy_idle_server(p: Params) -> list[SyntheticNode]:
+    """Requests now and then on one of a few kept-alive connections: asleep until one arrives (in
+    ``epoll_wait`` then a short read, or in a blocking read), prefill, decode steps streaming the reply
+    back in chunks on the same connection (arg0 = bytes, arg1 = the fd, as ingero's tracer writes them)."""
     out = []
     for i in range(p.n_nodes):
         lp = trainer(p, i, "python3 serve.py --model llama")
         rec = lp.rec
         while lp.t < SECONDS * 2:
+            fd = int(rec.rng.choice(CLIENT_FDS))
             idle = float(rec.rng.exponential(0.35)) * NS_PER_S  # low load: a request every ~0.35 s
-            rec.sleep(lp.t, lp.pid, idle)  # asleep in epoll_wait until the next request arrives
-            rec.ev(lp.t, lp.pid, *NET_RECV, idle + 20_000, arg0=int(rec.rng.integers(500, 4000)))
-            lp.t += idle / 1e9 + 30e-6
-            for _ in range(int(rec.rng.integers(8, 24))):  # prefill, then decode steps
+            rec.sleep(lp.t, lp.pid, idle)  # asleep until the next request arrives
+            if rec.rng.random() < 0.5:  # epoll_wait, then the read finds the request there
+                lp.t += idle / 1e9 + 15e-6
+                rec.ev(lp.t, lp.pid, *NET_RECV, 20_000, arg0=int(rec.rng.integers(500, 4000)), arg1=fd)
+            else:  # asleep in the read itself
+                rec.ev(lp.t, lp.pid, *NET_RECV, idle + 20_000, arg0=int(rec.rng.integers(500, 4000)), arg1=fd)
+                lp.t += idle / 1e9
+            lp.t += 30e-6
+            for k in range(int(rec.rng.integers(8, 24))):  # prefill, then decode steps
                 lp.work(copy=False)
                 lp.sync(4.0)
-            rec.ev(lp.t, lp.pid, *NET_SEND, 50_000, arg0=int(rec.rng.integers(200, 8000)))
+                if k % 4 == 3:  # a chunk of the streamed reply
+                    rec.ev(lp.t, lp.pid, *NET_SEND, 30_000, arg0=int(rec.rng.integers(50, 400)), arg1=fd)
+                    lp.t += 40e-6
+            rec.ev(lp.t, lp.pid, *NET_SEND, 50_000, arg0=int(rec.rng.integers(200, 8000)), arg1=fd)
             lp.t += 80e-6
         out.append(finish(lp))
     return out

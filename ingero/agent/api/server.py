@@ -28,6 +28,7 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
+from ingero.agent.api import hypercorn_h2
 from ingero.agent.api.app import AgentAPI
 from ingero.agent.api.endpoints import AgentContext
 from ingero.agent.api.workers import Admission, AdmissionLimits, PeerRecordingSSLObject
@@ -298,6 +299,7 @@ async def serve_on_socket(
 ) -> None:
     """hypercorn's trio worker serving ``app`` on a socket bound by the caller (TLS when ``ssl_context``)
     until cancelled; ``task_status.started(bound)`` once it accepts. Every ingero server listens this way."""
+    hypercorn_h2.install()  # request data after the answer must not end the server (see the module)
     config = _HypercornConfig(ssl_context)
     if read_timeout != "default":
         config.read_timeout = read_timeout
