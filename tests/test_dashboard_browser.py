@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import shutil
+import sqlite3
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -30,9 +31,11 @@ from ingero.agent.api.server import BoundServer
 from ingero.config import NodeSpec
 from ingero.dashboard.app import DashboardSettings, serve_dashboard
 from ingero.tls.context import client_ssl_context
+from ingero.tools.local import get_causal_chains, get_engine_metrics, get_trace_stats
 from ingero.tools.registry import ToolEnv
 from tests.fleet_agents import Pki, agents_in_thread, client_settings, make_pki
-from tests.tools_surfaces import NODE_NAMES, node_agents
+from tests.test_dashboard import cli_ledger_lines, local_answer
+from tests.tools_surfaces import NODE_DBS, NODE_NAMES, node_agents
 
 TOKEN = "dashboard-s3cret"
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,14 +128,138 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+ENGINE_NODE, ENGINE_PID = "gpu-node-02", 5151
+
+
 @pytest.fixture(scope="module")
 def demo_dbs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three demo nodes of ``make demo`` (``ingero investigations``), made fresh."""
+    """The three demo nodes of ``make demo`` (``ingero investigations``), made fresh; gpu-node-02 also
+    serves a (stand-in) vLLM whose metrics the real scraper recorded under KV-cache pressure."""
     from ingero.demo.investigations import generate
+    from ingero.identity import Identity
+    from ingero.store.writer import StoreWriter
+    from tests.engine_standin import N, recording
 
     out = tmp_path_factory.mktemp("demo")
     generate(out)
+    engine = recording(out / "engine.db", ENGINE_NODE, [(ENGINE_PID, "vllm", "kv_pressure")], N)
+    conn = sqlite3.connect(engine)
+    try:
+        rows = conn.execute("SELECT ts, pid, engine, metric, labels, value FROM engine_metrics").fetchall()
+    finally:
+        conn.close()
+    for name in ("sample-gpu-node-02.db", "sample-cluster.db"):
+        with StoreWriter(out / name, Identity(ENGINE_NODE)) as w:
+            w.write_batch(engine_metrics=rows)
     return out
+
+
+# --- what the page must show, computed in Python from the tools' answers -----------------------------
+
+OP_HEADS = ["node", "source", "op", "count", "p50", "p95", "p99", "max", "p99/p50", "total"]
+
+
+def op_cells(d: dict[str, Any]) -> list[str]:
+    """One per-op row as the CLI words it (ingero.timeutil.fmt_latency, counts with separators)."""
+    from ingero.timeutil import fmt_latency
+
+    def us(v: float) -> str:
+        return fmt_latency(round(v * 1000))
+
+    return [
+        *(str(d[k]) for k in ("node", "source", "op")),
+        f"{d['count']:,}",
+        *(us(d[k]) for k in ("p50_us", "p95_us", "p99_us", "max_us")),
+        f"{d['tail_ratio']:.1f}x",
+        fmt_latency(round(d["total_ms"] * 1e6)),
+    ]
+
+
+def engine_value(v: float) -> str:
+    if float(v).is_integer():
+        return f"{int(v):,}"
+    return f"{round(v, 3) if abs(v) >= 1 else float(f'{v:.4g}'):,}"
+
+
+def table_cells(driver: Any, css: str) -> list[list[str]]:
+    from selenium.webdriver.common.by import By
+
+    return [
+        [td.text for td in tr.find_elements(By.TAG_NAME, "td")] for tr in driver.find_elements(By.CSS_SELECTOR, css)
+    ]
+
+
+def check_ledger(driver: Any, rows: list[dict[str, Any]], cli: dict[tuple[str, int], str]) -> None:
+    """Every GPU thread of the tool's ledger on the page: the line explain prints for it, and a bar whose
+    segments are its buckets (nanoseconds as answered) and fill it."""
+    from selenium.webdriver.common.by import By
+
+    shown = driver.find_elements(By.CSS_SELECTOR, "#ledger .ledger-row")
+    rows = sorted(rows, key=lambda r: (r["node"], -r["wall_ns"]))  # by node, the longest thread first
+    assert [(e.get_attribute("data-node"), int(e.get_attribute("data-tid"))) for e in shown] == [
+        (r["node"], r["tid"]) for r in rows
+    ]
+    assert set(cli) == {(r["node"], r["tid"]) for r in rows}
+    for e, r in zip(shown, rows, strict=True):
+        who = e.find_element(By.CSS_SELECTOR, ".who").text
+        summary = e.find_element(By.CSS_SELECTOR, ".summary").text
+        assert f"{who}: {summary}" == cli[(r["node"], r["tid"])]  # word for word what the CLI prints
+        segs = e.find_elements(By.CSS_SELECTOR, ".ledger-bar .seg")
+        assert {s.get_attribute("data-bucket"): int(s.get_attribute("data-ns")) for s in segs} == {
+            b: ns for b, ns in r["buckets"].items() if ns > 0
+        }
+        assert sum(r["buckets"].values()) == r["wall_ns"]
+        bar = e.find_element(By.CSS_SELECTOR, ".ledger-bar")
+        inner = driver.execute_script("return arguments[0].clientWidth", bar)
+        assert abs(sum(s.rect["width"] for s in segs) - inner) <= len(segs)  # the buckets fill the bar
+
+
+def check_engine(driver: Any, node: str, local: dict[str, Any]) -> None:
+    """The engine's panel: each series' last value as get_engine_metrics answers on that node's database."""
+    from selenium.webdriver.common.by import By
+
+    (e,) = [e for e in local["engines"] if e["node"] == node]
+    (box,) = driver.find_elements(By.CSS_SELECTOR, "#engines .engine")
+    assert (box.get_attribute("data-node"), int(box.get_attribute("data-pid"))) == (node, ENGINE_PID)
+    assert box.find_element(By.TAG_NAME, "h3").text.startswith(f"vllm (pid {ENGINE_PID}) on {node}")
+    cells = {m: v for m, v in table_cells(box, "tbody tr")}
+    assert cells == {m: engine_value(v) for m, v in e["last"].items() if not m.endswith("_created")}
+    assert cells["vllm:kv_cache_usage_perc"] == "0.985"  # the scenario's full cache, as scraped
+    assert cells["vllm:num_requests_running"] == "48"
+
+
+def test_duration_and_count_formats_are_the_clis(tmp_path: Path, pki: Pki) -> None:
+    """The page's fmtLatency / fixed / fmtCount against ingero.timeutil.fmt_latency, format(x, '.Nf') and
+    f'{n:,}': exact ties (1.25 ms, 2.5 µs), values just under each unit, and a seeded sweep of magnitudes."""
+    import numpy as np
+
+    from ingero.timeutil import fmt_latency
+
+    rng = np.random.default_rng(20)
+    ns = [0, 1, 499.5, 999, 999.5, 1000, 1500, 2500, 999_499, 999_500, 999_949, 999_950, 1_000_000, 1_050_000]
+    ns += [1_150_000, 1_250_000, 17_077_187, 999_950_000, 999_994_999, 10**9, 1_005_000_000, 1_015_000_000]
+    ns += [1_234_567_890_123, *np.round(10 ** rng.uniform(0, 13, 400)).tolist()]
+    ns += (np.round(10 ** rng.uniform(0, 7, 200)) + 0.5).tolist()
+    floats = [0.25, 0.125, 2.5, 3.5, 1.15, 2.675, 1e-3, *rng.uniform(0, 1000, 200).round(3).tolist()]
+    counts = [0, 7, 999, 1000, 12_345, 30_070, 1_234_567, 10**15, *rng.integers(0, 10**12, 100).tolist()]
+    listen = Listen(tls_cert=pki.node_cert, tls_key=pki.node_key)
+    with (
+        dashboard_in_thread(DashboardSettings(env=ToolEnv(db=tmp_path / "none.db")), listen) as bound,
+        chromium_trusting(pki.ca, tmp_path / "home") as driver,
+    ):
+        driver.get(bound.url)
+        got = driver.execute_script(
+            "const [ns, floats, counts] = arguments;"
+            "return [ns.map(fmtLatency), [0, 1, 2, 3].map((d) => floats.map((x) => fixed(x, d))),"
+            " counts.map(fmtCount)];",
+            ns,
+            floats,
+            counts,
+        )
+    assert got[0] == [fmt_latency(v) for v in ns]
+    assert got[1] == [[format(x, f".{d}f") for x in floats] for d in range(4)]
+    assert got[2] == [f"{n:,}" for n in counts]
+    assert fmt_latency(17_077_187) == "17.1 ms" and "17.1 ms" in got[0]
 
 
 def test_dashboard_in_chromium(tmp_path: Path, demo_dbs: Path, pki: Pki) -> None:
@@ -188,10 +315,27 @@ def test_dashboard_in_chromium(tmp_path: Path, demo_dbs: Path, pki: Pki) -> None
             shown = driver.find_elements(By.CSS_SELECTOR, "#chains .chain")
             assert chains and [c.get_attribute("data-chain") for c in shown] == [c["id"] for c in chains]
             assert chains[0]["summary"] in shown[0].text
-            # per-op latency table with percentiles, and one zoomable chart per node
+            # per-op latency table: the fleet's percentiles with units, as the CLI prints them
             heads = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#ops thead th")]
-            assert heads[:7] == ["node", "source", "op", "count", "p50_us", "p95_us", "p99_us"]
-            assert len(driver.find_elements(By.CSS_SELECTOR, "#ops tbody tr")) > 3
+            assert heads == OP_HEADS
+            ops = tool_answer(url, pki, "query_fleet", {"action": "ops"})
+            expected = [op_cells(dict(zip(ops["columns"], r, strict=True))) for r in ops["rows"]]
+            shown_ops = table_cells(driver, "#ops tbody tr")
+            assert len(shown_ops) > 3 and sorted(shown_ops) == sorted(expected)
+            assert any(c.endswith(" ms") and "." in c for r in shown_ops for c in r[4:8])
+            # where each node's GPU thread spent its wall time: the lines explain prints, as bars
+            ledger = tool_answer(url, pki, "query_fleet", {"action": "chains", "limit": 20})["ledger"]
+            assert {r["node"] for r in ledger} == set(NODE_NAMES)
+            cli: dict[tuple[str, int], str] = {}
+            for db in NODE_DBS:
+                cli |= cli_ledger_lines(demo_dbs / db)
+            check_ledger(driver, ledger, cli)
+            # gpu-node-02's serving engine: its series' last values, as its own database answers
+            check_engine(driver, ENGINE_NODE, local_answer(get_engine_metrics, demo_dbs / "sample-gpu-node-02.db"))
+            driver.execute_script("document.getElementById('ledger-section').scrollIntoView()")
+            driver.save_screenshot(str(shots / "02-ledger-engines.png"))
+            driver.execute_script("window.scrollTo(0, 0)")
+            # one zoomable chart per node
             charts = driver.find_elements(By.CSS_SELECTOR, "#timeline .node-chart")
             assert [c.get_attribute("data-node") for c in charts] == list(NODE_NAMES)
             assert all(c.find_elements(By.CSS_SELECTOR, "canvas") for c in charts)
@@ -233,7 +377,7 @@ def test_dashboard_in_chromium(tmp_path: Path, demo_dbs: Path, pki: Pki) -> None
             wait.until(ec.presence_of_element_located((By.ID, "login-form")))
 
     written = sorted(p.name for p in shots.glob("0[123]-*.png"))
-    assert written == ["01-wrong-token.png", "02-fleet.png", "03-sql.png"]
+    assert written == ["01-wrong-token.png", "02-fleet.png", "02-ledger-engines.png", "03-sql.png"]
     (shots / "README.json").write_text(json.dumps({"url": url, "screenshots": written}))
 
 
@@ -258,6 +402,19 @@ def test_dashboard_of_one_database_in_chromium(tmp_path: Path, demo_dbs: Path, p
         assert not driver.find_element(By.ID, "logout").is_displayed()  # nothing to log out of
         chains = driver.find_elements(By.CSS_SELECTOR, "#chains .chain")
         assert chains and chains[0].get_attribute("data-chain").split(":")[0] in NODE_NAMES
+        # the per-op table, the ledger and the engine: what the local tools answer, worded as the CLI does
+        stats = local_answer(get_trace_stats, db)
+        assert sorted(table_cells(driver, "#ops tbody tr")) == sorted(
+            op_cells(o) for o in stats["top_ops_by_total_time"]
+        )
+        ledger = local_answer(get_causal_chains, db)["ledger"]
+        assert {r["node"] for r in ledger} == set(NODE_NAMES)
+        check_ledger(driver, ledger, cli_ledger_lines(db))
+        engines = local_answer(get_engine_metrics, db)
+        check_engine(driver, ENGINE_NODE, engines)
+        (e,) = engines["engines"]
+        head = driver.find_element(By.CSS_SELECTOR, "#engines .engine h3").text
+        assert f"{e['scrapes']:,} scrapes, last " in head and e["scrapes"] >= 30
         charts = driver.find_elements(By.CSS_SELECTOR, "#timeline .node-chart")
         assert [c.get_attribute("data-node") for c in charts] == list(NODE_NAMES)
         driver.find_element(By.ID, "sql-run").click()  # the default query

@@ -291,20 +291,22 @@ def test_ctrl_c_during_a_fan_out_is_one_line_and_exit_130(pki: Pki) -> None:
     assert err.strip().splitlines() == ["ingero: interrupted (Ctrl-C)"], err
 
 
-def ledger_block(text: str) -> dict[str, list[str]]:
-    """The GPU-thread lines of an explain text report, under the node they follow."""
-    out: dict[str, list[str]] = {}
-    node, inside = "", False
+def thread_lines(text: str) -> dict[tuple[str, int], str]:
+    """The GPU-thread lines of an explain text report (local or fleet), unwrapped, by (node, tid): a
+    node's lines follow its name."""
+    lines: dict[tuple[str, int], str] = {}
+    node, last = "", None
     for line in text.splitlines():
-        if line.startswith("gpu-node-"):
+        if line and not line.startswith(" ") and ":" not in line:
             node = line.strip()
-        elif line.startswith("  GPU thread "):
-            out.setdefault(node, []).append(line.strip())
-        elif inside and line.startswith("    "):  # the line wrapped
-            out[node][-1] += " " + line.strip()
-            continue
-        inside = line.startswith("  GPU thread ")
-    return out
+        if line.startswith("  GPU thread "):
+            last = (node, int(line.split()[2]))
+            lines[last] = line.strip()
+        elif last and line.startswith("    "):  # the line wrapped
+            lines[last] += " " + line.strip()
+        else:
+            last = None
+    return lines
 
 
 def test_explain_nodes_prints_each_nodes_ledger_as_local_explain_does(
@@ -317,14 +319,13 @@ def test_explain_nodes_prints_each_nodes_ledger_as_local_explain_does(
     head, _, rest = out.partition("WALL-TIME LEDGER — where each GPU thread's time went, on 3 nodes\n")
     assert head.startswith("FLEET DIAGNOSIS") and "root cause: " in head  # after the chains,
     assert rest and rest.index("straggler: ") > 0  # before the verdict
-    fleet = ledger_block(rest.split("\nstraggler: ")[0])
-    local: dict[str, list[str]] = {}
+    fleet = thread_lines(rest.split("\nstraggler: ")[0])
+    local: dict[tuple[str, int], str] = {}
     for db in fleet3_dbs.values():
         assert main(["explain", "--db", str(db)]) == 0
-        local |= ledger_block(capsys.readouterr().out)
-    assert list(fleet) == list(fleet3_dbs) and fleet == local
-    for lines in fleet.values():
-        (line,) = lines
+        local |= thread_lines(capsys.readouterr().out)
+    assert [node for node, _ in fleet] == list(fleet3_dbs) and fleet == local
+    for line in fleet.values():
         assert re.fullmatch(r"GPU thread 4242 \(pid 4242\): \d+ms = \d+ % GPU calls.* \+ \d+ % preempted.*", line)
     # the JSON rows behind them add up to their wall time
     assert main(["explain", "--nodes", ",".join(fleet3), *tls_flags(pki), "--json"]) == 0

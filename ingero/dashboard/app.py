@@ -31,6 +31,7 @@ import trio
 from ingero import __version__
 from ingero.asgi import ASGIApp, Receive, Scope, Send, lifespan
 from ingero.errors import RateLimitedError
+from ingero.explain.ledger import BUCKETS, GPU_SLOW, GPU_STEADY, WORDS
 from ingero.store.catalog import GPU_API_SOURCES, SOURCE_NAMES
 from ingero.tools import registry
 from ingero.tools.http import Auth, Guard, RateLimit, ToolsAPI, is_tools_path, send_json
@@ -45,6 +46,7 @@ CSRF_HEADER = b"x-ingero"
 SESSION_TTL_S = 12 * 3600
 MAX_FORM_BYTES = 4096
 STATIC_PACKAGE = "ingero.dashboard"
+LEDGER_LABELS = {GPU_STEADY: "GPU calls", GPU_SLOW: "GPU calls slower than steady", **WORDS}
 SECURITY_HEADERS = [
     (b"cache-control", b"no-store"),
     (b"x-content-type-options", b"nosniff"),
@@ -177,6 +179,8 @@ class Dashboard:
             "nodes": [n.name or n.addr for n in env.nodes],
             "database": env.db.name if env.db else None,
             "gpu_sources": sorted(SOURCE_NAMES[s] for s in GPU_API_SOURCES if s in SOURCE_NAMES),
+            # the wall-time ledger's buckets, in order, with the words explain prints for them
+            "ledger_buckets": [{"name": b, "label": LEDGER_LABELS[b]} for b in BUCKETS],
             "login": bool(self.settings.token),
         }
 

@@ -30,6 +30,13 @@ OPS_COLUMNS = ["node", "source", "op", "count", "p50_us", "p95_us", "p99_us", "m
 OVERVIEW_COLUMNS = ["node", "events", "first", "last", "live", "high", "medium", "low", "top_op", "top_op_p99_us"]
 
 
+def _ledger(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The agents' ledger rows, each with its line as ``ingero explain`` words it (like get_causal_chains)."""
+    from ingero.explain.ledger import LedgerRow, describe
+
+    return [{**r, "summary": describe(LedgerRow.from_dict(r))} for r in rows]
+
+
 def _header(outcomes: Sequence[NodeOutcome], settings: ClientSettings) -> dict[str, Any]:
     from ingero.fleet.render import skew_warnings, twin_warning, unanswered_lines
 
@@ -226,7 +233,7 @@ async def fleet_action(
             "straggler": fleet.verdict.as_dict(),
             "limit": limit,
             "chains": [chain_dict(c) for c in fleet.chains[:limit]],
-            "ledger": fleet.ledger,  # every node's GPU threads: where their wall time went
+            "ledger": _ledger(fleet.ledger),  # every node's GPU threads: where their wall time went
             "windows": fleet.windows,
         }
     if action == "ops":

@@ -31,6 +31,32 @@ function el(tag, attrs, ...children) {
   return e;
 }
 
+// --- figures as the CLI prints them ----------------------------------------------------------------
+// fixed() is Python's format(x, ".Nf") (exact ties to even), fmtLatency() ingero.timeutil.fmt_latency and
+// fmtCount() Python's f"{n:,}": tests/test_dashboard_browser.py checks them against Python, value for value.
+
+function fixed(x, digits) {
+  const sign = x < 0 ? "-" : "";
+  const a = Math.abs(x);
+  const exact = a.toFixed(100); // every digit of the double (toFixed rounds exact ties up)
+  const dot = exact.indexOf(".");
+  const kept = exact.slice(0, digits ? dot + 1 + digits : dot);
+  const tie = /^50*$/.test(exact.slice(dot + 1 + digits));
+  return sign + (tie && Number(kept[kept.length - 1]) % 2 === 0 ? kept : a.toFixed(digits));
+}
+
+function fmtLatency(ns) {
+  if (ns >= 1e9) return `${fixed(ns / 1e9, 2)} s`;
+  if (ns >= 1e6) return `${fixed(ns / 1e6, 1)} ms`;
+  if (ns >= 1e3) return `${fixed(ns / 1e3, 0)} µs`;
+  return `${fixed(ns, 0)} ns`;
+}
+
+function fmtCount(n) {
+  const [whole, frac] = String(n).split(".");
+  return whole.replace(/\B(?=(\d{3})+(?!\d))/g, ",") + (frac === undefined ? "" : `.${frac}`);
+}
+
 function fmt(v) {
   if (v === null || v === undefined) return "";
   if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toFixed(3).replace(/\.?0+$/, "");
@@ -38,14 +64,20 @@ function fmt(v) {
   return String(v);
 }
 
+// columns: names, or [name, format] pairs (a formatted column is numeric: right-aligned)
 function fillTable(table, columns, rows, rowAttrs) {
   table.replaceChildren();
-  const head = el("tr", {}, ...columns.map((c) => el("th", {}, c)));
+  const cols = columns.map((c) => (Array.isArray(c) ? c : [c, null]));
+  const head = el("tr", {}, ...cols.map(([c]) => el("th", {}, c)));
   table.append(el("thead", {}, head));
   const body = el("tbody");
   rows.forEach((r, i) => {
     const tr = el("tr", rowAttrs ? rowAttrs(r, i) : {});
-    r.forEach((v) => tr.append(el("td", { class: typeof v === "number" ? "num" : "" }, fmt(v))));
+    r.forEach((v, j) => {
+      const f = cols[j] && cols[j][1];
+      const text = f && v !== null && v !== undefined ? f(v) : fmt(v);
+      tr.append(el("td", { class: f || typeof v === "number" ? "num" : "" }, text));
+    });
     body.append(tr);
   });
   table.append(body);
@@ -85,20 +117,28 @@ async function loadNodes() {
 
 // --- per-op latency -------------------------------------------------------------------------------
 
-const OP_COLUMNS = ["node", "source", "op", "count", "p50_us", "p95_us", "p99_us", "max_us", "tail_ratio", "total_ms"];
+const us = (v) => fmtLatency(Math.round(v * 1e3));
+// [column as the CLI names it, the tools' field, its format]
+const OP_TABLE = [
+  ["node", "node", null], ["source", "source", null], ["op", "op", null], ["count", "count", fmtCount],
+  ["p50", "p50_us", us], ["p95", "p95_us", us], ["p99", "p99_us", us], ["max", "max_us", us],
+  ["p99/p50", "tail_ratio", (r) => `${fixed(r, 1)}x`], ["total", "total_ms", (v) => fmtLatency(Math.round(v * 1e6))],
+];
+const OP_HEADS = OP_TABLE.map(([name, , f]) => (f ? [name, f] : name));
 
 async function loadOps() {
   const table = document.getElementById("ops");
+  const field = (name) => OP_TABLE.findIndex((c) => c[1] === name);
   if (config.mode === "fleet") {
     const ops = await tool("query_fleet", { action: "ops" });
-    const idx = OP_COLUMNS.map((c) => ops.columns.indexOf(c));
+    const idx = OP_TABLE.map(([, f]) => ops.columns.indexOf(f));
     const rows = ops.rows.map((r) => idx.map((i) => (i >= 0 ? r[i] : null)));
-    rows.sort((a, b) => (b[6] || 0) - (a[6] || 0));
-    fillTable(table, OP_COLUMNS, rows.slice(0, 60));
+    rows.sort((a, b) => (b[field("p99_us")] || 0) - (a[field("p99_us")] || 0));
+    fillTable(table, OP_HEADS, rows.slice(0, 60));
   } else {
     const stats = await tool("get_trace_stats");
-    const rows = stats.top_ops_by_total_time.map((o) => OP_COLUMNS.map((c) => o[c] === undefined ? null : o[c]));
-    fillTable(table, OP_COLUMNS, rows);
+    const rows = stats.top_ops_by_total_time.map((o) => OP_TABLE.map(([, f]) => (o[f] === undefined ? null : o[f])));
+    fillTable(table, OP_HEADS, rows);
   }
   setStatus(`updated ${new Date().toISOString().replace(/\.\d+Z$/, "Z")}`);
 }
@@ -127,6 +167,104 @@ async function loadChains() {
     : await tool("get_causal_chains", { limit: 20 });
   box.replaceChildren(...doc.chains.map(chainCard));
   if (!doc.chains.length) box.append(el("p", { class: "muted" }, "no causal chains in the window"));
+  showLedger(doc.ledger || []);
+}
+
+// --- the wall-time ledger: each GPU thread's wall time, bucket by bucket (they add up to it) --------
+
+function ledgerBar(r) {
+  const bar = el("div", { class: "ledger-bar" });
+  config.ledger_buckets.forEach((b, i) => {
+    const ns = r.buckets[b.name] || 0;
+    if (ns <= 0) return;
+    const share = (100 * ns) / r.wall_ns;
+    const seg = el("span", {
+      class: `seg b${i}`, "data-bucket": b.name, "data-ns": String(ns),
+      title: `${b.label}: ${fixed(share, 1)} % (${fmtLatency(ns)})`,
+    });
+    seg.style.width = `${share}%`;
+    bar.append(seg);
+  });
+  return bar;
+}
+
+function showLedger(rows) {
+  const box = document.getElementById("ledger");
+  box.replaceChildren();
+  if (!rows.length) {
+    box.append(el("p", { class: "muted" }, "no GPU thread in the window"));
+    return;
+  }
+  const used = new Set(rows.flatMap((r) => Object.keys(r.buckets).filter((b) => r.buckets[b] > 0)));
+  box.append(el("div", { class: "legend" }, ...config.ledger_buckets.flatMap((b, i) =>
+    used.has(b.name) ? [el("span", { class: `key b${i}` }), b.label] : [])));
+  const byNode = new Map();
+  for (const r of rows) {
+    if (!byNode.has(r.node)) byNode.set(r.node, []);
+    byNode.get(r.node).push(r);
+  }
+  for (const [node, threads] of [...byNode.entries()].sort()) {
+    box.append(el("h3", {}, node));
+    threads.sort((a, b) => b.wall_ns - a.wall_ns);
+    for (const r of threads) {
+      const who = `GPU thread ${r.tid}` + (r.name ? ` (${r.name})` : ` (pid ${r.pid})`);
+      box.append(el("div", { class: "ledger-row", "data-node": node, "data-tid": String(r.tid) },
+        el("div", { class: "who" }, who), ledgerBar(r), el("div", { class: "summary" }, r.summary || "")));
+    }
+  }
+}
+
+// --- serving engines' own metrics (ingero trace --inference) -----------------------------------------
+
+// per engine process and series: the last value, summed over its label sets (as get_engine_metrics does);
+// a fleet node without the table (a recording older than schema 5) answers with an error, listed
+const ENGINE_SQL =
+  "SELECT pid, engine, metric, sum(value) AS value, max(ts) AS last_ns FROM (" +
+  "SELECT node, pid, engine, metric, labels, value, max(ts) AS ts FROM engine_metrics " +
+  "WHERE substr(metric, -7) <> '_bucket' GROUP BY node, pid, engine, metric, labels) " +
+  "GROUP BY node, pid, engine, metric ORDER BY pid, engine, metric";
+
+async function loadEngines() {
+  const box = document.getElementById("engines");
+  let engines;
+  let missing = [];
+  if (config.mode === "fleet") {
+    const doc = await tool("query_fleet", { action: "sql", sql: ENGINE_SQL, limit: 1000 });
+    const c = (name) => doc.columns.indexOf(name);
+    const byEngine = new Map();
+    for (const r of doc.rows) {
+      const key = JSON.stringify([r[c("node")], r[c("pid")], r[c("engine")]]);
+      if (!byEngine.has(key)) {
+        byEngine.set(key, { node: r[c("node")], pid: r[c("pid")], engine: r[c("engine")], last: {}, last_ns: 0 });
+      }
+      const e = byEngine.get(key);
+      e.last[r[c("metric")]] = r[c("value")];
+      e.last_ns = Math.max(e.last_ns, r[c("last_ns")]);
+    }
+    engines = [...byEngine.values()];
+    missing = doc.unreachable || [];
+  } else {
+    engines = (await tool("get_engine_metrics")).engines;
+  }
+  box.replaceChildren();
+  if (!engines.length) {
+    box.append(el("p", { class: "muted" },
+      "no serving engine recorded (ingero trace --inference scrapes vLLM, SGLang, TGI and Triton)"));
+  }
+  for (const e of engines) {
+    const when = new Date(e.last_ns / 1e6).toISOString();
+    const scrapes = e.scrapes === undefined ? "" : `${fmtCount(e.scrapes)} scrapes, `;
+    const holder = el("div", { class: "engine", "data-node": e.node, "data-pid": String(e.pid) },
+      el("h3", {}, `${e.engine} (pid ${e.pid}) on ${e.node}`, el("span", { class: "muted" }, ` ${scrapes}last ${when}`)));
+    const table = el("table", { class: "engine-metrics" });
+    // a client library's *_created series are the series' creation times, not figures: left out
+    const rows = Object.keys(e.last).filter((m) => !m.endsWith("_created")).sort().map((m) => [m, e.last[m]]);
+    const value = (v) => fmtCount(Number.isInteger(v) ? v : Math.abs(v) >= 1 ? Number(v.toFixed(3)) : Number(v.toPrecision(4)));
+    fillTable(table, ["metric", ["last value", value]], rows, (r) => ({ "data-metric": r[0] }));
+    holder.append(el("div", { class: "table-wrap" }, table));
+    box.append(holder);
+  }
+  if (missing.length) box.append(el("p", { class: "muted" }, missing.join(" · ")));
 }
 
 // --- timeline (uPlot, one chart per node) ---------------------------------------------------------
@@ -205,7 +343,8 @@ async function start() {
   document.getElementById("refresh-s").textContent = String(REFRESH_S);
   document.getElementById("sql-run").addEventListener("click", runSql);
   await Promise.all([
-    guarded(loadNodes, "nodes"), guarded(loadOps, "ops"), guarded(loadChains, "chains"), guarded(loadTimeline, "timeline"),
+    guarded(loadNodes, "nodes"), guarded(loadOps, "ops"), guarded(loadChains, "chains"),
+    guarded(loadEngines, "engines"), guarded(loadTimeline, "timeline"),
   ]);
   document.body.dataset.loaded = "1";
   const live = document.getElementById("live");
