@@ -39,7 +39,7 @@ from pathlib import Path
 from ingero.agent.trace.engine_scrape import FULL_EVERY_NS
 from ingero.errors import IngeroError
 from ingero.store.db import open_readonly
-from ingero.store.engine_metrics import TABLE, has_engine_metrics, load_rows
+from ingero.store.engine_metrics import TABLE, has_engine_metrics
 
 PREFIX = "ingero_engine_"
 HOLD_NS = FULL_EVERY_NS + 5_000_000_000  # a full snapshot's period plus a scrape's slack
@@ -101,18 +101,21 @@ def exported_name(published: str) -> str:
 
 
 def latest(conn: sqlite3.Connection) -> list[LatestRow]:
-    """The current value of every series in the recording: its latest row in the last HOLD_NS."""
+    """The current value of every series in the recording: its latest row in the last HOLD_NS (one grouped
+    query; SQLite takes a bare column of ``max(ts)``'s group from the row that holds the maximum)."""
     if not has_engine_metrics(conn):
         return []
     (newest,) = conn.execute(f"SELECT max(ts) FROM {TABLE}").fetchone()
     if newest is None:
         return []
-    cur: dict[tuple[str, int, str, str, str], float] = {}
-    for _, node, pid, engine, metric, labels, value in load_rows(conn, int(newest) - HOLD_NS):
-        cur[(node, pid, engine, metric, labels)] = value  # oldest first: the last row wins
+    rows = conn.execute(
+        f"SELECT node, pid, engine, metric, labels, value, max(ts) FROM {TABLE} WHERE ts >= ? "
+        "GROUP BY node, pid, engine, metric, labels ORDER BY node, pid, engine, metric, labels",
+        (int(newest) - HOLD_NS,),
+    )
     return [
-        (node, pid, engine, metric, json.loads(labels) if labels else {}, value)
-        for (node, pid, engine, metric, labels), value in sorted(cur.items())
+        (str(node), int(pid), str(engine), str(metric), json.loads(labels) if labels else {}, float(value))
+        for node, pid, engine, metric, labels, value, _ in rows
     ]
 
 
@@ -122,12 +125,14 @@ def _shape(metric: str, labels: dict[str, str]) -> tuple[str, str, str]:
         return "histogram", metric[: -len("_bucket")], "bucket"
     if "quantile" in labels:
         return "summary", metric, "quantile"
+    if metric in COUNTERS:  # before the suffixes: tgi_request_count, nv_inference_count are counters
+        return "counter", metric, "value"
     for part in ("sum", "count", "created"):
         if metric.endswith("_" + part):
             return "", metric[: -len(part) - 1], part  # a histogram's, a summary's or a counter's: decided below
     if metric.endswith("_total"):
         return "counter", metric[: -len("_total")], "value"
-    return ("counter" if metric in COUNTERS else "gauge"), metric, "value"
+    return "gauge", metric, "value"
 
 
 def families(rows: list[LatestRow], node: str, rank: str) -> list[EngineFamily]:
@@ -157,7 +162,7 @@ def families(rows: list[LatestRow], node: str, rank: str) -> list[EngineFamily]:
                 continue  # two published names that sanitise alike: the first one kept
             taken |= names
             fam = out[name] = EngineFamily(name, kind, published, engine)
-        elif fam.kind != kind or fam.engine != engine:
+        elif (fam.kind, fam.engine, fam.published) != (kind, engine, published):  # two names that sanitise alike
             continue
         own = {k: v for k, v in labels.items() if k not in ("le", "quantile") and not k.startswith("__")}
         lab = {"node": nd or node, "rank": rank, "engine": engine, "engine_pid": str(pid)}
