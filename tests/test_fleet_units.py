@@ -392,3 +392,25 @@ def test_failures_fold_like_clush_and_duplicates_are_flagged() -> None:
     nodes = flag_duplicates([ok(0, "a", {}), ok(1, "b", {}), ok(2, "a", {"rows": [[1]]}), ok(3, "a", {})])
     assert [o.kind for o in nodes] == [Kind.OK, Kind.OK, Kind.DUPLICATE, Kind.DUPLICATE]
     assert nodes[2].data is None and "127.0.0.1:9000" in nodes[2].reason and not nodes[2].answered
+
+
+def test_a_nodes_malformed_ledger_rows_are_dropped_and_its_good_ones_printed() -> None:
+    from ingero.explain.ledger import BUCKETS, LedgerRow, describe
+
+    buckets = dict.fromkeys(BUCKETS, 0) | {
+        "gpu_steady": 600_000_000,
+        "host_code": 300_000_000,
+        "preempted": 100_000_000,
+    }
+    good = LedgerRow("gpu-node-01", 3187, 3187, 0, 1_000_000_000, buckets, 42, {"host_code": 0})
+    good.name = "python3 train.py"
+    bad: list[object] = [{"buckets": "x"}, {"buckets": {"gpu_steady": "abc"}}, {"tid": []}, "not a row"]
+    body = {
+        "chains": {"ok": True, "node": "gpu-node-01", "window": None, "chains": [], "ledger": [good.as_dict(), *bad]},
+        "ops": {"ok": True, "node": "gpu-node-01", "ops": [], "host": {"host_events": 10, "host_avg_ms": 1.0}},
+    }
+    fc = merge_chains([ok(1, "gpu-node-01", body)])
+    assert fc.ledger == [good.as_dict()] and LedgerRow.from_dict(fc.ledger[0]).as_dict() == good.as_dict()
+    text = render_chains(fc)
+    line = "  GPU thread 3187 (python3 train.py): 1s = 60 % GPU calls + 30 % own host code + 10 % preempted"
+    assert f"gpu-node-01\n{line}\n" in text and line.endswith(describe(good))

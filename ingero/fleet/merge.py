@@ -149,6 +149,17 @@ def _chains_of(o: NodeOutcome, key: str) -> list[Chain]:
     return chains
 
 
+def _readable_ledger_row(r: dict[str, Any]) -> bool:
+    """Whether a node's ledger row reads back as a row (a malformed one is dropped, not fatal to the report)."""
+    from ingero.explain.ledger import LedgerRow
+
+    try:
+        LedgerRow.from_dict(r)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
 def merge_chains(
     outcomes: list[NodeOutcome],
     elapsed_ms: float = 0.0,
@@ -190,7 +201,7 @@ def merge_chains(
             windows[o.label] = body.get("window")
         rows = body.get("ledger") if isinstance(body, dict) else None
         for r in rows if isinstance(rows, list) else []:  # node column filled as for chains
-            if isinstance(r, dict) and (node is None or r.get("node") in (node, None)):
+            if isinstance(r, dict) and (node is None or r.get("node") in (node, None)) and _readable_ledger_row(r):
                 twin = not r.get("node") or (o.twin and r.get("node") == o.node)
                 ledger.append({**r, "node": o.label if twin else r["node"]})
     return FleetChains(sort_chains(chains), outcomes, verdict(figures), windows, elapsed_ms, ledger)
