@@ -438,7 +438,7 @@ def test_mixed_phases_judged_against_one_baseline_would_be_called_a_regression(
     judged against decode's baseline and called a decode regression — what the phases prevent."""
     from ingero.explain import serving_phases
 
-    monkeypatch.setattr(serving_phases, "SHARE_GAP", 2.0)
+    monkeypatch.setattr(serving_phases, "TOKENS_GAP", 99.0)
     got = dict(chains_of(scenario_db(tmp_path, "vllm", "mixed_phases")))
     assert got.get("serving/decode") in ("HIGH", "MEDIUM"), got
 
@@ -509,12 +509,13 @@ def phase_db(
 
 @pytest.mark.parametrize("by", ["tokens", "launches"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize(("x", "named"), [(1.8, False), (2.2, True)])
+@pytest.mark.parametrize(("x", "named"), [(1.8, False), (2.2, True), (4.0, True)])
 def test_decode_regression_threshold_by_counters_and_by_launches(
     tmp_path: Path, by: str, seed: int, x: float, named: bool
 ) -> None:
     """Decode slows ``x`` times from a point anywhere in the second half; bursts every 3 to 5 scrapes. Named
-    at 2.2x (≥ 2x), not at 1.8x — by the token counters, and by launch grid sizes where there are none."""
+    at 2.2x and 4x (≥ 2x), not at 1.8x — by the token counters, and by launch grid sizes where there are none.
+    (A slower decode generates fewer tokens an interval: the phases must not move with it.)"""
     import random
 
     rnd = random.Random(seed)
@@ -560,8 +561,29 @@ def test_otsu_splits_two_groups_and_refuses_one() -> None:
 
     assert otsu(np.array([0.1, 0.12, 0.11, 0.9, 0.92])) == pytest.approx((0.51, 0.11, 0.91))
     assert otsu(np.array([0.3, 0.3, 0.3])) is None
-    steady = by_tokens(np.full(30, 2000.0), np.full(30, 3000.0) + np.arange(30))  # one mix, a little noise
+    steady = by_tokens(np.full(30, 2000.0) + 50 * (np.arange(30) % 7))  # one mix, a little noise
     assert not steady.split and set(steady.of.tolist()) == {0}
     k = np.arange(30)
-    bursts = by_tokens(np.where(k % 4 == 3, 32_000.0, 2_000.0), np.full(30, 3_000.0))
+    bursts = by_tokens(np.where(k % 4 == 3, 32_000.0, 2_000.0))
     assert bursts.by == "tokens" and bursts.of.tolist() == (k % 4 == 3).astype(int).tolist()
+
+
+@pytest.mark.parametrize(("burst_x", "split"), [(1.6, False), (2.5, True)])
+def test_phases_are_kept_apart_only_beyond_their_gap(burst_x: float, split: bool) -> None:
+    """Bursts of 1.6x the usual prompt tokens (or launches 1.6x larger) are one mix with the rest; 2.5x are
+    a phase of their own — by the counters and by the launches alike."""
+    import numpy as np
+
+    from ingero.explain.serving_phases import PREFILL, by_launches, by_tokens
+
+    k = np.arange(30)
+    burst = k % 4 == 3
+    tokens = by_tokens(np.where(burst, 2000.0 * burst_x, 2000.0))
+    grid = (np.arange(31) * S).astype(np.int64)
+    at = np.repeat(grid[1:], 10) - np.tile(np.arange(10) * S // 20, 30)  # 10 launches in each interval
+    blocks = np.repeat(np.where(burst, round(64 * burst_x), 64), 10).astype(np.int64)
+    launches = by_launches(grid, at.astype(np.int64), blocks)
+    for phases in (tokens, launches):
+        assert phases.split is split
+        if split:
+            assert ((phases.of == PREFILL) == burst).all()

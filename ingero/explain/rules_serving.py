@@ -23,8 +23,8 @@ Per engine process (node, pid), over the window's scrapes (values carried forwar
   baseline. Severity is the time lost (what the baseline speed would have saved) as a share of the window.
 
 **Phases.** TTFT and time per output token are judged per phase (:mod:`ingero.explain.serving_phases`):
-scrape intervals are told apart as prefill-like or decode-like by the engine's prompt and generated token
-counters, or by the grid sizes of its kernel launches where it has none, and an interval's latency is
+scrape intervals are told apart as prefill-like or decode-like by the prompt tokens the engine prefilled in
+them (its own counter), or by the grid sizes of its kernel launches where it has none, and an interval's latency is
 compared only with the baseline of its own phase — a burst of long prompts, which slows first tokens and
 the decode steps between them, is not a regression against decode's baseline, nor decode against prefill's.
 
@@ -64,7 +64,7 @@ TPOT_X = 2.0  # time per output token this many times its phase's baseline: toke
 LAUNCH_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")
 Launches = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # scrape grid -> (launch ts, grid blocks)
 # per engine: KV-cache usage gauges, preemption counters, waiting and running gauges, TTFT histograms,
-# finished-request counters, time-per-output-token histograms, prompt and generated token counters
+# finished-request counters, time-per-output-token histograms, prompt-token counters
 NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {
         "kv": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
@@ -75,7 +75,6 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "done": ("vllm:request_success_total",),
         "tpot": ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
         "prompt": ("vllm:prompt_tokens_total",),
-        "generated": ("vllm:generation_tokens_total",),
     },
     "sglang": {
         "kv": ("sglang:token_usage",),
@@ -86,7 +85,6 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "done": ("sglang:num_requests_total",),
         "tpot": ("sglang:time_per_output_token_seconds", "sglang:inter_token_latency_seconds"),
         "prompt": ("sglang:prompt_tokens_total",),
-        "generated": ("sglang:generation_tokens_total",),
     },
     "tgi": {
         "kv": (),
@@ -97,7 +95,6 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "done": ("tgi_request_success",),
         "tpot": ("tgi_request_mean_time_per_token_duration",),
         "prompt": (),
-        "generated": (),
     },
     "triton": {
         "kv": (),
@@ -108,7 +105,6 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "done": ("nv_inference_request_success",),
         "tpot": (),
         "prompt": (),
-        "generated": (),
     },
 }
 
@@ -172,9 +168,9 @@ def _phases(ss: dict[str, Series], engine: str, grid: np.ndarray, launches: Laun
     """Each scrape interval's phase: by the engine's token counters, else by its launches (only when it
     has a latency to judge: the launches are read from the events then)."""
     names = NAMES[engine]
-    prompt, generated = _pick(ss, names["prompt"]), _pick(ss, names["generated"])
-    if prompt is not None and generated is not None:
-        return by_tokens(np.diff(_grid(prompt, grid)), np.diff(_grid(generated, grid)))
+    prompt = _pick(ss, names["prompt"])
+    if prompt is not None:
+        return by_tokens(np.diff(_grid(prompt, grid)))
     if not any(_pick(ss, names[role], "_count") for role in HISTOGRAMS):
         return one_phase(grid.size - 1)
     return by_launches(grid, *launches(grid))
@@ -414,7 +410,7 @@ def _decode_chain(
     share = lost / span
     what = f"time per output token {j.baseline * 1e3:.3g} ms → {j.late * 1e3:.3g} ms ({j.ratio:.1f}x, {metric}{_which(j, phases)})"
     what += "".join(f"; {r.ratio:.1f}x in the {r.name(phases)} intervals too" for r in regressed[1:])
-    told = {"tokens": "their prompt and generated token counters", "launches": "the grid sizes of its kernel launches"}
+    told = {"tokens": "the prompt tokens they prefilled", "launches": "the grid sizes of the engine's kernel launches"}
     return _chain(
         node,
         pid,

@@ -8,16 +8,20 @@ the decode steps between them slow down (the prefill shares the GPU) and first t
 the mix of work, not a regression. So each scrape interval gets a phase and a latency is compared only with
 earlier intervals of the same phase:
 
-* **By the engine's own counters** where it publishes them (vLLM's and SGLang's ``prompt_tokens_total`` and
-  ``generation_tokens_total``): an interval's prompt share is Δprompt / (Δprompt + Δgenerated) tokens.
-* **By launch patterns** where it does not (TGI, Triton): the median grid size (blocks) of the engine
+* **By the engine's own counters** where it publishes them (vLLM's and SGLang's ``prompt_tokens_total``):
+  the prompt tokens prefilled in the interval, on a log scale. Not their share of all tokens: the
+  generated tokens move with the decode speed — what is being judged — so a decode slowdown would raise
+  the prompt share and move its own intervals into the other phase, out of reach of the decode baseline.
+  The prefill work does not depend on how fast decode runs.
+* **By launch patterns** where it has none (TGI, Triton): the median grid size (blocks) of the engine
   process's kernel launches in the interval (``cudaLaunchKernel`` / ``cuLaunchKernel`` arg1, see
   :func:`ingero.store.catalog.launch_dims`), on a log scale — prefill launches cover a whole prompt's
   tokens, decode launches one token per request.
 
 The feature is split in two by Otsu's threshold (the split that maximises the variance between the two
-sides); the split is kept only when the two sides' means are at least :data:`SHARE_GAP` (prompt share) or
-:data:`LAUNCH_GAP` (log2 blocks: 2x larger launches) apart and each side has :data:`MIN_PHASE` intervals.
+sides); the split is kept only when the two sides' means are at least :data:`TOKENS_GAP` (log2 prompt
+tokens: 2x more prompt) or :data:`LAUNCH_GAP` (log2 blocks: 2x larger launches) apart and each side has
+:data:`MIN_PHASE` intervals.
 Otherwise the engine ran one steady mix and every interval shares one baseline, as before.
 
 :func:`judge` compares, per phase, the first third of that phase's intervals (its baseline) with its last
@@ -34,7 +38,7 @@ import numpy.typing as npt
 
 DECODE, PREFILL = 0, 1
 PHASE_NAMES = {DECODE: "decode-like", PREFILL: "prefill-like"}
-SHARE_GAP = 0.25
+TOKENS_GAP = 1.0
 LAUNCH_GAP = 1.0
 MIN_PHASE = 6
 UNKNOWN = -1  # an interval with nothing to classify it by (no tokens, no launches)
@@ -103,11 +107,10 @@ def _split(feature: F64, gap: float, by: str) -> Phases:
     return Phases(of, by)
 
 
-def by_tokens(prompt: F64, generated: F64) -> Phases:
-    """Phases from the tokens each interval prefilled (``prompt``) and generated (Δ of the counters)."""
-    total = prompt + generated
-    share = np.where(total > 0, prompt / np.where(total > 0, total, 1), np.nan)
-    return _split(share, SHARE_GAP, "tokens")
+def by_tokens(prompt: F64) -> Phases:
+    """Phases from the prompt tokens each interval prefilled (Δ of the engine's counter)."""
+    feature = np.where(np.isfinite(prompt), np.log2(1 + np.maximum(np.nan_to_num(prompt), 0)), np.nan)
+    return _split(feature, TOKENS_GAP, "tokens")
 
 
 def by_launches(grid: I64, launch_ts: I64, blocks: I64) -> Phases:
