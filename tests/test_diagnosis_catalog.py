@@ -24,10 +24,7 @@ from tests.scenarios.ingero_layout import rewrite
 from tests.scenarios.judge import Outcome, build, explain_file, judge
 
 # (family, magnitude) -> what explain said instead, on main 1977432 (strict: the mark goes with the fix)
-NOT_YET: dict[tuple[str, float], str] = {
-    ("cpu-bimodal", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
-    ("cpu-contention", 0.26): "ingero: not named at HIGH (said: tail/offcpu LOW)",
-}
+NOT_YET: dict[tuple[str, float], str] = {}
 
 
 def _seeds() -> list[tuple[str, Params]]:

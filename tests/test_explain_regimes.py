@@ -19,7 +19,9 @@ from ingero.demo.synth import SyntheticNode
 from ingero.explain import causes as cz
 from ingero.explain import regimes
 from ingero.explain.engine import ExplainReport, explain
+from ingero.explain.frame import ArgRows
 from ingero.explain.model import Chain
+from ingero.explain.offcpu import INVOL, NOT_WOKEN, UNKNOWN, VOL, OffCpu
 from ingero.store.catalog import CUDA, op_id
 from ingero.store.db import open_readonly
 from ingero.timeutil import NS_PER_MS, NS_PER_S
@@ -101,6 +103,53 @@ def test_stretches_stay_in_their_thread_and_ignored_calls_are_never_slow() -> No
     assert regimes.find(ts, (dur / np.where(np.arange(400) < 300, 1, 3) * scale).astype(np.int64), scale=scale).n == 1
 
 
+# --- off-CPU time without prev_state, split by wakeups ------------------------------------------
+
+
+def _ingero_rows(rows: list[tuple[str, int, int, int]]) -> ArgRows:
+    """Rows as Ingero writes them: ("switch", thread, back on CPU at, off-CPU for) with arg1 = the
+    thread itself and no prev_state; ("wakeup", woken, at, waker) as the waker's event."""
+    n = len(rows)
+    sw = [r[0] == "switch" for r in rows]
+    switch, wakeup = op_id("sched_switch"), op_id("sched_wakeup")
+    i64 = np.int64
+    return ArgRows(
+        source=np.asarray([(switch if s else wakeup)[0] for s in sw], dtype=i64),
+        op=np.asarray([(switch if s else wakeup)[1] for s in sw], dtype=i64),
+        pid=np.asarray([r[1] if s else r[3] for r, s in zip(rows, sw, strict=True)], dtype=i64),
+        ts_ns=np.asarray([r[2] for r in rows], dtype=i64),
+        arg0=np.zeros(n, dtype=i64),
+        arg1=np.asarray([r[1] for r in rows], dtype=i64),
+        tid=np.asarray([r[1] if s else r[3] for r, s in zip(rows, sw, strict=True)], dtype=i64),
+        dur=np.asarray([r[3] if s else 0 for r, s in zip(rows, sw, strict=True)], dtype=i64),
+    )
+
+
+def test_without_prev_state_a_woken_interval_was_asleep_until_its_wakeup() -> None:
+    """A task that is woken was asleep (a preempted one stays runnable and is never woken): the part of
+    an off-CPU interval up to its last wakeup is a sleep, with its waker; the rest — runnable, waiting
+    for a CPU — and an interval no wakeup ended stay of unknown kind, never called involuntary."""
+    off = OffCpu(
+        _ingero_rows(
+            [
+                ("switch", 7, 1000, 800),  # off [200, 1000) ...
+                ("wakeup", 7, 300, 55),  # ... an earlier wakeup in it (spurious) ...
+                ("wakeup", 7, 900, 42),  # ... the last one, by tgid 42: asleep [200, 900), then [900, 1000)
+                ("switch", 7, 2000, 500),  # off [1500, 2000), never woken: unknown whole
+                ("switch", 8, 50, 40),  # a thread with no wakeups at all: unknown whole
+            ]
+        )
+    )
+    assert not off.has_state and off.woken == frozenset({7})
+    calls = np.array([7, 7, 8]), np.array([0, 1200, 0]), np.array([1100, 2100, 100])
+    assert off.covered(VOL, *calls).tolist() == [700, 0, 0]
+    assert off.covered(UNKNOWN, *calls).tolist() == [100, 500, 40]
+    assert off.covered(INVOL, *calls).tolist() == [0, 0, 0]
+    assert off.by_who(VOL, np.array([7]), np.array([0]), np.array([3000])) == {42: 700}
+    assert off.threads[UNKNOWN][7].who.tolist() == [42, NOT_WOKEN]
+    assert off.threads[UNKNOWN][8].who.tolist() == [NOT_WOKEN]
+
+
 # --- explain on recorded databases -------------------------------------------------------------
 
 
@@ -174,8 +223,10 @@ def check_invariants(r: ExplainReport) -> None:
             assert ev["root_share"] is None or 0.5 <= ev["root_share"] <= 1.0, ev
             assert 0 < ev["slow_calls_in_window"] <= ev["slow_calls"] <= ev["count"]
             assert cz.worth_a_chain(ev["lost_share"], 1.0) and c.severity == cz.severity_of_loss(
-                ev["lost_share"], 1.0, c.family.split("/")[1]
+                ev["lost_share"], 1.0, may_be_sleep=ev["may_be_sleep"]
             )
+            assert not ev["may_be_sleep"] or c.family == "tail/offcpu"
+            assert 0 <= ev["held_off_calls"] <= ev["slow_calls"]
             assert ev["window_start_ns"] < ev["window_end_ns"]
             if c.family == "tail/cpu":
                 assert ev["root_share"] >= 0.5 and ev["overlap_involuntary"] >= 0.5
@@ -207,8 +258,8 @@ def test_bimodal_slowdown_under_the_ratio_gate_is_found(tmp_path: Path, seed: in
     else:  # no prev_state: the lost time is reported, the missing signal named, the cause not guessed
         assert not tails(r, "tail/cpu") and not [x for x in r.chains if "taskset" in " ".join(x.recommendations)]
         c = tails(r, "tail/offcpu")[0]
-        assert c.severity == "LOW" and "prev_state" in c.root_cause
-        assert any("ingero trace" in x for x in c.recommendations)
+        assert c.severity == "LOW" and "prev_state" in c.root_cause  # no wakeups here: may be its own sleeps
+        assert c.evidence["may_be_sleep"] and any("ingero trace" in x for x in c.recommendations)
     assert c.cuda_op == "cudaStreamSync" and c.tail_ratio == pytest.approx(sync.tail_ratio, abs=0.05)
     assert c.evidence["lost_share"] == pytest.approx(sum(lost) / wall, rel=0.1)
     assert c.evidence["lost_share"] >= cz.HIGH_SHARE or layout == "ingero"
@@ -217,9 +268,35 @@ def test_bimodal_slowdown_under_the_ratio_gate_is_found(tmp_path: Path, seed: in
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS[:3])
 def test_a_slowdown_below_the_slow_factor_makes_no_chain(tmp_path: Path, seed: int, layout: str) -> None:
+    """Syncs 1.5x slower with the thread asleep inside them (the GPU took longer): no slower regime."""
+    lost: list[float] = []
+    r = report_of(record(tmp_path / "h.db", 9.0, hog((3.0, 7.0), 0.9, 1.5, lost, inv=0.0), seed, layout))
+    assert not tails(r), shown(r)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_calls_held_off_the_cpu_below_the_slow_factor_are_still_lost_time(
+    tmp_path: Path, seed: int, layout: str
+) -> None:
+    """The same 1.5x, but the extra time preempted by a hog inside the syncs: no call is ≥ 2x steady, yet
+    every one of them lost its delay to the CPU, measured on its own thread — CPU contention as
+    recorded; without prev_state, off-CPU time of unknown kind (the trainer's wakeups are not recorded
+    here, so it may hold sleeps: LOW), the missing signal named."""
     lost: list[float] = []
     r = report_of(record(tmp_path / "h.db", 9.0, hog((3.0, 7.0), 0.9, 1.5, lost), seed, layout))
-    assert not tails(r), shown(r)
+    wall = (r.last_ns or 0) - (r.first_ns or 0)
+    c = tails(r)[0]
+    assert [x.family for x in tails(r)] == ["tail/cpu" if layout == "recorded" else "tail/offcpu"], shown(r)
+    ev = c.evidence
+    assert ev["held_off_calls"] == ev["slow_calls"] == len(lost) and ev["regimes"] == 0
+    assert ev["lost_share"] == pytest.approx(sum(lost) / wall, rel=0.1)
+    assert ev["root_share"] > 0.9
+    if layout == "recorded":
+        assert c.severity == cz.severity_of_loss(sum(lost), wall) == "MEDIUM"
+        assert "stress-ng" in c.root_cause and ev["preempted_by"][0].startswith(f"pid {HOG}")
+    else:
+        assert c.severity == "LOW" and ev["may_be_sleep"] and "prev_state" in c.root_cause
 
 
 @pytest.mark.parametrize("seed", SEEDS[:3])
@@ -241,19 +318,22 @@ def test_severity_is_the_lost_share_of_wall_time(
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("inv", [0.15, 0.35])
+@pytest.mark.parametrize("factor", [1.5, 3.0])
 def test_a_minority_of_involuntary_time_is_never_named_cpu_contention(
-    tmp_path: Path, seed: int, layout: str, inv: float
+    tmp_path: Path, seed: int, layout: str, inv: float, factor: float
 ) -> None:
     """Issue #20 item 4: ranks that wait — most of each slow call asleep by itself (woken by a peer),
-    15-35 % of it preempted. CPU contention is not the root; nothing is guessed."""
+    15-35 % of it preempted. CPU contention is not the root; nothing is guessed — whether the calls are
+    ≥ 2x steady (a slower regime) or not (each held off the CPU a little: still a minority)."""
     lost: list[float] = []
-    r = report_of(record(tmp_path / "w.db", 9.0, hog((2.0, 8.0), 0.6, 3.0, lost, inv=inv), seed, layout))
+    r = report_of(record(tmp_path / "w.db", 9.0, hog((2.0, 8.0), 0.6, factor, lost, inv=inv), seed, layout))
     assert not [c for c in r.chains if c.family.endswith("/cpu")], shown(r)
     assert not [c for c in r.chains if any("taskset" in x for x in c.recommendations)], shown(r)
     assert not [c for c in r.chains if c.root_cause.startswith("CPU contention")], shown(r)
-    if layout == "recorded":
-        note = next(n for n in r.notes if "cudaStreamSync ran slower than its steady" in n)
-        assert "cpu seen but not the dominant share" in note and f"{100 * (1 - inv):.0f}% asleep by itself" in note
+    notes = [n for n in r.notes if "cudaStreamSync ran slower than its steady" in n]
+    assert all("not the dominant share" in n for n in notes), notes
+    if layout == "recorded" and factor >= regimes.SLOW_FACTOR:
+        assert len(notes) == 1 and "cpu seen" in notes[0] and f"{100 * (1 - inv):.0f}% asleep by itself" in notes[0]
     else:
         assert all(c.severity == "LOW" for c in tails(r)), shown(r)
 
@@ -263,12 +343,17 @@ def test_a_minority_of_involuntary_time_is_never_named_cpu_contention(
 def test_a_majority_of_involuntary_time_is_cpu_contention(tmp_path: Path, seed: int, layout: str) -> None:
     lost: list[float] = []
     r = report_of(record(tmp_path / "w.db", 9.0, hog((2.0, 8.0), 0.6, 3.0, lost, inv=0.7), seed, layout))
+    wall = (r.last_ns or 0) - (r.first_ns or 0)
     if layout == "recorded":
         c = tails(r, "tail/cpu")[0]
         assert c.evidence["root_share"] == pytest.approx(0.7, abs=0.05)
         assert "30% asleep by itself" in c.explanation
-    else:
-        assert not tails(r, "tail/cpu") and tails(r, "tail/offcpu")[0].severity == "LOW"
+    else:  # its sleeps are told by their wakeups: the rest, of unknown kind, is graded by its loss
+        assert not tails(r, "tail/cpu")
+        c = tails(r, "tail/offcpu")[0]
+        assert c.evidence["root_share"] == pytest.approx(0.7, abs=0.05) and not c.evidence["may_be_sleep"]
+        assert "30% asleep by itself" in c.explanation and "prev_state" in c.root_cause
+    assert c.severity == cz.severity_of_loss(sum(lost), wall) == "HIGH"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -137,13 +137,15 @@ def assess(ep: Evidence, base: Evidence | None, op_p99_ns: float) -> list[Cause]
     return out
 
 
-def severity_of_loss(lost_ns: float, wall_ns: float, family: str = "") -> str:
+def severity_of_loss(lost_ns: float, wall_ns: float, *, may_be_sleep: bool = False) -> str:
     """Severity from time lost as a share of wall time: HIGH ≥ 20 %, MEDIUM ≥ 5 %, else LOW (see
-    :func:`worth_a_chain` for the floor). Off-CPU time of unknown kind is never more than LOW: without
-    prev_state nobody can say whether the thread was preempted or waiting, and a healthy job's ranks
-    that sleep in their collectives look the same."""
+    :func:`worth_a_chain` for the floor). ``may_be_sleep``: the loss is off-CPU time of unknown kind
+    on threads whose wakeups are not recorded — without prev_state and without wakeups nobody can say
+    whether the thread was preempted or asleep by itself (a healthy job's ranks that sleep in their
+    collectives look the same), so it is never more than LOW. Where the wakeups are recorded the sleeps
+    are taken out of it (:class:`~ingero.explain.offcpu.OffCpu`) and what is left is graded by its loss."""
     share = lost_ns / wall_ns if wall_ns > 0 else 0.0
-    if family == "offcpu":
+    if may_be_sleep:
         return "LOW"
     if share >= HIGH_SHARE:
         return "HIGH"

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.explain.frame import I64
-from ingero.explain.offcpu import INVOL, IOWAIT, UNKNOWN, VOL, Intervals, OffCpu, union
+from ingero.explain.offcpu import INVOL, IOWAIT, NOT_WOKEN, UNKNOWN, VOL, Intervals, OffCpu, union
 from ingero.timeutil import NS_PER_MS
 
 BUCKETS = (
@@ -108,7 +108,7 @@ class ThreadEvidence:
 def gap_classes(ev: ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tuple[I64, I64]]:
     """The thread's off-CPU intervals by gap bucket (each class sorted and disjoint)."""
     off = ev.off
-    wts, wby = ev.of("wakeup", tid)
+    wts, _ = ev.of("wakeup", tid)
     (nts, nend), (dts, dend) = ev.of("net", tid), ev.of("disk", tid)
     kid_arr = np.asarray(sorted(kids), dtype=np.int64)
     parts: dict[str, list[tuple[I64, I64]]] = {b: [] for b in _GAP_ORDER}
@@ -137,14 +137,10 @@ def gap_classes(ev: ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tuple
         woken = (wts[k] >= vol.start) & (wts[k] <= vol.end + NET_NEAR_NS) if wts.size else vol.start < 0
         asleep(vol.start, vol.end, vol.who, woken)
     unk = off.threads[UNKNOWN].get(tid)
-    if unk is not None:  # no prev_state: asleep only until a recorded wakeup; the rest stays unknown
-        s, e = unk.start, unk.end
-        k = np.maximum(np.searchsorted(wts, e, side="right") - 1, 0)  # the last wakeup before it ran again
-        woke = (wts[k] > s) & (wts[k] <= e) if wts.size else s < 0
-        w = np.minimum(np.where(woke, wts[k] if wts.size else s, s), e)
-        asleep(s[woke], w[woke], wby[k][woke] if wts.size else w[woke], woke[woke])
-        parts[OFFCPU_UNKNOWN].append((w[woke], e[woke]))
-        asleep(s[~woke], e[~woke], None, woke[~woke])
+    if unk is not None:  # no prev_state (its sleeps until a recorded wakeup are in VOL already, see OffCpu)
+        woke = unk.who != NOT_WOKEN  # runnable after a wakeup, waiting for a CPU: unknown whatever is near
+        parts[OFFCPU_UNKNOWN].append((unk.start[woke], unk.end[woke]))
+        asleep(unk.start[~woke], unk.end[~woke], None, np.zeros(int((~woke).sum()), dtype=bool))
     out = {}
     for b, ps in parts.items():
         s = np.concatenate([p[0] for p in ps]) if ps else np.zeros(0, dtype=np.int64)

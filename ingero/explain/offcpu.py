@@ -13,7 +13,13 @@ of three kinds:
   is waiting, not being starved of CPU; the waker says on what (a forked worker, the disk, a peer).
 * :data:`IOWAIT` — the voluntary sleeps taken in uninterruptible state (D), usually disk I/O;
 * :data:`UNKNOWN` — the recording has no ``prev_state`` (Ingero's databases put the thread's own id in
-  ``arg1`` and 0 in ``arg0``): off-CPU, but nobody can say whether preempted or asleep.
+  ``arg1`` and 0 in ``arg0``): off-CPU, but nobody can say whether preempted or asleep. Where such an
+  interval holds a recorded wakeup of the thread (Ingero writes them too, as the waker's event:
+  :func:`wakeups`), it was a sleep up to that wakeup — a preempted task stays runnable and is never
+  woken — and goes to :data:`VOL` with its waker; only the rest (runnable after the wakeup, waiting for
+  a CPU, ``who`` = the waker) and the intervals no wakeup ended (``who`` = :data:`NOT_WOKEN`) stay
+  unknown. Without prev_state that rest is not called CPU contention: it is reported as off-CPU time of
+  unknown kind, with the missing signal.
 
 Queries are prefix sums over each thread's sorted, non-overlapping intervals: the off-CPU time inside
 any set of calls is O(log n) per call.
@@ -35,6 +41,7 @@ INVOL, VOL, UNKNOWN = "involuntary", "voluntary", "unknown"
 IOWAIT = "iowait"  # the voluntary sleeps in uninterruptible state (D: usually disk I/O), also in VOL
 KINDS = (INVOL, VOL, UNKNOWN, IOWAIT)
 TASK_UNINTERRUPTIBLE = 2
+NOT_WOKEN = -1  # an UNKNOWN interval no recorded wakeup ended (its ``who``; else the waker's tgid)
 SCHED_SWITCH, SCHED_WAKEUP = op_id("sched_switch"), op_id("sched_wakeup")
 
 
@@ -50,7 +57,7 @@ class Intervals:
     start: I64
     end: I64
     cum: I64  # cum[k] = total length of intervals before k (len = n + 1)
-    who: I64  # preemptor tid (INVOL), waker tgid (VOL, 0 = no wakeup seen), 0 (UNKNOWN)
+    who: I64  # preemptor tid (INVOL), waker tgid (VOL, 0 = no wakeup seen), waker or NOT_WOKEN (UNKNOWN)
 
     @classmethod
     def build(cls, start: I64, end: I64, who: I64) -> Intervals:
@@ -106,6 +113,23 @@ def without_prev_state(args: ArgRows) -> bool:
     return bool(sw.any()) and bool((args.arg1[sw] == args.tid[sw]).all())
 
 
+def _last_wakeup(tid: I64, start: I64, end: I64, w_tid: I64, w_ts: I64, w_by: I64) -> tuple[I64, I64]:
+    """Per off-CPU interval [start, end) of thread ``tid``: the last recorded wakeup of that thread in
+    (start, end] — the one that let it run again — and its waker; −1 and :data:`NOT_WOKEN` where none."""
+    wake_at = np.full(tid.size, -1, dtype=np.int64)
+    waker = np.full(tid.size, NOT_WOKEN, dtype=np.int64)
+    for t in np.intersect1d(tid, w_tid).tolist():
+        mine = np.flatnonzero(tid == t)
+        m = w_tid == t
+        order = np.argsort(w_ts[m], kind="stable")
+        ws, wb = w_ts[m][order], w_by[m][order]
+        k = np.searchsorted(ws, end[mine], side="right") - 1
+        kk = np.maximum(k, 0)
+        hit = (k >= 0) & (ws[kk] > start[mine])
+        wake_at[mine[hit]], waker[mine[hit]] = ws[kk[hit]], wb[kk[hit]]
+    return wake_at, waker
+
+
 class OffCpu:
     """Off-CPU intervals of every thread with scheduler rows in a frame's argument rows."""
 
@@ -148,10 +172,21 @@ class OffCpu:
         inv_w = np.concatenate((prev[runnable], prev[woken]))  # the run queue: who had the CPU meanwhile
         vol_e = np.where(woken, wake_at, end)
         self._fill(INVOL, inv_t, inv_s, inv_e, inv_w)
-        self._fill(VOL, tid[sleep], start[sleep], vol_e[sleep], waker[sleep])
         dsleep = sleep & ((state & TASK_UNINTERRUPTIBLE) != 0)
         self._fill(IOWAIT, tid[dsleep], start[dsleep], vol_e[dsleep], waker[dsleep])
-        self._fill(UNKNOWN, tid[unknown], start[unknown], end[unknown], np.zeros(int(unknown.sum()), dtype=np.int64))
+        u_tid, u_start, u_end = tid[unknown], start[unknown], end[unknown]
+        wake_u, waker_u = _last_wakeup(u_tid, u_start, u_end, w_tid, w_ts, w_by)
+        slept = wake_u >= 0  # no prev_state, but woken: asleep until the wakeup (a runnable task is never woken)
+        self._fill(
+            VOL,
+            np.concatenate((tid[sleep], u_tid[slept])),
+            np.concatenate((start[sleep], u_start[slept])),
+            np.concatenate((vol_e[sleep], wake_u[slept])),
+            np.concatenate((waker[sleep], waker_u[slept])),
+        )
+        rest = np.where(slept, wake_u, u_start)  # then runnable, waiting for a CPU: still of unknown kind
+        left = u_end > rest
+        self._fill(UNKNOWN, u_tid[left], rest[left], u_end[left], waker_u[left])
 
     def _fill(self, kind: str, tid: I64, start: I64, end: I64, who: I64) -> None:
         if tid.size == 0:

@@ -40,6 +40,8 @@ MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
 MIN_IO_OVERLAP = 0.05  # share of the lost time during which the traced tree's block I/O was in flight
 IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
 COPY_OPS = set(op_ids("cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"))  # arg0 = bytes
+# a call off-CPU inside itself (preempted, or of unknown kind) beyond steady for this share of its steady time
+HELD_OFF = cz.MIN_OVERLAP
 
 
 def _mask(ctx: Context, ts: np.ndarray, dilate: int = 0) -> np.ndarray:
@@ -116,7 +118,7 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
         found_eps = _episodes(ctx, st, rows, in_flight)
         if found_eps is None:
             continue
-        reg, episodes, base = found_eps
+        reg, episodes, base, held_n = found_eps
         by_family: dict[str, list[_Episode]] = {}
         minority: list[_Episode] = []
         for e in episodes:
@@ -127,8 +129,8 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
             if not cz.worth_a_chain(lost, wall):
                 continue
             best = max(eps, key=lambda e: e.shares.lost_ns)
-            sev = cz.severity_of_loss(lost, wall, fam)
-            chains.append(_tail_chain(ctx, st, rows, reg, fam, best, sev, eps, lost, wall, base))
+            sev = cz.severity_of_loss(lost, wall, may_be_sleep=_may_be_sleep(ctx, fam, rows.tid))
+            chains.append(_tail_chain(ctx, st, rows, reg, held_n, fam, best, sev, eps, lost, wall, base))
             chained = True
         minority = [e for e in minority if e.seen]  # causes seen, none dominant: say so, name none
         unexplained_lost = sum(e.shares.lost_ns for e in minority)
@@ -144,6 +146,12 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
         if not chained and cz.worth_a_chain(reg.lost_total_ns, wall):
             unexplained.append(st)
     return chains, unexplained
+
+
+def _may_be_sleep(ctx: Context, family: str, tids: np.ndarray) -> bool:
+    """Off-CPU time of unknown kind on threads whose wakeups are not recorded may be their own sleeps
+    (see :func:`ingero.explain.causes.severity_of_loss`)."""
+    return family == "offcpu" and not set(np.unique(tids).tolist()) <= ctx.off.woken
 
 
 def _who(ctx: Context) -> str:
@@ -173,30 +181,62 @@ def _call_shape(ctx: Context, st: OpStats, rows: OpRows) -> tuple[np.ndarray | N
     return scale, ignore
 
 
+def _held_off(
+    ctx: Context, st: OpStats, rows: OpRows, reg: regimes.Regimes, scale: np.ndarray | None, ignore: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Calls that are no regime's slow calls but lost time to the CPU: their thread was off-CPU inside
+    them, preempted or of unknown kind (never asleep by itself), for ≥ :data:`HELD_OFF` of the call's
+    steady time beyond steady. Contention that delays a sync now and then makes no stretch (a run of
+    slow calls), and a delay under 2x is no slow call, yet each such call's lost time is measured on its
+    own thread. (mask, each call's excess over steady). Never inside a collective (waiting for peers)."""
+    none = np.zeros(rows.ts_ns.size, dtype=bool), np.zeros(rows.ts_ns.size, dtype=np.int64)
+    if st.source == NCCL or reg.steady_ns <= 0 or not (ctx.off.threads[INVOL] or ctx.off.threads[UNKNOWN]):
+        return none
+    steady = reg.steady_ns * (scale if scale is not None else np.ones(rows.ts_ns.size))
+    exc = rows.dur - steady
+    floor = HELD_OFF * steady
+    cand = ~reg.slow & (exc >= floor)
+    if ignore is not None:
+        cand &= ~ignore
+    idx = np.flatnonzero(cand)
+    if idx.size == 0:
+        return none
+    ts, end, tid = rows.ts_ns[idx], rows.ts_ns[idx] + rows.dur[idx], rows.tid[idx]
+    off = ctx.off.covered(INVOL, tid, ts, end) + ctx.off.covered(UNKNOWN, tid, ts, end)
+    hit = idx[np.minimum(off, exc[idx]) >= floor[idx]]
+    mask, excess = none
+    mask[hit] = True
+    excess[hit] = np.round(exc[hit]).astype(np.int64)
+    return mask, excess
+
+
 def _episodes(
     ctx: Context, st: OpStats, rows: OpRows, in_flight: Intervals | None
-) -> tuple[regimes.Regimes, list[_Episode], Evidence | None] | None:
-    """The op's regimes, cut into episodes (runs of buckets with slow calls, ± one bucket), each with
-    its host evidence, measured shares and causes (root first; none when no cause dominates)."""
+) -> tuple[regimes.Regimes, list[_Episode], Evidence | None, int] | None:
+    """The op's regimes and the calls held off the CPU (:func:`_held_off`), cut into episodes (runs of
+    buckets with slow calls, ± one bucket), each with its host evidence, measured shares and causes
+    (root first; none when no cause dominates); and how many calls were held off."""
     scale, ignore = _call_shape(ctx, st, rows)
     reg = regimes.find(rows.ts_ns, rows.dur, rows.tid, scale=scale, ignore=ignore)
-    if not cz.worth_a_chain(reg.lost_total_ns, max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)):
+    held, held_exc = _held_off(ctx, st, rows, reg, scale, ignore)
+    if not cz.worth_a_chain(reg.lost_total_ns + int(held_exc.sum()), max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)):
         return None  # no family's share of it could make a chain: its windows need no evidence
     g = ctx.grid
-    slow = reg.slow
+    slow = reg.slow | held
+    excess = np.where(held, held_exc, reg.excess)
     spans = runs(_mask(ctx, rows.ts_ns[slow]), max_gap=2)  # runs ± one bucket that touch merge
     if not spans:
         return None
     b0s = np.asarray([a for a, _ in spans], dtype=np.int64)
     b1s = np.asarray([b for _, b in spans], dtype=np.int64)
-    # each call in a regime → its episode (the run whose window, ± one bucket, holds it)
-    inside = np.flatnonzero(reg.stretch >= 0)
+    # each call in a regime or held off → its episode (the run whose window, ± one bucket, holds it)
+    inside = np.flatnonzero((reg.stretch >= 0) | held)
     bucket = g.index(rows.ts_ns[inside])
     k = np.searchsorted(b0s - 1, bucket, side="right") - 1
     ok = (k >= 0) & (bucket <= b1s[np.maximum(k, 0)] + 1)
     calls, ep_of = inside[ok], k[ok]
     ts, end = rows.ts_ns[calls], rows.ts_ns[calls] + rows.dur[calls]
-    tid, exc = rows.tid[calls], reg.excess[calls]
+    tid, exc = rows.tid[calls], excess[calls]
     n_ep = len(spans)
 
     def per_ep(x: np.ndarray) -> np.ndarray:
@@ -234,7 +274,7 @@ def _episodes(
         # block I/O must overlap the lost time itself, not just share a bucket with it
         found = [c for c in found if not c.family.startswith("io") or shares.share(shares.io_ns) >= MIN_IO_OVERLAP]
         out.append(_Episode(int(b0), int(b1), cz.dominant(found, shares), found, ep, i, slow_ep, shares))
-    return reg, out, base
+    return reg, out, base, int(held.sum())
 
 
 def _io_in_flight(ctx: Context) -> Intervals | None:
@@ -252,6 +292,7 @@ def _tail_chain(
     st: OpStats,
     rows: OpRows,
     reg: regimes.Regimes,
+    held_n: int,
     fam: str,
     e: _Episode,
     sev: str,
@@ -271,7 +312,7 @@ def _tail_chain(
     end = min(g.end_of(min(g.n - 1, b1 + 1)), ctx.frame.last_ns + 1)
     ep_slow = e.in_ep
     worst = int(rows.dur[ep_slow].max(initial=0))
-    slow_n = int(reg.slow.sum())
+    slow_n = int(reg.slow.sum()) + held_n
     culprits: list[Culprit] = []
     if fam == "cpu":
         culprits = ctx.preemptors(rows.tid[ep_slow], rows.ts_ns[ep_slow], rows.ts_ns[ep_slow] + rows.dur[ep_slow])
@@ -280,8 +321,8 @@ def _tail_chain(
     root, context = found[0], found[1:]
     words = cz.phrase(root, ep)
     summary = (
-        f"{st.name} p99={fmt_ns(st.p99_ns)} ({st.tail_ratio:.1f}x p50): {slow_n} calls ≥ {regimes.SLOW_FACTOR:.0f}x "
-        f"its steady {fmt_ns(reg.steady_ns)} lost {short_ns(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
+        f"{st.name} p99={fmt_ns(st.p99_ns)} ({st.tail_ratio:.1f}x p50): {_slow_calls(reg, held_n)} lost "
+        f"{short_ns(lost)} ({100 * lost / wall:.1f}% of wall time) — {words}"
     )
     base_txt = ""
     if base is not None and fam.startswith("io"):
@@ -289,8 +330,19 @@ def _tail_chain(
     also = "; ".join(cz.phrase(c, ep) for c in context[:2])
     explanation = (
         f"{st.name} ran {st.count} times at a steady {fmt_ns(reg.steady_ns)} (p50 {fmt_ns(st.p50_ns)}, "
-        f"p99 {fmt_ns(st.p99_ns)}, max {fmt_ns(st.max_ns)}); in {reg.n} slower stretch(es) {slow_n} calls took "
-        f"≥ {regimes.SLOW_FACTOR:.0f}x steady. {int(ep_slow.sum())} of them (up to {fmt_ns(worst)}) fell in "
+        f"p99 {fmt_ns(st.p99_ns)}, max {fmt_ns(st.max_ns)}); "
+        + (
+            f"in {reg.n} slower stretch(es) {int(reg.slow.sum())} calls took ≥ {regimes.SLOW_FACTOR:.0f}x steady"
+            if reg.n
+            else "no stretch of calls ran slower"
+        )
+        + (
+            f"; {held_n} other calls ran ≥ {100 * HELD_OFF:.0f}% beyond steady while their thread was off the CPU "
+            "inside them (not asleep by itself)"
+            if held_n
+            else ""
+        )
+        + f". {int(ep_slow.sum())} of these calls (up to {fmt_ns(worst)}) fell in "
         f"{fmt_ts(start)} – {fmt_ts(end)}, where the host shows {words}{base_txt}. "
         + (f"The same cause recurs in {len(eps)} separate windows. " if len(eps) > 1 else "")
         + f"Time lost: {short_ns(lost)} ({100 * lost / wall:.1f}% of wall time); of it, {total.words()}. "
@@ -317,6 +369,7 @@ def _tail_chain(
         "p99_us": us(st.p99_ns),
         "tail_ratio": round(st.tail_ratio, 2),
         "slow_calls": slow_n,
+        "held_off_calls": held_n,
         "slow_calls_in_window": int(ep_slow.sum()),
         "regimes": reg.n,
         "window_start_ns": start,
@@ -333,6 +386,7 @@ def _tail_chain(
         "overlap_unknown": round(total.share(total.unk_ns), 3),
         "io_overlap_ms": round(total.io_ns / 1e6, 1),
         "prev_state": "recorded" if ctx.off.has_state else ("unknown" if ctx.off.has_rows else "no sched rows"),
+        "may_be_sleep": _may_be_sleep(ctx, fam, rows.tid),  # unknown off-CPU time whose sleeps cannot be told
         "preempted_by": [c.name for c in culprits if c.ns],
         **_evidence_dict(ep, base),
     }
@@ -349,6 +403,16 @@ def _tail_chain(
         timeline=tl,
         st=st,
     )
+
+
+def _slow_calls(reg: regimes.Regimes, held_n: int) -> str:
+    """'12 calls ≥ 2x its steady 7.9ms (+ 6 held off the CPU)' for a summary."""
+    n = int(reg.slow.sum())
+    held = f"{held_n} calls held off the CPU beyond its steady {fmt_ns(reg.steady_ns)}"
+    if not n:
+        return held
+    said = f"{n} calls ≥ {regimes.SLOW_FACTOR:.0f}x its steady {fmt_ns(reg.steady_ns)}"
+    return f"{said} (+ {held_n} held off the CPU)" if held_n else said
 
 
 def _mechanism(family: str, op: str) -> str:
@@ -458,7 +522,11 @@ def _drop(ctx: Context, st: OpStats) -> _Drop | None:
     if best is not None:
         best.episodes = n_eps
         fam = best.found[0].family  # severity from the work not done across the family's windows
-        best.sev = cz.severity_of_loss(lost_by_family[fam], max(1, ctx.gpu.last_ns - ctx.gpu.first_ns), fam)
+        best.sev = cz.severity_of_loss(
+            lost_by_family[fam],
+            max(1, ctx.gpu.last_ns - ctx.gpu.first_ns),
+            may_be_sleep=_may_be_sleep(ctx, fam, rows.tid),
+        )
     return best
 
 

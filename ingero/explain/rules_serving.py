@@ -17,16 +17,16 @@ Per engine process (node, pid), over the window's scrapes (values carried forwar
 * **Head-of-line blocking** — at most :data:`HOL_RUNNING` requests running, at least :data:`HOL_WAITING`
   waiting and no request finishing, over :data:`HOL_STEPS` scrape steps or more: a long request holds
   the batch. Severity is its share of the window, as for the KV cache; the queue chain then names it.
-
 * **Token generation slowed** — time per output token (vLLM's ``time_per_output_token_seconds`` or
   ``inter_token_latency_seconds``, SGLang's, TGI's mean time per token) reaches :data:`TPOT_X` times its
   baseline. Severity is the time lost (what the baseline speed would have saved) as a share of the window.
 
 **Phases.** TTFT and time per output token are judged per phase (:mod:`ingero.explain.serving_phases`):
-scrape intervals are told apart as prefill-like or decode-like by the prompt tokens the engine prefilled in
-them (its own counter), or by the grid sizes of its kernel launches where it has none, and an interval's latency is
-compared only with the baseline of its own phase — a burst of long prompts, which slows first tokens and
-the decode steps between them, is not a regression against decode's baseline, nor decode against prefill's.
+scrape intervals are told apart as prefill-like or decode-like by the prompt tokens the engine prefilled
+in them (its own counter), or by the grid sizes of its kernel launches where it has none, and an
+interval's latency is compared only with the baseline of its own phase — a burst of long prompts, which
+slows first tokens and the decode steps between them, is not a regression against decode's baseline,
+nor decode against prefill's.
 
 A busy but healthy server — a full batch, a cache well used, a steady queue, steady TTFT, prefill bursts
 among steady decoding — gets no chain.
@@ -165,8 +165,8 @@ def _grid(s: Series, grid: np.ndarray) -> np.ndarray:
 
 
 def _phases(ss: dict[str, Series], engine: str, grid: np.ndarray, launches: Launches) -> Phases:
-    """Each scrape interval's phase: by the engine's token counters, else by its launches (only when it
-    has a latency to judge: the launches are read from the events then)."""
+    """Each scrape interval's phase: by the engine's prompt-token counter, else by its launches (only when
+    it has a latency to judge: the launches are read from the events then)."""
     names = NAMES[engine]
     prompt = _pick(ss, names["prompt"])
     if prompt is not None:
