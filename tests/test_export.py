@@ -408,3 +408,27 @@ def test_fleet_export_carries_the_engine_series(
     doc = json.loads(out.read_text())
     check_trace_invariants(doc)
     assert counter_values(doc) == local and len(local) > 20
+
+
+def test_a_summary_is_its_mean_track_and_its_quantiles_are_not_tracks(tmp_path: Path) -> None:
+    """TGI's summaries (quantile labels) would add up to nonsense summed over their quantiles: only the
+    mean per scrape (Δsum / Δcount) is drawn, beside the engine's gauges."""
+    from ingero.identity import Identity
+    from ingero.store.writer import StoreWriter
+
+    s, t0 = 1_000_000_000, 1_790_000_000_000_000_000
+    rows = []
+    for k in range(5):
+        ts = t0 + k * s
+        rows += [
+            (ts, 9, "tgi", "tgi_request_duration", '{"quantile":"0.5"}', 0.1 + k),
+            (ts, 9, "tgi", "tgi_request_duration", '{"quantile":"0.99"}', 0.2 + k),
+            (ts, 9, "tgi", "tgi_request_duration_sum", "", 0.25 * 4 * k),
+            (ts, 9, "tgi", "tgi_request_duration_count", "", 4.0 * k),
+            (ts, 9, "tgi", "tgi_queue_size", "", float(k)),
+        ]
+    db = tmp_path / "tgi.db"
+    with StoreWriter(db, Identity("serve-node-04")) as w:
+        w.write_batch(engine_metrics=rows)
+    got = {n: vs for (_, n), vs in counter_values(export(db, tmp_path / "t.json")).items()}
+    assert got == {"tgi 9: tgi_queue_size": [0.0, 1.0, 2.0, 3.0, 4.0], "tgi 9: tgi_request_duration (mean)": [0.25] * 4}

@@ -7,7 +7,8 @@ reader carries it forward). A gauge is its value, a counter its running total (P
 shows its rate); label sets are summed (:func:`ingero.store.engine_metrics.series`). A histogram is one
 track of its mean per scrape interval (Δ``_sum`` / Δ``_count``: ``vllm:time_to_first_token_seconds
 (mean)``), points only where requests were observed; its ``_bucket`` rows, whose ``le`` sets do not add
-up, are left out, and so are ``_created`` samples (start times, not values).
+up, are left out (and so are a summary's quantiles: its ``_sum`` / ``_count`` make the same mean track), and
+so are ``_created`` samples (start times, not values).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ class CounterTrack:
 
 def rows_sql(where: str, order: str = "ts", *, with_rowid: bool = False) -> str:
     """The rows tracks are drawn from (ts, node, pid, engine, metric, labels, value; after the rowid with
-    ``with_rowid``) where ``where`` holds: no histogram buckets, no _created samples."""
+    ``with_rowid``) where ``where`` holds: no histogram buckets, no summary quantiles, no _created samples."""
     return (
         f"SELECT {'rowid, ' if with_rowid else ''}ts, node, pid, engine, metric, labels, value FROM {TABLE} WHERE ({where}) "
         r"AND metric NOT LIKE '%\_bucket' ESCAPE '\' AND metric NOT LIKE '%\_created' ESCAPE '\' "
+        """AND labels NOT LIKE '%"quantile":%' """
         f"ORDER BY {order}"
     )
 
