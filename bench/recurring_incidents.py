@@ -45,7 +45,7 @@ SNAPSHOT_COLUMNS = "timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, load_avg, n
 
 def build(path: Path, copies: int = COPIES, sample: Path = SAMPLE) -> int:
     """Write the replayed database at ``path``; returns its event count."""
-    src = sqlite3.connect(f"file:{sample}?mode=ro", uri=True)
+    src = sqlite3.connect(f"file:{sample}?mode=ro&immutable=1", uri=True)  # never a -wal beside the committed file
     dst = sqlite3.connect(path)
     try:
         src.backup(dst)
