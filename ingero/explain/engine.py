@@ -38,7 +38,7 @@ from ingero.explain import (
 )
 from ingero.explain.cgroups import pid_cgroups, with_cgroups
 from ingero.explain.context import Context
-from ingero.explain.evidence import Grid, HostSeries, Snapshots, load_snapshots
+from ingero.explain.evidence import Grid, HostSeries, SnapRows, Snapshots, load_snapshots, snapshot_array
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
 from ingero.explain.ledger import LedgerRow, Unstored, aggregate, build_ledger, load_unstored
 from ingero.explain.model import Chain, sort_chains
@@ -165,7 +165,7 @@ def explain(
 def _explain_node(
     fr: Frame,
     names: dict[int, str],
-    snap_rows: list[tuple[int, float, float, int, int, float]],
+    snap_rows: SnapRows,
     *,
     pid: int | None,
     per_process: bool,
@@ -434,9 +434,7 @@ def _process_names(conn: sqlite3.Connection) -> dict[int, str]:
         return {}
 
 
-def _snapshot_rows(
-    conn: sqlite3.Connection, frames: dict[str, Frame]
-) -> dict[str, tuple[list[tuple[int, float, float, int, int, float]], str | None]]:
+def _snapshot_rows(conn: sqlite3.Connection, frames: dict[str, Frame]) -> dict[str, tuple[SnapRows, str | None]]:
     """System snapshots per node.
 
     ``system_snapshots`` has no ``node`` column (Ingero's layout). With one node every snapshot is its
@@ -449,27 +447,28 @@ def _snapshot_rows(
     hi = max(f.last_ns for f in frames.values())
     cols = {r[1] for r in conn.execute("PRAGMA table_info(system_snapshots)")}
     if "node" in cols:
-        out: dict[str, tuple[list[tuple[int, float, float, int, int, float]], str | None]] = {}
+        out: dict[str, tuple[SnapRows, str | None]] = {}
         for name, fr in frames.items():
             cur = conn.execute(
                 "SELECT timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, load_avg FROM system_snapshots "
                 "WHERE node = ? AND timestamp >= ? AND timestamp <= ?",
                 (name, fr.first_ns, fr.last_ns),
             )
-            out[name] = ([(int(t), float(c), float(m), int(a), int(s), float(ld)) for t, c, m, a, s, ld in cur], None)
+            out[name] = (snapshot_array(cur.fetchall()), None)
         return out
     rows = load_snapshots(conn, lo, hi)
     if len(frames) == 1:
         return {next(iter(frames)): (rows, None)}
     spans = {name: (f.first_ns, f.last_ns) for name, f in frames.items()}
-    out = {name: ([], None) for name in frames}
+    mine: dict[str, list[tuple[int, float, float, int, int, float]]] = {name: [] for name in frames}
     ambiguous = 0
     for r in rows:
         owners = [n for n, (a, b) in spans.items() if a <= r[0] <= b]
         if len(owners) == 1:
-            out[owners[0]][0].append(r)
+            mine[owners[0]].append(r)
         elif owners:
             ambiguous += 1
+    out = {name: (r, None) for name, r in mine.items()}
     if ambiguous:
         first = next(iter(out))
         out[first] = (

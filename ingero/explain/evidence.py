@@ -14,8 +14,11 @@ intense where the trouble is than where it is not.
 
 from __future__ import annotations
 
+import math
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +67,19 @@ def _cum(x: F64) -> F64:
     return np.concatenate(([0.0], np.cumsum(x)))
 
 
+# system snapshots: (timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, load_avg) rows, or those rows as
+# a float64 array (:func:`snapshot_array`)
+SnapRows = list[tuple[int, float, float, int, int, float]] | F64
+
+
+def snapshot_array(rows: Sequence[Sequence[Any]]) -> F64:
+    """Fetched snapshot rows as the float64 array :meth:`Snapshots.from_rows` reads, the same values as
+    the typed tuples (mem_avail and swap_mb truncated to integers): no Python conversion per value."""
+    arr: F64 = np.asarray(rows, dtype=np.float64).reshape(-1, 6)
+    arr[:, 3:5] = np.trunc(arr[:, 3:5])
+    return arr
+
+
 @dataclass
 class Snapshots:
     """System snapshots attributed to one node, as per-bucket peaks (NaN: no snapshot)."""
@@ -80,9 +96,9 @@ class Snapshots:
         return cls(nan, nan.copy(), nan.copy(), nan.copy(), nan.copy())
 
     @classmethod
-    def from_rows(cls, grid: Grid, rows: list[tuple[int, float, float, int, int, float]]) -> Snapshots:
+    def from_rows(cls, grid: Grid, rows: SnapRows) -> Snapshots:
         snap = cls.empty(grid)
-        if not rows:
+        if len(rows) == 0:
             return snap
         arr = np.asarray(rows, dtype=np.float64)
         inside = (arr[:, 0] >= grid.start_ns) & (arr[:, 0] < grid.end_of(grid.n - 1))
@@ -186,6 +202,58 @@ def _peak(arr: F64, sel: slice | BoolArr, fn: str) -> float | None:
     return float(np.nanmax(part) if fn == "max" else np.nanmin(part))
 
 
+class RangePeak:
+    """The peak (``np.fmax``: NaN = no value) or trough (``np.fmin``) of a per-bucket series over any run
+    of buckets in O(1): a sparse table of the series' peaks over runs of 1, 2, 4, ... buckets (rules ask
+    for hundreds of episode windows; each asked of the series itself is a pass over the run)."""
+
+    def __init__(self, arr: F64, fn: np.ufunc) -> None:
+        self.fn = fn
+        self.arr = arr
+        self.levels: list[F64] = []  # built on the first question
+
+    def over(self, b0: int, b1: int) -> float | None:
+        """Over buckets b0..b1 (inclusive, within the series); None where every bucket is NaN."""
+        if b1 < b0:
+            return None
+        if not self.levels:
+            self.levels.append(np.asarray(self.arr, dtype=np.float64))
+            width = 1
+            while 2 * width <= self.arr.size:
+                prev = self.levels[-1]
+                self.levels.append(self.fn(prev[:-width], prev[width:]))
+                width *= 2
+        j = (b1 - b0 + 1).bit_length() - 1
+        lvl = self.levels[j]
+        a, b = float(lvl[b0]), float(lvl[b1 - (1 << j) + 1])
+        if math.isnan(a):  # no value in that half
+            return None if math.isnan(b) else b
+        if math.isnan(b):
+            return a
+        return max(a, b) if self.fn is np.fmax else min(a, b)
+
+
+# the per-bucket series kept as cumulative sums (O(1) sums over any run of buckets)
+_CUM_SERIES = (
+    "sched_n",
+    "offcpu",
+    "io_n",
+    "io_ns",
+    "io_reads",
+    "io_writes",
+    "io_bytes",
+    "page_n",
+    "page_bytes",
+    "tcp_n",
+    "net_n",
+    "net_bytes",
+    "vol",
+    "unknown",
+    "io_other_n",
+    "tcp_other_n",
+)
+
+
 class HostSeries:
     """Per-bucket host evidence of one node for a set of traced processes (the GPU callers).
 
@@ -248,62 +316,50 @@ class HostSeries:
         nidx = grid.index(args.ts_ns[net])
         self.net_n = _sum(grid, nidx)
         self.net_bytes = _sum(grid, nidx, np.abs(args.arg0[net]).astype(np.float64))
-        self._cums = {
-            name: _cum(getattr(self, name))
-            for name in (
-                "sched_n",
-                "offcpu",
-                "io_n",
-                "io_ns",
-                "io_reads",
-                "io_writes",
-                "io_bytes",
-                "page_n",
-                "page_bytes",
-                "tcp_n",
-                "net_n",
-                "net_bytes",
-                "vol",
-                "unknown",
-                "io_other_n",
-                "tcp_other_n",
-            )
-        }
-
-    def _range(self, name: str, b0: int, b1: int) -> int:
-        c = self._cums[name]
-        return round(float(c[b1 + 1] - c[b0]))
+        self._cum2d = np.stack([_cum(getattr(self, name)) for name in _CUM_SERIES], axis=1)  # a row per bucket edge
+        snap = self.snap
+        self._peaks = (
+            RangePeak(snap.cpu, np.fmax),
+            RangePeak(snap.mem, np.fmax),
+            RangePeak(snap.swap, np.fmax),
+            RangePeak(snap.avail, np.fmin),
+            RangePeak(snap.load, np.fmax),
+            RangePeak(self.io_max, np.fmax),
+        )
 
     def over_range(self, b0: int, b1: int) -> Evidence:
-        """Evidence in buckets b0..b1 (inclusive, clipped to the grid)."""
+        """Evidence in buckets b0..b1 (inclusive, clipped to the grid): O(1), from the cumulative sums
+        and the peaks' sparse tables."""
         b0, b1 = max(0, b0), min(self.grid.n - 1, b1)
-        sl = slice(b0, b1 + 1)
-        r = self._range
+        sums = dict(
+            zip(_CUM_SERIES, np.rint(self._cum2d[b1 + 1] - self._cum2d[b0]).astype(np.int64).tolist(), strict=True)
+        )
+        cpu, mem, swap, avail, load, io_max = (p.over(b0, b1) for p in self._peaks)
         return Evidence(
             span_ns=(b1 - b0 + 1) * self.grid.width_ns,
             buckets=b1 - b0 + 1,
-            sched_n=r("sched_n", b0, b1),
-            offcpu_ns=r("offcpu", b0, b1),
-            io_n=r("io_n", b0, b1),
-            io_ns=r("io_ns", b0, b1),
-            io_max_ns=int(self.io_max[sl].max(initial=0)),
-            io_reads=r("io_reads", b0, b1),
-            io_writes=r("io_writes", b0, b1),
-            io_bytes=r("io_bytes", b0, b1),
-            page_n=r("page_n", b0, b1),
-            page_bytes=r("page_bytes", b0, b1),
-            tcp_n=r("tcp_n", b0, b1),
-            net_n=r("net_n", b0, b1),
-            net_bytes=r("net_bytes", b0, b1),
-            vol_ns=r("vol", b0, b1),
-            unknown_ns=r("unknown", b0, b1),
-            io_other_n=r("io_other_n", b0, b1),
-            tcp_other_n=r("tcp_other_n", b0, b1),
-            cpu_max=_peak(self.snap.cpu, sl, "max"),
-            mem_max=_peak(self.snap.mem, sl, "max"),
-            swap_max=_peak(self.snap.swap, sl, "max"),
-            avail_min=_peak(self.snap.avail, sl, "min"),
-            load_max=_peak(self.snap.load, sl, "max"),
+            sched_n=sums["sched_n"],
+            offcpu_ns=sums["offcpu"],
+            io_n=sums["io_n"],
+            io_ns=sums["io_ns"],
+            io_max_ns=int(max(io_max or 0.0, 0.0)),
+            io_reads=sums["io_reads"],
+            io_writes=sums["io_writes"],
+            io_bytes=sums["io_bytes"],
+            page_n=sums["page_n"],
+            page_bytes=sums["page_bytes"],
+            tcp_n=sums["tcp_n"],
+            net_n=sums["net_n"],
+            net_bytes=sums["net_bytes"],
+            vol_ns=sums["vol"],
+            unknown_ns=sums["unknown"],
+            io_other_n=sums["io_other_n"],
+            tcp_other_n=sums["tcp_other_n"],
+            cpu_max=cpu,
+            mem_max=mem,
+            swap_max=swap,
+            avail_min=avail,
+            load_max=load,
         )
 
     def over_mask(self, mask: BoolArr) -> Evidence | None:

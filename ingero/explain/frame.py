@@ -259,19 +259,23 @@ Slice = tuple[str, list[Any]]  # an extra WHERE term and its parameters: one gro
 WHOLE: Slice = ("1", [])  # no extra range (a timestamp range would steer SQLite to the index, ~30% slower)
 
 
-def _time_slices(conn: sqlite3.Connection, where: str, params: list[Any], threads: int) -> tuple[int, int, list[Slice]]:
+def _time_slices(
+    conn: sqlite3.Connection, where: str, params: list[Any], threads: int, whole_table: bool
+) -> tuple[int, int, list[Slice]]:
     # two queries: SQLite answers a lone min() or max() from the timestamp index, not both at once
     lo = conn.execute(f"SELECT min(timestamp) FROM events WHERE {where}", params).fetchone()[0]
     hi = conn.execute(f"SELECT max(timestamp) FROM events WHERE {where}", params).fetchone()[0]
     if lo is None or hi is None:
         return 0, 0, []
     lo, hi = int(lo), int(hi)
-    if threads > 1:
+    # the table's size bounds the window's rows (max(rowid) is O(1)); count only when it might not fit
+    bound = conn.execute("SELECT max(rowid) FROM events").fetchone()[0]
+    if whole_table and (threads > 1 or (bound is not None and int(bound) > CHUNK_ROWS)):
+        # a whole table in rowid ranges: each a scan of the table itself, never of the timestamp index
+        # (a timestamp range would take SQLite there: several times slower on a multi-million-row table)
         by_rowid = _rowid_slices(conn, threads)
         if by_rowid:
             return lo, hi, by_rowid
-    # the table's size bounds the window's rows (max(rowid) is O(1)); count only when it might not fit
-    bound = conn.execute("SELECT max(rowid) FROM events").fetchone()[0]
     if bound is not None and int(bound) <= CHUNK_ROWS:
         return lo, hi, [WHOLE]
     count = int(conn.execute(f"SELECT count(*) FROM events WHERE {where}", params).fetchone()[0])
@@ -336,7 +340,7 @@ def load_frames(
     window = window or Window()
     where, params = _filters(window, node, pid)
     whole_table = window.unbounded and node is None
-    t0, t1, slices = _time_slices(conn, where, params, threads if whole_table else 1)
+    t0, t1, slices = _time_slices(conn, where, params, threads if whole_table else 1, whole_table)
     if not slices:
         return {}
     conns = _siblings(conn, min(threads, len(slices))) if len(slices) > 1 else [conn]
@@ -395,9 +399,11 @@ def _load_batch(
     case, case_params = _node_case(names, trusted)
     # sources and ops are small ids (< 16, < 256 in the catalog): masked rather than range-checked, which
     # keeps the per-row work to a few bit operations
+    # the fields do not overlap, so ``+`` packs them like ``|`` (and costs SQLite less); the duration is
+    # clamped to [0, MAX_DUR] by one comparison per row, not two function calls
     sql = (
-        f"SELECT group_concat(({case} << 56) | ((source & 15) << 52) | ((op & 255) << 44)"
-        f" | ((ret_code != 0) << 43) | min(max(duration, 0), {MAX_DUR})),"
+        f"SELECT group_concat(({case} << 56) + ((source & 15) << 52) + ((op & 255) << 44)"
+        f" + ((ret_code != 0) << 43) + iif(duration BETWEEN 0 AND {MAX_DUR}, duration, (duration > 0) * {MAX_DUR})),"
         f" group_concat((((timestamp - ?) / ?) << {PID_BITS}) | (pid & {(1 << PID_BITS) - 1})),"
         f" group_concat(coalesce(tid, pid) - pid),"
         f" group_concat(coalesce(arg0, 0)), group_concat(coalesce(arg1, 0))"

@@ -138,20 +138,24 @@ def steady_ns(source: I64, op: I64, dur: I64) -> I64:
 
 def _steady(source: I64, op: I64, dur: I64) -> tuple[I64, dict[tuple[int, int], int]]:
     """steady_ns, and each op's level."""
-    out = dur.copy()
     levels: dict[tuple[int, int], int] = {}
     if dur.size == 0:
-        return out, levels
-    key = ((source & 0xFF) << 8) | (op & 0xFF)  # catalog ids are small: one bincount finds the ops
-    for k in np.flatnonzero(np.bincount(key)).tolist():
+        return dur.copy(), levels
+    key = (((source & 0xFF) << 8) | (op & 0xFF)).astype(np.uint16)  # catalog ids are small
+    order = np.argsort(key, kind="stable")  # one radix sort groups the ops' calls
+    sk, sd = key[order], dur[order]
+    cut = np.flatnonzero(sk[1:] != sk[:-1]) + 1
+    level = np.full(1 << 16, -1, dtype=np.int64)  # per op key; -1: the call's own duration (NCCL)
+    for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), sk.size], strict=True):
+        k = int(sk[lo])
         if k >> 8 == NCCL:
             continue
-        idx = np.flatnonzero(key == k)
-        d = dur[idx]
+        d = sd[lo:hi]
         med = float(np.median(d))
         mad = float(np.median(np.abs(d - med)))
-        levels[(k >> 8, k & 0xFF)] = out[idx] = round(med + NOISE_SIGMAS * 1.4826 * mad)
-    return out, levels
+        levels[(k >> 8, k & 0xFF)] = level[k] = round(med + NOISE_SIGMAS * 1.4826 * mad)
+    per_call = level[key]
+    return np.where(per_call >= 0, per_call, dur), levels
 
 
 def children(args: ArgRows, pid: int) -> dict[int, int]:

@@ -156,25 +156,35 @@ def paint(
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
     ``idle``, beyond the loop's turnaround), (with ``minutes``, the minute edges inside the wall) its
     time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap. Gaps no class
-    interval touches are own host code whole: only the touched ones are cut up (the work grows with the
-    scheduler rows, not the calls)."""
+    interval touches are own host code whole: only the touched ones are cut up, and only the ``idle``
+    gaps get per-gap figures (the work grows with the scheduler rows, not the calls)."""
     n, host = len(BUCKETS), IDX[HOST_CODE]
-    glen = (g1 - g0).astype(np.float64)
-    marks = np.zeros(g0.size + 1, dtype=np.int64)
-    for s, e in classes.values():  # interval [s, e) touches the gaps [first ending after s, first starting at e)
+    heads, tails, touching = [], [], {}
+    for bucket, (
+        s,
+        e,
+    ) in classes.items():  # interval [s, e) touches the gaps [first ending after s, first starting at e)
         if s.size:
-            marks += np.bincount(np.searchsorted(g1, s, side="right"), minlength=g0.size + 1)
-            marks -= np.bincount(np.searchsorted(g0, e, side="left"), minlength=g0.size + 1)
-    hit = np.cumsum(marks)[:-1] > 0
+            i0, i1 = np.searchsorted(g1, s, side="right"), np.searchsorted(g0, e, side="left")
+            t = i1 > i0  # an interval that touches no gap paints nothing
+            if t.any():
+                heads.append(i0[t])
+                tails.append(i1[t])
+                touching[bucket] = (s[t], e[t])
+    hit = np.zeros(0, dtype=np.int64)  # the touched gaps
+    if heads:
+        marks = np.bincount(np.concatenate(heads), minlength=g0.size + 1)
+        marks -= np.bincount(np.concatenate(tails), minlength=g0.size + 1)
+        hit = np.flatnonzero(np.cumsum(marks[:-1]) > 0)
     t0, t1 = g0[hit], g1[hit]
     left = label = k = np.zeros(0, dtype=np.int64)
     w = np.zeros(0, dtype=np.float64)
     if t0.size:
         lo, hi = int(t0[0]), int(t1[-1])
-        edges = [t0, t1] + [np.clip(x, lo, hi) for se in classes.values() for x in se]
+        edges = [t0, t1] + [np.clip(x, lo, hi) for se in touching.values() for x in se]
         if minutes is not None:
             edges.append(minutes)
-        b = np.sort(np.concatenate(edges))
+        b = np.sort(np.concatenate(edges), kind="stable")  # sorted runs: merged, not sorted from scratch
         b = b[np.concatenate(([True], b[1:] != b[:-1]))]
         left, length = b[:-1], np.diff(b)
         k = np.searchsorted(t0, left, side="right") - 1
@@ -182,27 +192,35 @@ def paint(
         left, length, k = left[in_gap], length[in_gap], k[in_gap]
         label = np.full(left.size, host, dtype=np.int64)
         for bucket in reversed(_GAP_ORDER):
-            s, e = classes[bucket]
-            if s.size:
+            if bucket in touching:
+                s, e = touching[bucket]
                 label[_covered(s, e, left)] = IDX[bucket]
         w = length.astype(np.float64)
     total = np.bincount(label, weights=w, minlength=n).astype(np.float64)
-    total[host] += glen[~hit].sum()
-    # in each gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
+    total[host] += float(int((g1 - g0).sum()) - int((t1 - t0).sum()))  # untouched gaps: host code whole
+    # per gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
     # (dispatching the next step, a handoff from a ready queue, an ordinary preemption); own host code
     # counts beyond twice the loop's typical turnaround (a steady loop's own pace)
     on = label == host
-    host_of = glen.copy()
-    host_of[hit] = np.bincount(k[on], weights=w[on], minlength=t0.size)
-    sure_host = host_of[idle]
+    sure_gaps = np.flatnonzero(idle)
+    sure_host = (g1[sure_gaps] - g0[sure_gaps]).astype(np.float64)
+    j = np.minimum(np.searchsorted(hit, sure_gaps), max(0, hit.size - 1))
+    touched = hit[j] == sure_gaps if hit.size else np.zeros(sure_gaps.size, dtype=bool)
+    if touched.any():
+        sure_host[touched] = np.bincount(k[on], weights=w[on], minlength=t0.size)[j[touched]]
     allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
-    gap_idle = np.maximum(host_of - allowance, 0)  # per gap: what counts as GPU idle in it
-    # the other buckets, per (touched gap, bucket): grouped over the off-CPU segments only
-    pairs, inv = np.unique(k[~on] * n + label[~on], return_inverse=True)
-    beyond = np.maximum(np.bincount(inv, weights=w[~on], minlength=pairs.size) - GAP_NS, 0)
-    gap_of = np.flatnonzero(hit)[pairs // n]
-    gap_idle += np.bincount(gap_of, weights=beyond, minlength=g0.size)
+    gap_idle = np.maximum(sure_host - allowance, 0)  # per idle gap: what counts as GPU idle in it
+    # the other buckets, per (touched gap, bucket): grouped over the off-CPU segments only (in gap order
+    # already: a stable sort only reorders each gap's few)
+    key = k[~on] * n + label[~on]
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    first = np.concatenate(([True], sk[1:] != sk[:-1])) if sk.size else np.zeros(0, dtype=bool)
+    pairs = sk[first]
+    beyond = np.maximum(np.add.reduceat(w[~on][order], np.flatnonzero(first)) - GAP_NS, 0) if sk.size else w[:0]
+    gap_of = hit[pairs // n]
     sure = idle[gap_of]
+    gap_idle += np.bincount(np.searchsorted(sure_gaps, gap_of[sure]), weights=beyond[sure], minlength=sure_gaps.size)
     in_idle_f = np.bincount(pairs[sure] % n, weights=beyond[sure], minlength=n).astype(np.float64)
     in_idle_f[host] = np.maximum(sure_host - allowance, 0).sum()
     in_idle: I64 = np.rint(in_idle_f).astype(np.int64)
@@ -211,8 +229,10 @@ def paint(
         m = np.searchsorted(minutes, left, side="right")
         per_minute = np.bincount(m * n + label, weights=w, minlength=(minutes.size + 1) * n).astype(np.float64)
         per_minute = per_minute.reshape(-1, n)
-        u0, u1 = g0[~hit], g1[~hit]  # untouched gaps: host code, split at the minute edges
+        untouched = np.ones(g0.size, dtype=bool)
+        untouched[hit] = False
+        u0, u1 = g0[untouched], g1[untouched]  # untouched gaps: host code, split at the minute edges
         cum = np.concatenate(([0], np.cumsum(u1 - u0)))
         before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
         per_minute[:, host] += np.diff(before).astype(np.float64)
-    return np.rint(total).astype(np.int64), in_idle, per_minute, gap_idle[idle]
+    return np.rint(total).astype(np.int64), in_idle, per_minute, gap_idle

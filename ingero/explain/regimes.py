@@ -115,67 +115,85 @@ def find(
     omitted; ``ignore``: calls never slow (a kernel's first launch: loading, not a regime);
     ``steady_ns``: the steady level, else :func:`steady_level` of the calls (size-normalised)."""
     n = int(ts_ns.size)
-    tid = np.zeros(n, dtype=np.int64) if tid is None else tid
-    sc = np.ones(n) if scale is None else np.maximum(scale, 1e-12)
-    time_order = np.argsort(ts_ns, kind="stable")
-    norm = dur / sc
-    steady = steady_level(norm[time_order]) if steady_ns is None else int(steady_ns)
-    order = np.lexsort((ts_ns, tid))
-    d, th, s = norm[order], tid[order], sc[order]
+    norm = dur / np.maximum(scale, 1e-12) if scale is not None else dur.astype(np.float64)
+    # calls usually come in time order from one thread: then nothing is sorted, gathered or scattered
+    in_time = bool((ts_ns[1:] >= ts_ns[:-1]).all())
+    time_order = None if in_time else np.argsort(ts_ns, kind="stable")
+    in_order = norm if time_order is None else norm[time_order]
+    steady = steady_level(in_order) if steady_ns is None else int(steady_ns)
+    one_thread = tid is None or n == 0 or bool((tid == tid[0]).all())
+    order = time_order if tid is None or one_thread else np.lexsort((ts_ns, tid))
+    d = norm if order is None else norm[order]  # in stretch order: per thread, in time
     slow = d >= SLOW_FACTOR * max(steady, 1)
     if ignore is not None:
-        slow &= ~ignore[order]
+        slow &= ~(ignore if order is None else ignore[order])
     p = np.flatnonzero(slow)
     if p.size == 0:
         return _empty(n, steady)
-    brk = np.flatnonzero((np.diff(p) > MAX_GAP + 1) | (th[p[1:]] != th[p[:-1]])) + 1
+    th = None if tid is None else (tid if order is None else tid[order])
+    gap = np.diff(p) > MAX_GAP + 1
+    if th is not None and not one_thread:
+        gap |= th[p[1:]] != th[p[:-1]]
+    brk = np.flatnonzero(gap) + 1
     heads = np.concatenate(([0], brk))
-    first, last = p[heads], p[np.concatenate((brk - 1, [p.size - 1]))]
+    tails = np.concatenate((brk - 1, [p.size - 1]))
     n_slow = np.diff(np.concatenate((heads, [p.size])))
     worst = np.maximum.reduceat(d[p], heads)
     keep = (n_slow >= MIN_SLOW) | (worst >= STALL_FACTOR * max(steady, 1))
     if not keep.any():
         return _empty(n, steady)
-    first, last, n_slow = first[keep], last[keep], n_slow[keep]
-    excess = np.where(slow, np.maximum(dur[order] - steady * s, 0.0), 0.0)
-    cum = np.concatenate(([0.0], np.cumsum(excess)))
-    lost = np.round(cum[last + 1] - cum[first]).astype(np.int64)
-    # per-call regime id: +1 at each stretch's first call, −1 after its last
-    mark = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(mark, first, 1)
-    np.add.at(mark, last + 1, -1)
-    inside = np.cumsum(mark[:n]) > 0
-    heads_mark = np.zeros(n, dtype=np.int64)
-    heads_mark[first] = 1
-    sid = np.cumsum(heads_mark) - 1
-    stretch_sorted = np.where(inside, sid, -1)
-    stretch = np.empty(n, dtype=np.int64)
-    stretch[order] = stretch_sorted
+    heads, tails, n_slow = heads[keep], tails[keep], n_slow[keep]
+    first, last = p[heads], p[tails]
+    # the slow calls' excess over steady (the other calls have none): summed per stretch over the slow
+    # calls only, the same running sums as over every call
+    at = p if order is None else order[p]  # the slow calls, as given
+    s_p = 1.0 if scale is None else np.maximum(scale[at], 1e-12)
+    excess_p = np.maximum(dur[at] - steady * s_p, 0.0)
+    cum = np.concatenate(([0.0], np.cumsum(excess_p)))
+    lost = np.round(cum[tails + 1] - cum[heads]).astype(np.int64)
+    # per call: the stretch it falls in (every call from a stretch's first slow call to its last)
+    lens = last - first + 1
+    starts = np.cumsum(lens) - lens
+    inside = np.arange(int(lens.sum())) - np.repeat(starts - first, lens)  # positions in stretch order
+    sid = np.repeat(np.arange(first.size), lens)
+    in_stretch = np.zeros(p.size, dtype=bool)  # slow calls inside a kept stretch
+    in_stretch[np.repeat(heads, tails - heads + 1) + _ramp(tails - heads + 1)] = True
+    pk = at[in_stretch]
+    stretch = np.full(n, -1, dtype=np.int64)
+    stretch[inside if order is None else order[inside]] = sid
     slow_out = np.zeros(n, dtype=bool)
-    slow_out[order] = slow & inside
+    slow_out[pk] = True
     exc_out = np.zeros(n, dtype=np.int64)
-    exc_out[order] = np.where(inside, np.round(excess), 0).astype(np.int64)
-    ts_sorted, dur_sorted = ts_ns[order], dur[order]
+    exc_out[pk] = np.round(excess_p[in_stretch]).astype(np.int64)
+    g_first, g_last = (first, last) if order is None else (order[first], order[last])
     return Regimes(
         steady_ns=steady,
         stretch=stretch,
         slow=slow_out,
         excess=exc_out,
-        tid=th[first].astype(np.int64),
-        start_ns=ts_sorted[first].astype(np.int64),
-        end_ns=(ts_sorted[last] + dur_sorted[last]).astype(np.int64),
-        calls=(last - first + 1).astype(np.int64),
+        tid=(th[first] if th is not None else np.zeros(first.size)).astype(np.int64),
+        start_ns=ts_ns[g_first].astype(np.int64),
+        end_ns=(ts_ns[g_last] + dur[g_last]).astype(np.int64),
+        calls=lens.astype(np.int64),
         slow_calls=n_slow.astype(np.int64),
         lost_ns=lost,
-        worst_ns=_worst(dur_sorted, first, last),
+        worst_ns=_worst(dur if order is None else dur[order], first, last),
     )
 
 
+def _ramp(lens: I64) -> I64:
+    """0, 1, ..., len - 1 for each length, concatenated."""
+    starts = np.cumsum(lens) - lens
+    out: I64 = np.arange(int(lens.sum())) - np.repeat(starts, lens)
+    return out
+
+
 def _worst(dur_sorted: I64, first: I64, last: I64) -> I64:
-    """The longest call of each stretch [first, last]."""
-    cut = np.empty(2 * first.size, dtype=np.int64)
-    cut[0::2], cut[1::2] = first, last + 1
-    red = np.maximum.reduceat(np.append(dur_sorted, 0), cut)
+    """The longest call of each stretch [first, last] (durations in stretch order)."""
+    view = dur_sorted[int(first[0]) : int(last[-1]) + 1]  # a view that ends where the last stretch ends
+    cut = np.empty(2 * first.size - 1, dtype=np.int64)
+    cut[0::2], cut[1::2] = first - first[0], last[:-1] + 1 - first[0]
+    red = np.maximum.reduceat(view, cut)
     return red[0::2].astype(np.int64)
 
 

@@ -294,22 +294,24 @@ def _sorted_percentiles(d: npt.NDArray[np.float64], qs: tuple[float, ...]) -> li
 def host_summary_from_columns(
     source: npt.NDArray[np.int64], op: npt.NDArray[np.int64], duration: npt.NDArray[np.int64]
 ) -> HostSummary:
-    """The same figures as :func:`host_summary`, from parallel arrays."""
-    host = np.isin(source, HOST_SOURCES)
-    sched = (source == _SWITCH.source) & (op == _SWITCH.op)
-    block = source == IO
-    gpu = np.isin(source, GPU_API_SOURCES)
-    d = duration.astype(np.float64)
+    """The same figures as :func:`host_summary`, from parallel arrays (sources below 16, ops below 256,
+    as the frames hold them): two passes, a count and a duration sum per (source, op)."""
+    key = (source << 8) | op
+    count = np.bincount(key, minlength=16 << 8).reshape(16, 256)
+    total = np.bincount(key, weights=duration, minlength=16 << 8).reshape(16, 256)  # exact: integer sums < 2^53
+    by_src, ns_by_src = count.sum(axis=1), total.sum(axis=1)
+    host_n = int(by_src[list(HOST_SOURCES)].sum())
+    gpu_n = int(by_src[list(GPU_API_SOURCES)].sum())
     return HostSummary(
-        host_events=int(host.sum()),
-        host_avg_ns=float(d[host].mean()) if host.any() else 0.0,
-        sched_switch=int(sched.sum()),
-        offcpu_ns=int(duration[sched].sum()),
-        block_io=int(block.sum()),
-        block_io_ns=int(duration[block].sum()),
-        block_reads=int((block & (op == _READ)).sum()),
-        block_writes=int((block & (op == _WRITE)).sum()),
-        tcp_retransmits=int((source == TCP).sum()),
-        gpu_api_calls=int(gpu.sum()),
-        gpu_api_avg_ns=float(d[gpu].mean()) if gpu.any() else 0.0,
+        host_events=host_n,
+        host_avg_ns=float(ns_by_src[list(HOST_SOURCES)].sum()) / host_n if host_n else 0.0,
+        sched_switch=int(count[_SWITCH.source, _SWITCH.op]),
+        offcpu_ns=int(total[_SWITCH.source, _SWITCH.op]),
+        block_io=int(by_src[IO]),
+        block_io_ns=int(ns_by_src[IO]),
+        block_reads=int(count[IO, _READ]),
+        block_writes=int(count[IO, _WRITE]),
+        tcp_retransmits=int(by_src[TCP]),
+        gpu_api_calls=gpu_n,
+        gpu_api_avg_ns=float(ns_by_src[list(GPU_API_SOURCES)].sum()) / gpu_n if gpu_n else 0.0,
     )
