@@ -242,7 +242,7 @@ async function loadEngines() {
       e.last_ns = Math.max(e.last_ns, r[c("last_ns")]);
     }
     engines = [...byEngine.values()];
-    missing = doc.unreachable || [];
+    missing = [...(doc.unreachable || []), ...(doc.truncated_nodes || []).map((n) => `${n}: more series than shown`)];
   } else {
     engines = (await tool("get_engine_metrics")).engines;
   }
