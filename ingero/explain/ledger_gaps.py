@@ -155,9 +155,57 @@ def paint(
 ) -> tuple[I64, I64, npt.NDArray[np.float64] | None, npt.NDArray[np.float64]]:
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
     ``idle``, beyond the loop's turnaround), (with ``minutes``, the minute edges inside the wall) its
-    time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap. Gaps no class
-    interval touches are own host code whole: only the touched ones are cut up, and only the ``idle``
-    gaps get per-gap figures (the work grows with the scheduler rows, not the calls)."""
+    time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap.
+
+    The classes are painted once, strongest first, into segments between their own edges; the gaps are
+    measured through their prefix sums (no cut per gap: the work grows with the scheduler rows, not the
+    calls), and only the ``idle`` gaps get per-gap figures. Per minute (selective storage) the gaps are
+    cut up (:func:`_paint_segments`)."""
+    if minutes is not None:
+        return _paint_segments(g0, g1, idle, classes, minutes)
+    n, host = len(BUCKETS), IDX[HOST_CODE]
+    live = [(b, classes[b]) for b in _GAP_ORDER if classes[b][0].size]
+    seg_s = seg_e = seg_b = np.zeros(0, dtype=np.int64)
+    if live:
+        edges = np.sort(np.concatenate([x for _, se in live for x in se]), kind="stable")  # sorted runs: merged
+        edges = edges[np.concatenate(([True], edges[1:] != edges[:-1]))]
+        label = np.full(edges.size - 1, -1, dtype=np.int64)
+        for b, (s, e) in reversed(live):  # the strongest class painted last wins
+            d = np.zeros(edges.size, dtype=np.int64)
+            d[np.searchsorted(edges, s)] += 1  # a class's intervals are disjoint: each edge once
+            d[np.searchsorted(edges, e)] -= 1
+            label[np.cumsum(d[:-1]) > 0] = IDX[b]
+        keep = label >= 0
+        seg_s, seg_e, seg_b = edges[:-1][keep], edges[1:][keep], label[keep]
+    gaps = Intervals(g0, g1, np.concatenate(([0], np.cumsum(g1 - g0))), g0)
+    in_gaps = gaps.before(seg_e) - gaps.before(seg_s)  # each segment's time inside the gaps
+    total = np.bincount(seg_b, weights=in_gaps.astype(np.float64), minlength=n)
+    total[host] = float(int(gaps.cum[-1]) - int(in_gaps.sum()))  # what no class covers: own host code
+    # per gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
+    # (dispatching the next step, a handoff from a ready queue, an ordinary preemption); own host code
+    # counts beyond twice the loop's typical turnaround (a steady loop's own pace)
+    sure = np.flatnonzero(idle)
+    a, z = g0[sure], g1[sure]
+    per = np.zeros((n, sure.size), dtype=np.int64)  # per bucket, its time in each idle gap
+    for b in np.unique(seg_b).tolist():
+        m = seg_b == b
+        s, e = seg_s[m], seg_e[m]
+        mine = Intervals(s, e, np.concatenate(([0], np.cumsum(e - s))), s)
+        per[b] = mine.before(z) - mine.before(a)
+    sure_host = ((z - a) - per.sum(axis=0)).astype(np.float64)
+    allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
+    beyond = np.maximum(per.astype(np.float64) - GAP_NS, 0)
+    own = np.maximum(sure_host - allowance, 0)
+    in_idle_f = beyond.sum(axis=1)
+    in_idle_f[host] = own.sum()
+    return np.rint(total).astype(np.int64), np.rint(in_idle_f).astype(np.int64), None, own + beyond.sum(axis=0)
+
+
+def _paint_segments(
+    g0: I64, g1: I64, idle: npt.NDArray[np.bool_], classes: dict[str, tuple[I64, I64]], minutes: I64 | None
+) -> tuple[I64, I64, npt.NDArray[np.float64] | None, npt.NDArray[np.float64]]:
+    """:func:`paint` by cutting the touched gaps into segments at every class and minute edge (only
+    the gaps a class interval touches: the others are own host code whole)."""
     n, host = len(BUCKETS), IDX[HOST_CODE]
     heads, tails, touching = [], [], {}
     for bucket, (
