@@ -44,6 +44,7 @@ class Env:
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     ready: TraceReady | None = None  # the recording the workloads run in
     started_ns: int | None = None  # where a runner's scenario starts, when not where it was called
+    culprits: list[int] = field(default_factory=list)  # the processes a runner put beside its workload (a hog)
 
     def start(
         self, mode: str, secs: float, *args: object, env: dict[str, str] | None = None, realtime: bool = True
@@ -209,6 +210,7 @@ def _beside_hog(env: Env, secs: float, on_ms: float, off_ms: float) -> list[int]
     os.sched_setaffinity(p.pid, {HOG_CPU})
     time.sleep(0.2 * secs)
     hog = env.hog(HOG_CPU, on_ms, off_ms)
+    env.culprits.append(hog.pid)
     time.sleep(0.65 * secs)
     hog.send_signal(signal.SIGKILL)
     hog.wait()

@@ -36,7 +36,7 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -51,7 +51,7 @@ from ingero.store.window import Window
 from tests import bpf_catalog_workloads as wl
 from tests.bpf_support import record, trace_options
 from tests.scenarios.base import Params
-from tests.scenarios.expectations import CATALOG, INGERO, LAYOUTS, RECORDED
+from tests.scenarios.expectations import CATALOG, CPU_CONTENTION, INGERO, LAYOUTS, RECORDED
 from tests.scenarios.ingero_layout import rewrite
 from tests.scenarios.judge import Outcome, judge
 
@@ -118,6 +118,7 @@ class Ran:
     start_ns: int
     end_ns: int
     pids: list[int]
+    culprits: list[int] = field(default_factory=list)
 
 
 def cut(src: Path, dst: Path, start_ns: int, end_ns: int) -> Path:
@@ -153,10 +154,10 @@ def _run_all(env: wl.Env, ready: TraceReady) -> dict[str, Ran]:
     ran: dict[str, Ran] = {}
     try:
         for family, sc in SCENARIOS.items():
-            env.started_ns = None
+            env.started_ns, env.culprits = None, []
             t0 = time.time_ns()
             pids = sc.run(env)
-            ran[family] = Ran(env.started_ns or t0, time.time_ns(), pids)
+            ran[family] = Ran(env.started_ns or t0, time.time_ns(), pids, env.culprits)
             time.sleep(0.3)  # a quiet gap between windows
     finally:
         env.kill_all()
@@ -222,3 +223,15 @@ def test_family_is_diagnosed_on_a_real_recording(rec: Recording, family: str, la
     sc = SCENARIOS[family]
     outcome = judge(report, CATALOG[family][layout], Params(seed=0, magnitude=sc.magnitude), family, layout)
     assert outcome.ok, _show(outcome, report, rec, family)
+
+
+@pytest.mark.parametrize("family", ["cpu-contention", "cpu-bimodal"])
+def test_contention_is_the_hog_beside_the_trainer(rec: Recording, family: str) -> None:
+    """The contention named is the hog the scenario pinned to the trainer's core — not the machine's other
+    load, which may add to it (the trainer runs at nice 0) but must not be all there is."""
+    report = rec.explain(family, RECORDED)
+    (hog,) = rec.ran[family].culprits
+    named = [c for c in report.chains if c.family.startswith(CPU_CONTENTION)]
+    assert any(str(hog) in str(c.evidence.get("preempted_by")) for c in named), [
+        (c.family, c.evidence.get("preempted_by")) for c in named
+    ]
