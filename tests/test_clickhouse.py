@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -31,9 +32,14 @@ from ingero.clickhouse.query import READONLY_SETTINGS
 from ingero.clickhouse.schema import BY_NAME, TABLES
 from ingero.clickhouse.shipper import Shipper, ShipResult
 from ingero.errors import ClickHouseUnavailableError, QueryRejectedError
+from ingero.identity import Identity
+from ingero.store.engine_metrics import EngineMetricRow
+from ingero.store.writer import StoreWriter
 from tests.clickhouse_cluster import CLUSTER, SERVER_BIN, Server, local_cluster
 from tests.collective_sim import Job, Rank, simulate, write_calls_db
-from tests.conftest import SEED_QUERY
+from tests.conftest import SEED_QUERY, write_db
+from tests.fleet_agents import straggler_events
+from tests.test_inference import SCRAPES, T0, S, plateaus, series_db
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = [ROOT / "investigations" / f"sample-gpu-node-0{i}.db" for i in (1, 2, 3)]
@@ -496,6 +502,71 @@ def test_explain_over_stored_rows_names_what_explain_on_the_recording_names(
         for key in ("chains", "ops", "ledger", "host"):
             assert json.dumps(stored[key], sort_keys=True) == json.dumps(local[key], sort_keys=True), (node, key)
     assert main(["explain", "--clickhouse", cluster[0].url, "--node", "nope", "--since", "1h"]) == 2
+
+
+def _serving_db(path: Path, node: str, regressed: bool) -> Path:
+    """A serving node's recording: kernel launches and host events, and its vLLM engine's series (pid 7)
+    over the 40 s before the last event; a regressed engine queues up with slower first tokens. Two
+    hours earlier, pid 8 regressed the same way: outside a one-hour window."""
+    waiting, ttft = (plateaus(2.0, 40.0), plateaus(0.1, 0.5)) if regressed else ([2.0] * SCRAPES, [0.1] * SCRAPES)
+    series = series_db(path.with_suffix(".series.db"), [0.6] * SCRAPES, [0] * SCRAPES, waiting, ttft)
+    old = series_db(
+        path.with_suffix(".old.db"), [0.6] * SCRAPES, [0] * SCRAPES, plateaus(2.0, 40.0), plateaus(0.1, 0.5)
+    )
+    rows: list[EngineMetricRow] = []
+    for src, shift, pid in ((series, 0, 7), (old, -2 * 3600 * S, 8)):
+        conn = sqlite3.connect(src)
+        try:
+            got = conn.execute("SELECT ts, engine, metric, labels, value FROM engine_metrics").fetchall()
+        finally:
+            conn.close()
+        rows += [(ts + shift, pid, engine, metric, labels, value) for ts, engine, metric, labels, value in got]
+    events = straggler_events(200, 2.0, 1)
+    to_end = T0 + SCRAPES * S - max(e[0] for e in events)  # the last event just after the last scrape
+    write_db(path, [(e[0] + to_end, *e[1:]) for e in events], node=node)
+    with StoreWriter(path, Identity(node)) as w:
+        w.write_batch(engine_metrics=rows)
+    return path
+
+
+def _chains(doc: dict[str, object]) -> list[dict[str, Any]]:
+    chains = doc["chains"]
+    assert isinstance(chains, list)
+    return chains
+
+
+def _serving(doc: dict[str, object]) -> list[dict[str, Any]]:
+    return [c for c in _chains(doc) if c["family"].startswith("serving/")]
+
+
+def test_explain_over_stored_rows_draws_the_serving_chains(
+    store: list[Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engines' series are stored rows too: explain through the store names the same serving chains
+    as on the recording, of the node asked (not another node's engine) and of the window (not pid 8's
+    regression two hours before); a store whose schema predates ``engine_metrics`` still explains."""
+    dbs = {node: _serving_db(tmp_path / f"{node}.db", node, node == "serve-a") for node in ("serve-a", "serve-b")}
+    for db in dbs.values():
+        _ship(db, store[0].url)
+    for node, db in dbs.items():
+        for window in (["--since", "1h"], []):
+            local = _explain_doc(["--db", str(db), *window], capsys)
+            stored = _explain_doc(["--clickhouse", store[1].url, "--node", node, *window], capsys)
+            assert json.dumps(stored["chains"], sort_keys=True) == json.dumps(local["chains"], sort_keys=True)
+            got = [(c["node"], c["family"], c["severity"], c["summary"].split(")")[0]) for c in _serving(stored)]
+            expect = [(node, "serving/queue", "HIGH", "vllm (pid 7")] if node == "serve-a" else []
+            if not window:  # the whole recording: pid 8's regression too
+                expect += [(node, "serving/queue", "HIGH", "vllm (pid 8")]
+            assert sorted(got) == expect, (node, window)
+    with ClickHouse(store[1].url) as ch:
+        ch.execute("DROP TABLE engine_metrics")  # as a store set up before schema 5 (the other server keeps it)
+    try:
+        local = _explain_doc(["--db", str(dbs["serve-a"]), "--since", "1h"], capsys)
+        stored = _explain_doc(["--clickhouse", store[1].url, "--node", "serve-a", "--since", "1h"], capsys)
+        assert _serving(local) and not _serving(stored)
+        assert [c for c in _chains(local) if c not in _serving(local)] == _chains(stored)
+    finally:
+        assert main(["clickhouse-schema", "--cluster", CLUSTER, "--apply", store[1].url]) == 0
 
 
 def test_stragglers_from_the_store_name_the_late_rank(

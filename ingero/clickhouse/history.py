@@ -34,6 +34,7 @@ EXPLAIN_TABLES: tuple[str, ...] = (
     "event_aggregates",
     "nccl_comms",
     "nccl_calls",
+    "engine_metrics",  # the serving chains (ingero.explain.rules_serving) read the engines' own series
     "events",
 )
 COLLECTIVE_TABLES: tuple[str, ...] = ("sessions", "nccl_comms", "nccl_calls")
@@ -93,6 +94,12 @@ def nodes(ch: ClickHouse, database: str, table: str, window: Window) -> list[str
     return [str(r[0]) for r in res.rows]
 
 
+def stored_tables(ch: ClickHouse, database: str) -> set[str]:
+    """The tables ``database`` has on the server ``ch`` talks to."""
+    res = ch.select(f"SELECT name FROM system.tables WHERE database = {ch_literal(database)}")
+    return {str(r[0]) for r in res.rows}
+
+
 def load(
     ch: ClickHouse,
     database: str,
@@ -101,12 +108,17 @@ def load(
     dest: sqlite3.Connection,
     tables: Sequence[str] = EXPLAIN_TABLES,
 ) -> dict[str, int]:
-    """Copy ``node``'s rows of ``window`` into ``dest`` (ingero's schema is created there); rows per table."""
+    """Copy ``node``'s rows of ``window`` into ``dest`` (ingero's schema is created there); rows per table.
+    A table the store lacks (its schema applied by an ingero before the table existed) has no rows."""
     migrate(dest)
     counts: dict[str, int] = {}
+    present = stored_tables(ch, database)
     dest.execute("BEGIN")
     try:
         for name in tables:
+            if name not in present:
+                counts[name] = 0
+                continue
             t = BY_NAME[name]
             cols = [c.name for c in t.columns if c.in_sqlite]
             sel = ", ".join(f"`{c}`" for c in cols)
