@@ -25,12 +25,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ingero.agent.trace.tracer import TraceReady
-from tests.bpf_support import FIXTURES, LIB_CFLAGS, _gcc, build_program
+from tests.bpf_support import build_library, build_program
 
 HOG_CPU = max(os.sched_getaffinity(0))
-MEMCG_ROOT = Path("/sys/fs/cgroup/memory")
+# a memory cgroup: (its parent, the file of its limit) — cgroup v1's memory hierarchy, else v2's
+MEMCG = (
+    (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes")
+    if Path("/sys/fs/cgroup/memory").is_dir()
+    else (Path("/sys/fs/cgroup"), "memory.max")
+)
 RT_PRIORITY = 10  # SCHED_FIFO: woken, the GPU thread runs at once, whatever else is runnable
 
 
@@ -41,7 +47,7 @@ class Env:
     lib: Path  # libcudart.so.12 (the modelled device) and libnccl.so.2
     exe: Path
     work: Path
-    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
     ready: TraceReady | None = None  # the recording the workloads run in
     started_ns: int | None = None  # where a runner's scenario starts, when not where it was called
     culprits: list[int] = field(default_factory=list)  # the processes a runner put beside its workload (a hog)
@@ -71,14 +77,14 @@ class Env:
         p.stdin.write("go\n")
         p.stdin.flush()
 
-    def hog(self, cpu: int, on_ms: float = 0, off_ms: float = 0) -> subprocess.Popen[str]:
+    def hog(self, cpu: int, on_ms: float = 0, off_ms: float = 0) -> subprocess.Popen[bytes]:
         """A CPU hog (``catalog_job hog``) pinned to ``cpu`` at nice -10: ahead of a nice-0 workload."""
         p = subprocess.Popen(
             ["taskset", "-c", str(cpu), "nice", "-n", "-10", str(self.exe), "hog", "-", str(on_ms), str(off_ms)],
             stdin=subprocess.DEVNULL,
         )
-        self.procs.append(p)  # type: ignore[arg-type]
-        return p  # type: ignore[return-value]
+        self.procs.append(p)
+        return p
 
     def kill_all(self) -> None:
         for p in self.procs:
@@ -90,17 +96,8 @@ class Env:
 def build_device(out: Path, work: Path) -> Env:
     """The modelled device as ``out/libcudart.so.12``, the fake NCCL beside it, and catalog_job;
     scratch files go to ``work``."""
-    out.mkdir(parents=True, exist_ok=True)
-    _gcc(
-        [
-            *LIB_CFLAGS,
-            "-Wl,-soname,libcudart.so.12",
-            "-o",
-            str(out / "libcudart.so.12"),
-            str(FIXTURES / "device_cudart.c"),
-        ]
-    )
-    _gcc([*LIB_CFLAGS, "-Wl,-soname,libnccl.so.2", "-o", str(out / "libnccl.so.2"), str(FIXTURES / "fake_nccl.c")])
+    build_library("device_cudart.c", "libcudart.so.12", out)
+    build_library("fake_nccl.c", "libnccl.so.2", out)
     return Env(out, build_program("catalog_job.c", out), work)
 
 
@@ -282,10 +279,11 @@ def healthy_idle_server(env: Env) -> list[int]:
 def oom(env: Env) -> list[int]:
     """The trainer in a memory cgroup of 160 MiB: from 1.5 s a pinned staging pool grows 2 MiB a step
     until the kernel's OOM killer takes it (a memcg OOM: nothing outside the cgroup is touched)."""
-    cg = MEMCG_ROOT / f"ingero-catalog-oom-{os.getpid()}"
+    parent, limit = MEMCG
+    cg = parent / f"ingero-catalog-oom-{os.getpid()}"
     cg.mkdir(exist_ok=True)
     try:
-        (cg / "memory.limit_in_bytes").write_text(str(160 << 20))
+        (cg / limit).write_text(str(160 << 20))
         script = f'echo $$ > {cg}/cgroup.procs && exec chrt -f {RT_PRIORITY} "$@"'
         p = subprocess.Popen(
             ["sh", "-c", script, "sh", str(env.exe), "oom", str(env.lib), str(SECS), "2", "1.5"],

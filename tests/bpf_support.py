@@ -70,6 +70,13 @@ def build_program(source: str, out: Path) -> Path:
     return exe
 
 
+def build_library(source: str, soname: str, out: Path) -> Path:
+    """``bpf_fixtures/<source>`` as the shared library ``out/<soname>`` (the fixtures' prologue flags)."""
+    out.mkdir(parents=True, exist_ok=True)
+    _gcc([*LIB_CFLAGS, f"-Wl,-soname,{soname}", "-o", str(out / soname), str(FIXTURES / source)])
+    return out / soname
+
+
 def build_busy_cudart(out: Path) -> Path:
     """``busy_cudart.c`` as ``out/libcudart.so.12``: the six functions busy_threads.c calls, only."""
     out.mkdir(parents=True, exist_ok=True)
