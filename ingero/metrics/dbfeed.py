@@ -10,6 +10,10 @@ which has no recorder — the recording itself.
   same :meth:`MetricState.observe` the tracer feeds (``main.events`` by rowid, at most every
   :data:`REFRESH_TTL_S`), then sets the event and byte totals from ``event_aggregates`` (exact even
   where selective storage kept a sample). Histograms therefore describe the stored rows.
+  The totals are labelled with the node of their rows (``event_aggregates.node``, schema 6), as the
+  engines' series are: a merged recording exports each node's ``ingero_events_total`` and
+  ``ingero_bytes_total`` under that node (``rank`` empty: the recording does not say it), the agent's
+  own node (a row without one included) keeps its own labels, and no node's events count twice.
 """
 
 from __future__ import annotations
@@ -23,16 +27,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ingero.agent.trace.recorder import BYTES_OPS
 from ingero.agent.trace.ringbuf import EVENT_DTYPE
 from ingero.clickhouse.progress import TableLag, lag_of, targets
 from ingero.errors import IngeroError
 from ingero.metrics import registry as r
-from ingero.metrics.state import MetricState, Provider
+from ingero.metrics.state import MetricState, Provider, op_labels
 from ingero.store.db import open_readonly
 
 CHAINS_TTL_S = 10.0
 REFRESH_TTL_S = 10.0
 ROWS_PER_READ = 200_000
+Totals = dict[int, tuple[int, int]]  # op code (source << 8 | op) -> (events, bytes)
 _EVENT_COLS = (
     "rowid, timestamp, max(coalesce(duration, 0), 0), coalesce(arg0, 0), coalesce(arg1, 0), pid, tid, "
     "coalesce(ret_code, 0), source, op"
@@ -104,6 +110,8 @@ class DatabaseFeed:
         self._last_rowid = 0
         self._last_read = -REFRESH_TTL_S
         self._lock = threading.Lock()
+        self._others: dict[str, Totals] = {}  # nodes of the recording other than the agent's: their totals
+        state.add_provider(self._other_nodes)
 
     def refresh(self, *, force: bool = False) -> None:
         with self._lock:
@@ -139,13 +147,41 @@ class DatabaseFeed:
             if len(rows) < ROWS_PER_READ:
                 break
         if "event_aggregates" in tables:
-            totals = {
-                int(s) << 8 | int(o): (int(n), int(b or 0))
-                for s, o, n, b in conn.execute(
-                    "SELECT source, op, sum(count), sum(sum_arg0) FROM main.event_aggregates GROUP BY source, op"
-                )
-            }
-            self.state.set_counts(totals)
+            own, others = _node_totals(conn, self.state.base_labels()[0])
+            for totals in others.values():  # replayed rows of other nodes are theirs, not the agent's
+                for code in totals.keys() - own.keys():
+                    own[code] = (0, 0)
+            self.state.set_counts(own)
+            self._others = others
+
+    def _other_nodes(self) -> list[r.Sample]:
+        """The event and byte totals of the recording's other nodes, each under its node."""
+        out = []
+        for node, totals in sorted(self._others.items()):
+            for code, (count, nbytes) in sorted(totals.items()):
+                src, op = op_labels(code)
+                if count:
+                    out.append(r.Sample(r.EVENTS, (node, "", src, op), float(count)))
+                if (code >> 8, code & 0xFF) in BYTES_OPS:
+                    out.append(r.Sample(r.BYTES, (node, "", src, op), float(nbytes)))
+        return out
+
+
+def _node_totals(conn: sqlite3.Connection, own: str) -> tuple[Totals, dict[str, Totals]]:
+    """``event_aggregates`` summed per node and op: the agent's own node's (``own``, or a row without a
+    node: a recording before schema 6 has no column), and every other node's."""
+    cols = {row[1] for row in conn.execute("PRAGMA main.table_info(event_aggregates)")}
+    node = "node" if "node" in cols else "''"
+    mine: Totals = {}
+    others: dict[str, Totals] = {}
+    for nd, s, o, n, b in conn.execute(
+        f"SELECT {node}, source, op, sum(count), sum(sum_arg0) FROM main.event_aggregates GROUP BY 1, 2, 3"
+    ):
+        totals = mine if nd in ("", None, own) else others.setdefault(str(nd), {})
+        code = int(s) << 8 | int(o)
+        count, nbytes = totals.get(code, (0, 0))
+        totals[code] = (count + int(n), nbytes + int(b or 0))
+    return mine, others
 
 
 def _as_events(rows: list[tuple[int, ...]]) -> np.ndarray:
