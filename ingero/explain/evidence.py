@@ -202,35 +202,31 @@ def _peak(arr: F64, sel: slice | BoolArr, fn: str) -> float | None:
     return float(np.nanmax(part) if fn == "max" else np.nanmin(part))
 
 
-class RangePeak:
-    """The peak (``np.fmax``: NaN = no value) or trough (``np.fmin``) of a per-bucket series over any run
-    of buckets in O(1): a sparse table of the series' peaks over runs of 1, 2, 4, ... buckets (rules ask
-    for hundreds of episode windows; each asked of the series itself is a pass over the run)."""
+class RangePeaks:
+    """The peaks (NaN = no value) of per-bucket series over any run of buckets in O(1): a sparse table of
+    the series' peaks over runs of 1, 2, 4, ... buckets, all series at once (rules ask for hundreds of
+    episode windows; each asked of the series themselves is a pass over the run). A trough is asked as
+    the peak of the negated series."""
 
-    def __init__(self, arr: F64, fn: np.ufunc) -> None:
-        self.fn = fn
-        self.arr = arr
+    def __init__(self, rows: F64) -> None:
+        self.rows = rows  # a series per row
         self.levels: list[F64] = []  # built on the first question
 
-    def over(self, b0: int, b1: int) -> float | None:
-        """Over buckets b0..b1 (inclusive, within the series); None where every bucket is NaN."""
+    def over(self, b0: int, b1: int) -> list[float | None]:
+        """Each series' peak over buckets b0..b1 (inclusive, within the series); None where every bucket
+        of the run is NaN."""
         if b1 < b0:
-            return None
+            return [None] * self.rows.shape[0]
         if not self.levels:
-            self.levels.append(np.asarray(self.arr, dtype=np.float64))
+            self.levels.append(self.rows.T.copy())  # a row per bucket: one question reads two rows
             width = 1
-            while 2 * width <= self.arr.size:
+            while 2 * width <= self.rows.shape[1]:
                 prev = self.levels[-1]
-                self.levels.append(self.fn(prev[:-width], prev[width:]))
+                self.levels.append(np.fmax(prev[:-width], prev[width:]))
                 width *= 2
         j = (b1 - b0 + 1).bit_length() - 1
         lvl = self.levels[j]
-        a, b = float(lvl[b0]), float(lvl[b1 - (1 << j) + 1])
-        if math.isnan(a):  # no value in that half
-            return None if math.isnan(b) else b
-        if math.isnan(b):
-            return a
-        return max(a, b) if self.fn is np.fmax else min(a, b)
+        return [None if math.isnan(v) else v for v in np.fmax(lvl[b0], lvl[b1 - (1 << j) + 1]).tolist()]
 
 
 # the per-bucket series kept as cumulative sums (O(1) sums over any run of buckets)
@@ -318,14 +314,8 @@ class HostSeries:
         self.net_bytes = _sum(grid, nidx, np.abs(args.arg0[net]).astype(np.float64))
         self._cum2d = np.stack([_cum(getattr(self, name)) for name in _CUM_SERIES], axis=1)  # a row per bucket edge
         snap = self.snap
-        self._peaks = (
-            RangePeak(snap.cpu, np.fmax),
-            RangePeak(snap.mem, np.fmax),
-            RangePeak(snap.swap, np.fmax),
-            RangePeak(snap.avail, np.fmin),
-            RangePeak(snap.load, np.fmax),
-            RangePeak(self.io_max, np.fmax),
-        )
+        # cpu, mem, swap, -avail (its minimum is the peak of its negation), load, io_max
+        self._peaks = RangePeaks(np.stack([snap.cpu, snap.mem, snap.swap, -snap.avail, snap.load, self.io_max]))
 
     def over_range(self, b0: int, b1: int) -> Evidence:
         """Evidence in buckets b0..b1 (inclusive, clipped to the grid): O(1), from the cumulative sums
@@ -334,7 +324,8 @@ class HostSeries:
         sums = dict(
             zip(_CUM_SERIES, np.rint(self._cum2d[b1 + 1] - self._cum2d[b0]).astype(np.int64).tolist(), strict=True)
         )
-        cpu, mem, swap, avail, load, io_max = (p.over(b0, b1) for p in self._peaks)
+        cpu, mem, swap, neg_avail, load, io_max = self._peaks.over(b0, b1)
+        avail = None if neg_avail is None else -neg_avail
         return Evidence(
             span_ns=(b1 - b0 + 1) * self.grid.width_ns,
             buckets=b1 - b0 + 1,

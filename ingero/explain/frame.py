@@ -425,23 +425,22 @@ def _load_batch(
             run(0)
             for f in others:
                 f.result()
-    a_parts, b_parts, t_parts, x_parts, y_parts = ([c[j] for c in columns] for j in range(5))
-    a = np.concatenate(a_parts) if a_parts else np.zeros(0, dtype=np.int64)
-    b = np.concatenate(b_parts) if b_parts else np.zeros(0, dtype=np.int64)
-    dt = np.concatenate(t_parts) if t_parts else np.zeros(0, dtype=np.int64)
+    a, b, dt, x, y = (_joined([c[j] for c in columns]) for j in range(5))
     if dt.size != a.size:  # tid NULL somewhere (not written by a tracer): threads unknown
         dt = np.zeros(a.size, dtype=np.int64)
-    x = np.concatenate(x_parts) if x_parts else np.zeros(0, dtype=np.int64)
-    y = np.concatenate(y_parts) if y_parts else np.zeros(0, dtype=np.int64)
     if x.size != a.size or y.size != a.size:  # NULL arguments (foreign rows): no argument rows
         x = y = np.zeros(a.size, dtype=np.int64)
-    idx = a >> 56
-    missing = bool(np.any(idx == NODES_PER_QUERY))
     out: dict[str, Frame] = {}
-    if idx.size and not (idx[0] == idx).all():  # several nodes: group their rows
-        order = np.argsort(idx, kind="stable")
-        a, b, dt, x, y, idx = a[order], b[order], dt[order], x[order], y[order], idx[order]
-    bounds = np.searchsorted(idx, np.arange(len(names) + 1))
+    if case == "0":  # the database's one node, by its own bookkeeping: every row is node 0
+        bounds = np.asarray([0, a.size], dtype=np.int64)
+        missing = False
+    else:
+        idx = a >> 56
+        missing = bool(np.any(idx == NODES_PER_QUERY))
+        if idx.size and not (idx[0] == idx).all():  # several nodes: group their rows
+            order = np.argsort(idx, kind="stable")
+            a, b, dt, x, y, idx = a[order], b[order], dt[order], x[order], y[order], idx[order]
+        bounds = np.searchsorted(idx, np.arange(len(names) + 1))
     for i, name in enumerate(names):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         if hi <= lo:
@@ -463,6 +462,13 @@ def _load_batch(
         fr.args = ArgRows(fr.source[m], fr.op[m], fr.pid[m], fr.ts_ns[m], arg0[m], arg1[m], fr.tid[m], fr.dur[m])
         out[name] = fr
     return out, missing
+
+
+def _joined(parts: list[I64]) -> I64:
+    """The slices' parts of one column, end to end (a single part as it is: no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _several(pids: I64) -> bool:
