@@ -53,11 +53,19 @@ class Env:
     culprits: list[int] = field(default_factory=list)  # the processes a runner put beside its workload (a hog)
 
     def start(
-        self, mode: str, secs: float, *args: object, env: dict[str, str] | None = None, realtime: bool = True
+        self,
+        mode: str,
+        secs: float,
+        *args: object,
+        env: dict[str, str] | None = None,
+        realtime: bool = True,
+        cpu: int | None = None,
     ) -> subprocess.Popen[str]:
-        """``catalog_job MODE LIBDIR SECS ARGS...``: SCHED_FIFO unless ``realtime`` is False (nice 0)."""
+        """``catalog_job MODE LIBDIR SECS ARGS...``: SCHED_FIFO unless ``realtime`` is False (nice 0),
+        on ``cpu`` alone when given."""
         prio = ["chrt", "-f", str(RT_PRIORITY)] if realtime else []
-        cmd = [*prio, str(self.exe), mode, str(self.lib), str(secs), *map(str, args)]
+        pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+        cmd = [*pin, *prio, str(self.exe), mode, str(self.lib), str(secs), *map(str, args)]
         p = subprocess.Popen(
             cmd, env={**os.environ, **(env or {})}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -302,7 +310,8 @@ def oom(env: Env) -> list[int]:
 
 # --- ranks: one job of three processes on the fake NCCL (every all-reduce waits for all ranks) -----
 
-RANKS = 2  # one core each: ranks of a real job do not share cores
+RANKS = 2  # one core each (pinned): ranks of a real job do not share cores
+CPUS = sorted(os.sched_getaffinity(0))
 
 
 def _ranks(env: Env, steps: int, extra_us: int, every: int, job: str) -> list[subprocess.Popen[str]]:
@@ -310,7 +319,8 @@ def _ranks(env: Env, steps: int, extra_us: int, every: int, job: str) -> list[su
     go.unlink(missing_ok=True)
     nccl = {"FAKE_NCCL_ROOT": f"127.0.0.1:{free_port()}", "FAKE_NCCL_JOB": job}
     procs = [
-        env.start("rank", 0, r, RANKS, steps, extra_us if r == 1 else 0, every, go, env=nccl) for r in range(RANKS)
+        env.start("rank", 0, r, RANKS, steps, extra_us if r == 1 else 0, every, go, env=nccl, cpu=CPUS[r % len(CPUS)])
+        for r in range(RANKS)
     ]
     go.touch()
     return procs
