@@ -27,6 +27,7 @@ from ingero.explain import regimes
 from ingero.explain.context import Context, Culprit, OpRows, fmt_ns, layer_of, short_ns, us
 from ingero.explain.evidence import Evidence, runs
 from ingero.explain.frame import member
+from ingero.explain.ledger_gaps import GAP_NS
 from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, Intervals, union
 from ingero.explain.rules_launch import LAUNCH_OPS, first_launch_mask
@@ -40,8 +41,9 @@ MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
 MIN_IO_OVERLAP = 0.05  # share of the lost time during which the traced tree's block I/O was in flight
 IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
 COPY_OPS = set(op_ids("cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"))  # arg0 = bytes
-# a call off-CPU inside itself (preempted, or of unknown kind) beyond steady for this share of its steady time
-HELD_OFF = cz.MIN_OVERLAP
+# a call off-CPU inside itself (preempted, or of unknown kind) beyond steady for this share of its steady
+# time, and at least as long as an ordinary preemption or wakeup latency (the ledger's turnaround)
+HELD_OFF, HELD_OFF_NS = cz.MIN_OVERLAP, GAP_NS
 
 
 def _mask(ctx: Context, ts: np.ndarray, dilate: int = 0) -> np.ndarray:
@@ -185,8 +187,9 @@ def _held_off(
     ctx: Context, st: OpStats, rows: OpRows, reg: regimes.Regimes, scale: np.ndarray | None, ignore: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Calls that are no regime's slow calls but lost time to the CPU: their thread was off-CPU inside
-    them, preempted or of unknown kind (never asleep by itself), for ≥ :data:`HELD_OFF` of the call's
-    steady time beyond steady. Contention that delays a sync now and then makes no stretch (a run of
+    them, preempted or of unknown kind (never asleep by itself), beyond steady for ≥ :data:`HELD_OFF`
+    of the call's steady time and ≥ :data:`HELD_OFF_NS` (shorter is an ordinary preemption or wakeup
+    latency, as the ledger's turnaround). Contention that delays a sync now and then makes no stretch (a run of
     slow calls), and a delay under 2x is no slow call, yet each such call's lost time is measured on its
     own thread. (mask, each call's excess over steady). Never inside a collective (waiting for peers)."""
     none = np.zeros(rows.ts_ns.size, dtype=bool), np.zeros(rows.ts_ns.size, dtype=np.int64)
@@ -194,7 +197,7 @@ def _held_off(
         return none
     steady = reg.steady_ns * (scale if scale is not None else np.ones(rows.ts_ns.size))
     exc = rows.dur - steady
-    floor = HELD_OFF * steady
+    floor = np.maximum(HELD_OFF * steady, HELD_OFF_NS)
     cand = ~reg.slow & (exc >= floor)
     if ignore is not None:
         cand &= ~ignore
@@ -337,8 +340,8 @@ def _tail_chain(
             else "no stretch of calls ran slower"
         )
         + (
-            f"; {held_n} other calls ran ≥ {100 * HELD_OFF:.0f}% beyond steady while their thread was off the CPU "
-            "inside them (not asleep by itself)"
+            f"; {held_n} other calls ran ≥ {100 * HELD_OFF:.0f}% (and ≥ {fmt_ns(HELD_OFF_NS)}) beyond steady while "
+            "their thread was off the CPU inside them (not asleep by itself)"
             if held_n
             else ""
         )
