@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 
 
 def run(args: argparse.Namespace) -> int:
+    listen = listen_from(args, DEFAULT_PORT)  # its refusals come first, before the server's imports
+
     import json
     import os
     import sys
@@ -54,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from ingero.mcp.server import McpSettings
 
     settings = settings_from(args)
-    listen = listen_from(args, DEFAULT_PORT)
     assert isinstance(settings, McpSettings) and isinstance(listen, Listen)
     dash = DashboardSettings(env=settings.env(), token=listen.token, mtls=listen.client_ca is not None)
 

@@ -59,10 +59,10 @@ def add_https_args(p: argparse.ArgumentParser, flag: str, helptext: str) -> None
 
 
 def listen_from(args: argparse.Namespace, default_port: int) -> object:
-    """A :class:`ingero.agent.api.https.Listen` from the https flags (refuses unauthenticated remote serving)."""
+    """A :class:`ingero.agent.api.https.Listen` from the https flags (refuses unauthenticated remote serving
+    before it imports any server code: a refusal is quick)."""
     from pathlib import Path
 
-    from ingero.agent.api.https import Listen
     from ingero.cli.serve import bearer_token, parse_listen
     from ingero.config import is_loopback
     from ingero.errors import UsageError
@@ -74,6 +74,7 @@ def listen_from(args: argparse.Namespace, default_port: int) -> object:
         raise UsageError(
             f"refusing to serve {host}:{port} without authentication", hint="add --token-file or --client-ca"
         )
+    from ingero.agent.api.https import Listen
 
     def path(v: str | None) -> Path | None:
         return Path(v).expanduser() if v else None
@@ -116,15 +117,17 @@ def settings_from(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
+    listen = None if args.listen is None else listen_from(args, DEFAULT_HTTP_PORT)  # its refusals come first
+
     from ingero.mcp.server import McpSettings, run_stdio
 
     settings = settings_from(args)
     assert isinstance(settings, McpSettings)
-    if args.listen is None:
+    if listen is None:
         _exit_on_ctrl_c()
         run_stdio(settings)
         return 0
-    return _run_http(args, settings)
+    return _run_http(listen, settings)
 
 
 def _exit_on_ctrl_c() -> None:
@@ -144,7 +147,7 @@ def _exit_on_ctrl_c() -> None:
     signal.signal(signal.SIGINT, stop)
 
 
-def _run_http(args: argparse.Namespace, settings: object) -> int:
+def _run_http(listen: object, settings: object) -> int:
     import sys
 
     import trio
@@ -152,7 +155,6 @@ def _run_http(args: argparse.Namespace, settings: object) -> int:
     from ingero.agent.api.https import Listen
     from ingero.mcp.server import McpSettings, serve_http
 
-    listen = listen_from(args, DEFAULT_HTTP_PORT)
     assert isinstance(listen, Listen) and isinstance(settings, McpSettings)
 
     async def main() -> None:

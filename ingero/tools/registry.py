@@ -19,6 +19,7 @@ failures with :func:`ingero.tools.failures.classify` (one error vocabulary).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,7 +64,14 @@ class Tool:
     fn: ToolFn
     scope: Scope
     title: str
-    meta: FuncMetadata
+
+    @functools.cached_property
+    def meta(self) -> FuncMetadata:
+        """The arguments' pydantic model, derived on first use: importing the MCP SDK is most of a
+        server's start-up, and a refusal or a server no tool is asked of never needs it."""
+        from mcp.server.mcpserver.utilities.func_metadata import func_metadata
+
+        return func_metadata(self.fn, skip_names=["env"], structured_output=False)
 
     @property
     def description(self) -> str:
@@ -107,15 +115,13 @@ _TOOLS: dict[str, Tool] = {}
 
 
 def tool(title: str, *, scope: Scope, name: str | None = None) -> Callable[[ToolFn], ToolFn]:
-    """Register ``fn`` as a tool (its schema derived here, once)."""
+    """Register ``fn`` as a tool (its schema derived once, on first use: :attr:`Tool.meta`)."""
 
     def register(fn: ToolFn) -> ToolFn:
-        from mcp.server.mcpserver.utilities.func_metadata import func_metadata
-
         key = name or fn.__name__
         if key in _TOOLS:
             raise ValueError(f"tool {key!r} registered twice")
-        _TOOLS[key] = Tool(key, fn, scope, title, func_metadata(fn, skip_names=["env"], structured_output=False))
+        _TOOLS[key] = Tool(key, fn, scope, title)
         return fn
 
     return register
