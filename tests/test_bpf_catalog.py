@@ -1,5 +1,4 @@
-"""Ingero's detection catalog on real recordings: one scenario per family the tracer can see here,
-recorded with the real tracer (bcc uprobes on the CUDA-shaped library, the scheduler, block I/O,
+"""Ingero's detection catalog on real recordings: one scenario per family, recorded with the real tracer (bcc uprobes on the CUDA-shaped library, the scheduler, block I/O,
 libc's socket calls, the OOM killer) and judged with the catalog's own expectations
 (:mod:`tests.scenarios.expectations`, :func:`tests.scenarios.judge.judge`) twice: as recorded and
 rewritten to Ingero's layout (:mod:`tests.scenarios.ingero_layout`).
@@ -13,15 +12,19 @@ seconds of the server's own CPU work, a tool call to a loopback server, checkpoi
 fsync'ed, a CPU hog pinned to the trainer's core (always on, or 20 ms of every 50), a KV cache that
 preempts and recomputes, a caching allocator that releases its cache when a large request fails, a
 leak, a pinned pool that grows until a memory cgroup's OOM killer takes the trainer, pageable
-batches, a cold start, kernel-duration drift, three ranks on the fake NCCL where one is late or
-stopped, and healthy shapes (voluntary sleeps, ranks waiting in collectives, a server idle between
-requests). They run one after another (CPU contention needs quiet) in one recording, each judged on
-its own time window.
+batches, a cold start, kernel-duration drift, another tenant's kernels on the same device, two ranks
+on the fake NCCL where one is late or stopped, and healthy shapes (voluntary sleeps, ranks waiting in
+collectives, a server idle between requests). They run one after another (CPU contention needs
+quiet) in one recording, each judged on its own time window (in Ingero's layout, on that window cut
+out first: Ingero's layout depends on when its tracer started). The GPU programs run SCHED_FIFO so
+the machine's other load adds no cause of its own (see :mod:`tests.bpf_catalog_workloads`); the
+network scenarios start once the tracer probes their socket calls (attached per process, seconds
+after its first GPU call on a busy machine).
 
 Every family of the catalog has its scenario here. What a real node would add and this one cannot:
 the noisy neighbour is another process on the same modelled device (``FAKE_GPU_SHARED``), not another
 container (no container runtime here: no pod names in ``cgroup_metadata``); the OOM kill is a memory
-cgroup's (v1), not the whole host's; the ranks are processes of one node, so ``explain --nodes``
+cgroup's, not the whole host's; the ranks are processes of one node, so ``explain --nodes``
 across nodes is not exercised (tests/test_netns_stragglers.py does that).
 
 Every scenario's window must hold a ledger row for its GPU process (the workload ran and was
