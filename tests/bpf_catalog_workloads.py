@@ -22,11 +22,13 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ingero.agent.trace.cgroups import cgroup2_mount
 from ingero.agent.trace.tracer import TraceReady
 from tests.bpf_support import build_library, build_program
 
@@ -38,6 +40,22 @@ MEMCG = (
     else (Path("/sys/fs/cgroup"), "memory.max")
 )
 RT_PRIORITY = 10  # SCHED_FIFO: woken, the GPU thread runs at once, whatever else is runnable
+CGROUP2 = cgroup2_mount() or Path("/sys/fs/cgroup")
+POD_UIDS = ("5e1f0c2a-7d3b-4c8e-9a10-2b3c4d5e6f70", "b9e8d7c6-5a4b-4c3d-8e2f-1a0b9c8d7e6f")
+CONTAINER_IDS = ("a1" * 32, "b9" * 32)
+
+
+@contextmanager
+def cgroup_dir(path: Path) -> Iterator[Path]:
+    """A cgroup directory (and its missing parents) for the time of a scenario; removed, leaf first,
+    once its processes are gone."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        for d in made:
+            d.rmdir()
 
 
 @dataclass
@@ -60,12 +78,14 @@ class Env:
         env: dict[str, str] | None = None,
         realtime: bool = True,
         cpu: int | None = None,
+        cgroup: Path | None = None,
     ) -> subprocess.Popen[str]:
         """``catalog_job MODE LIBDIR SECS ARGS...``: SCHED_FIFO unless ``realtime`` is False (nice 0),
-        on ``cpu`` alone when given."""
+        on ``cpu`` alone when given, in ``cgroup`` (a directory of a cgroup hierarchy) from its start."""
         prio = ["chrt", "-f", str(RT_PRIORITY)] if realtime else []
         pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
-        cmd = [*pin, *prio, str(self.exe), mode, str(self.lib), str(secs), *map(str, args)]
+        join = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs")] if cgroup else []
+        cmd = [*join, *pin, *prio, str(self.exe), mode, str(self.lib), str(secs), *map(str, args)]
         p = subprocess.Popen(
             cmd, env={**os.environ, **(env or {})}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -196,15 +216,20 @@ def kernel_drift(env: Env) -> list[int]:
 
 
 def noisy_neighbour(env: Env) -> list[int]:
-    """Another tenant's inference job runs on the same (time-sliced) device for the middle half of the
-    trainer's run: while it does, the trainer's kernels wait behind the neighbour's."""
+    """Another tenant's inference pod runs on the same (time-sliced) device for the middle half of the
+    trainer's run: while it does, the trainer's kernels wait behind the neighbour's. Each runs in its
+    own container's cgroup (a kubelet's cgroupfs layout: kubepods/<qos>/pod<uid>/<container id>)."""
     queue = env.work / "gpu0.queue"
     queue.unlink(missing_ok=True)
     shared = {"FAKE_GPU_SHARED": str(queue)}
-    p = env.start("steps", SECS, env=shared)
-    time.sleep(0.25 * SECS)
-    neighbour = env.start("steps", 0.5 * SECS, env=shared)
-    pids = [done(neighbour), done(p)]
+    pods = CGROUP2 / f"kubepods-ingero-catalog-{os.getpid()}"
+    trainer_cg, neighbour_cg = (pods / "burstable" / f"pod{POD_UIDS[i]}" / CONTAINER_IDS[i] for i in (0, 1))
+    with cgroup_dir(trainer_cg), cgroup_dir(neighbour_cg):
+        p = env.start("steps", SECS, env=shared, cgroup=trainer_cg)
+        time.sleep(0.25 * SECS)
+        neighbour = env.start("steps", 0.5 * SECS, env=shared, cgroup=neighbour_cg)
+        env.culprits.append(neighbour.pid)
+        pids = [done(neighbour), done(p)]
     queue.unlink()
     return pids[::-1]
 
@@ -288,24 +313,13 @@ def oom(env: Env) -> list[int]:
     """The trainer in a memory cgroup of 160 MiB: from 1.5 s a pinned staging pool grows 2 MiB a step
     until the kernel's OOM killer takes it (a memcg OOM: nothing outside the cgroup is touched)."""
     parent, limit = MEMCG
-    cg = parent / f"ingero-catalog-oom-{os.getpid()}"
-    cg.mkdir(exist_ok=True)
-    try:
+    with cgroup_dir(parent / f"ingero-catalog-oom-{os.getpid()}") as cg:
         (cg / limit).write_text(str(160 << 20))
-        script = f'echo $$ > {cg}/cgroup.procs && exec chrt -f {RT_PRIORITY} "$@"'
-        p = subprocess.Popen(
-            ["sh", "-c", script, "sh", str(env.exe), "oom", str(env.lib), str(SECS), "2", "1.5"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        env.procs.append(p)
+        p = env.start("oom", SECS, 2, 1.5, cgroup=cg)
         p.communicate(timeout=60)
         assert p.returncode == -signal.SIGKILL, f"not OOM-killed: {p.returncode}"
         time.sleep(0.5)  # the recording goes on past the kill
         return [p.pid]
-    finally:
-        cg.rmdir()
 
 
 # --- ranks: one job of three processes on the fake NCCL (every all-reduce waits for all ranks) -----

@@ -22,9 +22,9 @@ network scenarios start once the tracer probes their socket calls (attached per 
 after its first GPU call on a busy machine).
 
 Every family of the catalog has its scenario here. What a real node would add and this one cannot:
-the noisy neighbour is another process on the same modelled device (``FAKE_GPU_SHARED``), not another
-container (no container runtime here: no pod names in ``cgroup_metadata``); the OOM kill is a memory
-cgroup's, not the whole host's; the ranks are processes of one node, so ``explain --nodes``
+the noisy neighbour is another process on the same modelled device (``FAKE_GPU_SHARED``) in cgroups
+laid out as a kubelet's (no container runtime here: the pod is named by its uid, as the tracer names
+a pod without the Kubernetes environment); the OOM kill is a memory cgroup's, not the whole host's; the ranks are processes of one node, so ``explain --nodes``
 across nodes is not exercised (tests/test_netns_stragglers.py does that).
 
 Every scenario's window must hold a ledger row for its GPU process (the workload ran and was
@@ -240,3 +240,11 @@ def test_contention_is_the_hog_beside_the_trainer(rec: Recording, family: str) -
     assert any(str(hog) in str(c.evidence.get("preempted_by")) for c in named), [
         (c.family, c.evidence.get("preempted_by")) for c in named
     ]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_noisy_neighbour_is_named_by_its_pod(rec: Recording, layout: str) -> None:
+    report = rec.explain("noisy-neighbour", layout)
+    (neighbour,) = rec.ran["noisy-neighbour"].culprits
+    named = [c.summary for c in report.chains if c.family.startswith("gpu-contention")]
+    assert any(f"pid {neighbour}" in s and f"pod{wl.POD_UIDS[1]}" in s for s in named), named
