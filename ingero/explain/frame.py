@@ -409,13 +409,13 @@ def _load_batch(
         f" group_concat(coalesce(arg0, 0)), group_concat(coalesce(arg1, 0))"
         f" FROM events WHERE {where}"
     )
-    columns: list[list[I64]] = [[] for _ in slices]  # per slice: its five parsed columns
+    parsed: dict[int, list[I64]] = {}  # per slice, its five packed columns (filled by run())
 
     def run(k: int) -> None:  # connection k reads slices k, k + len(conns), ...
         for i in range(k, len(slices), len(conns)):
             sw, sp = slices[i]
             row = conns[k].execute(sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]).fetchone()
-            columns[i] = [_parse(txt) for txt in row]
+            parsed[i] = [_parse(txt) for txt in row]
 
     if len(conns) == 1:
         run(0)
@@ -425,37 +425,36 @@ def _load_batch(
             run(0)
             for f in others:
                 f.result()
-    a, b, dt, x, y = (_joined([c[j] for c in columns]) for j in range(5))
-    if dt.size != a.size:  # tid NULL somewhere (not written by a tracer): threads unknown
-        dt = np.zeros(a.size, dtype=np.int64)
-    if x.size != a.size or y.size != a.size:  # NULL arguments (foreign rows): no argument rows
-        x = y = np.zeros(a.size, dtype=np.int64)
+    parts = [parsed[i] for i in range(len(slices))]
+    tids = all(p[2].size == p[0].size for p in parts)  # tid NULL somewhere (not written by a tracer): threads unknown
+    args = all(p[3].size == p[0].size == p[4].size for p in parts)  # NULL arguments (foreign rows): none
+    cols = _unpacked(parts, t0, ts_div, tids=tids, args=args, nodes=case != "0")
+    source, op, dur, failed, ts, pid, tid, x, y, idx = cols
     out: dict[str, Frame] = {}
     if case == "0":  # the database's one node, by its own bookkeeping: every row is node 0
-        bounds = np.asarray([0, a.size], dtype=np.int64)
+        bounds = np.asarray([0, source.size], dtype=np.int64)
         missing = False
     else:
-        idx = a >> 56
         missing = bool(np.any(idx == NODES_PER_QUERY))
         if idx.size and not (idx[0] == idx).all():  # several nodes: group their rows
             order = np.argsort(idx, kind="stable")
-            a, b, dt, x, y, idx = a[order], b[order], dt[order], x[order], y[order], idx[order]
+            source, op, dur, failed, ts, pid, tid, x, y, idx = (
+                c[order] for c in (source, op, dur, failed, ts, pid, tid, x, y, idx)
+            )
         bounds = np.searchsorted(idx, np.arange(len(names) + 1))
     for i, name in enumerate(names):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         if hi <= lo:
             continue
-        aa, bb = a[lo:hi], b[lo:hi]
-        pid = bb & ((1 << PID_BITS) - 1)
         fr = Frame(
             node=name,
-            source=(aa >> 52) & 0xF,
-            op=(aa >> 44) & 0xFF,
-            dur=aa & MAX_DUR,
-            failed=((aa >> 43) & 1).astype(bool),
-            ts_ns=t0 + (bb >> PID_BITS) * ts_div,
-            pid=pid,
-            tid=pid + dt[lo:hi],
+            source=source[lo:hi],
+            op=op[lo:hi],
+            dur=dur[lo:hi],
+            failed=failed[lo:hi],
+            ts_ns=ts[lo:hi],
+            pid=pid[lo:hi],
+            tid=tid[lo:hi],
         )
         arg0, arg1 = x[lo:hi], y[lo:hi]
         m = arg_row_mask(fr.source, fr.op, arg0)
@@ -464,11 +463,40 @@ def _load_batch(
     return out, missing
 
 
-def _joined(parts: list[I64]) -> I64:
-    """The slices' parts of one column, end to end (a single part as it is: no copy)."""
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+def _unpacked(
+    parts: list[list[I64]], t0: int, ts_div: int, *, tids: bool, args: bool, nodes: bool
+) -> list[npt.NDArray[Any]]:
+    """The slices' packed columns (see the module notes) unpacked, end to end, into the frame's columns:
+    source, op, dur, failed, ts, pid, tid, arg0, arg1, node index (empty unless ``nodes``). Each column is
+    allocated once and every slice unpacked into its part (no temporary the size of the whole table: on
+    millions of rows every fresh allocation is paid in page faults)."""
+    n = sum(int(p[0].size) for p in parts)
+    cols: list[npt.NDArray[Any]] = [np.empty(n, dtype=np.int64) for _ in range(10)]
+    cols[3] = np.empty(n, dtype=bool)
+    if not nodes:
+        cols[9] = np.zeros(0, dtype=np.int64)
+    if not args:
+        cols[7] = cols[8] = np.zeros(n, dtype=np.int64)
+    source, op, dur, failed, ts, pid, tid, x, y, idx = cols
+    o = 0
+    for a, b, dt, xs, ys in parts:
+        sl = slice(o, o + a.size)
+        o += a.size
+        np.bitwise_and(np.right_shift(a, 52, out=source[sl]), 0xF, out=source[sl])
+        np.bitwise_and(np.right_shift(a, 44, out=op[sl]), 0xFF, out=op[sl])
+        np.bitwise_and(a, MAX_DUR, out=dur[sl])
+        failed[sl] = np.bitwise_and(np.right_shift(a, 43, out=tid[sl]), 1, out=tid[sl])  # tid[sl]: scratch
+        np.bitwise_and(b, (1 << PID_BITS) - 1, out=pid[sl])
+        np.add(np.multiply(np.right_shift(b, PID_BITS, out=ts[sl]), ts_div, out=ts[sl]), t0, out=ts[sl])
+        if tids:
+            np.add(pid[sl], dt, out=tid[sl])
+        else:
+            tid[sl] = pid[sl]
+        if args:
+            x[sl], y[sl] = xs, ys
+        if nodes:
+            np.right_shift(a, 56, out=idx[sl])
+    return cols
 
 
 def _several(pids: I64) -> bool:
