@@ -248,3 +248,15 @@ def test_noisy_neighbour_is_named_by_its_pod(rec: Recording, layout: str) -> Non
     (neighbour,) = rec.ran["noisy-neighbour"].culprits
     named = [c.summary for c in report.chains if c.family.startswith("gpu-contention")]
     assert any(f"pid {neighbour}" in s and f"pod{wl.POD_UIDS[1]}" in s for s in named), named
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_family_is_found_in_the_healthy_window(rec: Recording, layout: str) -> None:
+    """The judge is not vacuous: every family's must-name, at its scenario's magnitude, fails on the
+    healthy trainer's window."""
+    report = rec.explain("healthy-sleeps", layout)
+    for family, sc in SCENARIOS.items():
+        if CATALOG[family][layout].healthy:
+            continue
+        o = judge(report, CATALOG[family][layout], Params(seed=0, magnitude=sc.magnitude), family, layout)
+        assert not o.found, f"{family} found in the healthy window: {o.chains}"
