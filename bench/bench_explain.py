@@ -1,8 +1,7 @@
 """Explain engine speed on large databases (issues 11 and 20), as ratios measured side by side in one run.
 
 Baseline: the ``sqlite3`` shell fetching, from the same database, exactly the ``events`` columns
-explain reads — found by running explain once under an SQLite authorizer that records every column
-it reads (so the baseline follows explain, never a hand-kept list); the rows go to /dev/null.
+explain reads (bench/explain_baseline.py); the rows go to /dev/null.
 
 Measured per shape, best of N rounds in which the three take turns (a drifting load shifts them alike):
   explain, one connection    what the agent API runs (its connection carries the query budget)
@@ -36,20 +35,19 @@ import argparse
 import json
 import math
 import os
-import resource
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from bench_fleet import make_pki, tls_flags
+from explain_baseline import columns_read, interleaved, sqlite3_fetch
 from verdict import Runs, Target, no_verdict, summary, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,48 +102,6 @@ def make_db(path: Path, n: int) -> None:
             cols = (tsn[s].tolist(), p, p, src[s].tolist(), op[s].tolist(), dur[s].tolist(), zeros[:k])
             w.write_batch(list(zip(*cols, arg0[s].tolist(), *([zeros[:k]] * 4), strict=True)))
         w.end_session(sid, stopped_at=int(tsn[-1]))
-
-
-def columns_read(conn: sqlite3.Connection) -> list[str]:
-    """The ``events`` columns one explain reads, in table order (recorded by an SQLite authorizer)."""
-    seen: set[str] = set()
-
-    def authorize(action: int, table: str | None, column: str | None, *_: object) -> int:
-        if action == sqlite3.SQLITE_READ and table == "events" and column:
-            seen.add(column)
-        return sqlite3.SQLITE_OK
-
-    conn.set_authorizer(authorize)
-    try:
-        explain(conn)
-    finally:
-        conn.set_authorizer(None)
-    return [str(r[1]) for r in conn.execute("PRAGMA table_info(events)") if r[1] in seen]
-
-
-def sqlite3_fetch(db: Path, columns: list[str]) -> None:
-    """The ``sqlite3`` shell fetching ``columns`` of every event (output discarded)."""
-    sql = f"SELECT {', '.join(columns)} FROM events"
-    subprocess.run(["sqlite3", "-readonly", str(db), sql], stdout=subprocess.DEVNULL, check=True)
-
-
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def interleaved(fns: dict[str, Callable[[], object]], repeat: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Best wall time and best CPU time of each function over ``repeat`` rounds, the functions taking turns
-    within a round. CPU time: this process's (every thread) plus its children's (the ``sqlite3`` shell)."""
-    wall = dict.fromkeys(fns, math.inf)
-    cpu = dict.fromkeys(fns, math.inf)
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            c, t = time.process_time() + children_cpu(), time.perf_counter()
-            fn()
-            wall[name] = min(wall[name], time.perf_counter() - t)
-            cpu[name] = min(cpu[name], time.process_time() + children_cpu() - c)
-    return wall, cpu
 
 
 @dataclass

@@ -7,9 +7,11 @@ shifted by its index x the recording's span (events and system snapshots; the re
 the sample's own). 202 copies make ~1 M events and ~800 windows of slow calls: explain's per-window
 work must not grow with their number.
 
-Measured side by side in one run, the functions taking turns (a drifting load shifts them alike): ``explain()`` (one connection, the agent
-API; and over the CLI's reading threads) against a cursor fetching the six per-row columns explain
-reads into numpy. Target: explain ≤ 1.2x that fetch.
+Measured side by side in one run, the functions taking turns (a drifting load shifts them alike): ``explain()``
+(one connection, the agent API; and over the CLI's reading threads) against the ``sqlite3`` shell fetching
+the columns explain reads (bench/explain_baseline.py, the yardstick of bench_explain.py too). Target:
+explain ≤ 1.2x that fetch. Shown beside it: a Python cursor fetching six per-row columns into numpy
+(what reading the rows one by one would cost), and every ratio in CPU time as well (no verdict).
 
     .venv/bin/python bench/recurring_incidents.py             # 202 copies, ~1 M events
     .venv/bin/python bench/recurring_incidents.py --quick     # 40 copies: a smoke run, no verdict
@@ -18,17 +20,16 @@ reads into numpy. Target: explain ≤ 1.2x that fetch.
 from __future__ import annotations
 
 import argparse
-import math
 import sqlite3
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+from explain_baseline import columns_read, interleaved, sqlite3_fetch
 from verdict import Target, no_verdict, summary, verdict
 
 from ingero.cli.explain import read_threads
@@ -79,18 +80,6 @@ def cursor_fetch(conn: sqlite3.Connection) -> None:
     np.fromiter(conn.execute("SELECT source, op, duration, timestamp, pid, ret_code != 0 FROM events"), dtype=dt)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """The best time of each function over ``repeat`` rounds, the functions taking turns within a round
-    (a machine whose load drifts shifts them all alike, so their ratios hold)."""
-    best = dict.fromkeys(fns, math.inf)
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="40 copies: a smoke run (no verdict)")
@@ -109,9 +98,11 @@ def main() -> int:
         threads = read_threads()
         try:
             report = explain(conn)
-            times = interleaved(
+            columns = columns_read(conn)
+            wall, cpu = interleaved(
                 {
-                    "fetch": lambda: cursor_fetch(conn),
+                    "fetch": lambda: sqlite3_fetch(db, columns),
+                    "cursor": lambda: cursor_fetch(conn),
                     "serial": lambda: explain(conn),
                     "threads": lambda: explain(conn, threads=threads),
                 },
@@ -119,14 +110,18 @@ def main() -> int:
             )
         finally:
             conn.close()
-    t_fetch, t_serial, t_threads = times["fetch"], times["serial"], times["threads"]
-    print(f"cursor fetch of 6 columns (baseline)     {t_fetch:6.2f} s")
-    print(f"explain, one connection (the agent API)  {t_serial:6.2f} s")
-    print(f"explain, {threads} reading threads (the CLI)    {t_threads:6.2f} s")
+    print(f"sqlite3 fetching the {len(columns)} columns explain reads (baseline)  {wall['fetch']:6.2f} s")
+    print(f"cursor fetch of 6 columns into numpy                {wall['cursor']:6.2f} s")
+    print(f"explain, one connection (the agent API)             {wall['serial']:6.2f} s")
+    print(f"explain, {threads} reading threads (the CLI)               {wall['threads']:6.2f} s")
+    print("CPU time ratios: " + ", ".join(f"{k} {cpu[k] / cpu['fetch']:.2f}x" for k in ("cursor", "serial", "threads")))
     print(f"chains: {[(c.severity, c.family, c.cuda_op) for c in report.chains]}")
     full = copies == COPIES and not args.quick
-    for name, t_ex in (("explain (one connection) / fetch", t_serial), ("explain (CLI threads) / fetch", t_threads)):
-        ratio = t_ex / t_fetch
+    for name, key in (
+        ("explain (one connection) / sqlite3 fetch", "serial"),
+        ("explain (CLI threads) / sqlite3 fetch", "threads"),
+    ):
+        ratio = wall[key] / wall["fetch"]
         if full:
             verdict(name, ratio, RATIO, detail=f"{n:,} events")
         else:
