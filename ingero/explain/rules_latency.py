@@ -2,7 +2,10 @@
 
 * **tail** — an op's slower regimes (:mod:`ingero.explain.regimes`: stretches of calls ≥ 2x the op's
   regime-aware steady level, found by run-length; no p99/p50 gate, so a third of the calls running
-  3x slower is found). The buckets of their slow calls make runs (± one bucket): *episodes*. Each
+  3x slower is found), and the calls *held off the CPU*: no regime's slow calls, but their thread was
+  preempted (or off-CPU of unknown kind) inside them beyond steady — contention that delays a sync now
+  and then makes no stretch, yet each call's loss is measured on its own thread. The buckets of these
+  calls make runs (± one bucket): *episodes*. Each
   episode's host evidence is weighed against the op's other buckets
   (:func:`ingero.explain.causes.assess`), and where its lost time went is measured per call on the
   calling thread (involuntary / voluntary / unknown off-CPU time, block I/O in flight:
