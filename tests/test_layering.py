@@ -8,6 +8,7 @@ that must come from above is a sign the code is in the wrong room.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ingero"
@@ -44,9 +45,16 @@ def _package(path: Path) -> str:
     return rel.parts[0].removesuffix(".py")
 
 
-def _imported_packages(tree: ast.AST) -> set[str]:
+@functools.cache
+def _import_statements(path: Path) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """Every import statement in ``path``, function-level ones included (parsed once for all the tests)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return tuple(node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom))
+
+
+def _imported_packages(path: Path) -> set[str]:
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _import_statements(path):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [f"ingero.{a.name}" for a in node.names] if node.module == "ingero" else [node.module]
@@ -69,7 +77,7 @@ def test_imports_flow_one_way() -> None:
     wrong = []
     for path in sorted(ROOT.rglob("*.py")):
         own = _package(path)
-        for target in _imported_packages(ast.parse(path.read_text(), str(path))):
+        for target in _imported_packages(path):
             if target != own and LAYERS[target] >= LAYERS[own] and target != "__init__":
                 wrong.append(
                     f"{path.relative_to(ROOT.parent)} imports ingero.{target} (layer {LAYERS[target]} ≥ {LAYERS[own]})"
@@ -86,7 +94,7 @@ def _module_graph() -> dict[str, set[str]]:
         mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _import_statements(path):
             names: list[str] = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 subs = [f"{node.module}.{a.name}" for a in node.names]
