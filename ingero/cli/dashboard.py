@@ -43,7 +43,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parents: 
 
 
 def run(args: argparse.Namespace) -> int:
-    listen = listen_from(args, DEFAULT_PORT)  # its refusals come first, before the server's imports
+    listen = listen_from(args, DEFAULT_PORT)  # the refusals come first, before the server's imports
+    settings = settings_from(args)
 
     import json
     import os
@@ -55,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from ingero.dashboard.app import DashboardSettings, serve_dashboard
     from ingero.mcp.server import McpSettings
 
-    settings = settings_from(args)
     assert isinstance(settings, McpSettings) and isinstance(listen, Listen)
     dash = DashboardSettings(env=settings.env(), token=listen.token, mtls=listen.client_ca is not None)
 

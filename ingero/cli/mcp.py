@@ -92,13 +92,13 @@ def listen_from(args: argparse.Namespace, default_port: int) -> object:
 
 
 def settings_from(args: argparse.Namespace) -> object:
-    """The tools' environment (database + fleet) shared by ``ingero mcp`` and ``ingero dashboard``."""
+    """The tools' environment (database + fleet) shared by ``ingero mcp`` and ``ingero dashboard``; its
+    refusals come before the server's imports."""
 
     from pathlib import Path
 
     from ingero.cli.fleet_cmds import settings_from_args
     from ingero.errors import UsageError
-    from ingero.mcp.server import McpSettings
     from ingero.store.db import open_readonly
 
     cfg = common.config_from(args)
@@ -113,15 +113,18 @@ def settings_from(args: argparse.Namespace) -> object:
             "nothing to serve: no database and no fleet nodes",
             hint=f"pass --db PATH (there is no {common.DEFAULT_DB}), or a --config with fleet.nodes (or --nodes)",
         )
-    return McpSettings(db=db, nodes=nodes, fleet=settings_from_args(args), rates=cfg.fleet.gpu_hourly_usd)
+    fleet = settings_from_args(args)
+    from ingero.mcp.server import McpSettings
+
+    return McpSettings(db=db, nodes=nodes, fleet=fleet, rates=cfg.fleet.gpu_hourly_usd)
 
 
 def run(args: argparse.Namespace) -> int:
     listen = None if args.listen is None else listen_from(args, DEFAULT_HTTP_PORT)  # its refusals come first
+    settings = settings_from(args)
 
     from ingero.mcp.server import McpSettings, run_stdio
 
-    settings = settings_from(args)
     assert isinstance(settings, McpSettings)
     if listen is None:
         _exit_on_ctrl_c()
