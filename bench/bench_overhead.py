@@ -167,7 +167,7 @@ def attach(kind: str, text: str) -> Any:
 
 def traced_uprobe_floor(loop: Loop) -> tuple[float, float]:
     """The loop itself probed (empty programs on libc's sendto/recvfrom, for its pid, at the offsets the
-    agent uses: libc_sockets.socket_probe_offset): the floor of what a traced process pays."""
+    agent uses: elfsyms.probe_offset): the floor of what a traced process pays."""
     from bcc import BPF
 
     from ingero.agent.trace import elfsyms, libc_sockets
@@ -179,8 +179,8 @@ def traced_uprobe_floor(loop: Loop) -> tuple[float, float]:
     b = BPF(text=PROGRAMS["libc uprobes, another pid"][0].encode())
     try:
         for name in TP_NAMES:
-            off = libc_sockets.socket_probe_offset(image, name)
-            vaddr = image.offset_to_vaddr(off) if off is not None else None
+            where = elfsyms.probe_offset(image, name)
+            vaddr = image.offset_to_vaddr(where[0]) if where is not None else None
             assert vaddr is not None
             b.attach_uretprobe(name=path.encode(), addr=vaddr, fn_name=b"ex", pid=pid)
             b.attach_uprobe(name=path.encode(), addr=vaddr, fn_name=b"en", pid=pid)

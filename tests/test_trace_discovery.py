@@ -103,3 +103,50 @@ def test_finds_the_pip_bundled_runtime_and_the_libraries_a_process_maps() -> Non
     ctypes.CDLL(str(REAL_CUDART))  # now this process maps it
     mapped = discovery.discover(pids=[os.getpid()], system=False)
     assert [(x.path, x.origin) for x in mapped.of_kind("cudart")] == [(real, f"process {os.getpid()}")]
+
+
+# Prologues as assembled bytes: (function, where the probe goes from its start, what it sits on).
+PROLOGUES = {
+    "like_sendto": (  # glibc 2.36's sendto, with the endbr64 a CET build adds
+        "endbr64; cmpb $0, flag(%rip); mov %ecx, %r10d; je 1f; mov $44, %eax; syscall; 1: ret",
+        4 + 7 + 3,
+        "endbr64+cmpb+mov+jcc",
+    ),
+    "like_recvmsg": ("mov %fs:0x18, %eax; test %eax, %eax; jne 1f; 1: ret", 8 + 2, "mov+test+jcc"),
+    "push_r15": ("push %r15; pop %r15; ret", 0, "push"),
+    "endbr_push": ("endbr64; push %rbp; pop %rbp; ret", 4, "endbr64+push"),
+    "tail_jump": ("endbr64; cmpl $0, flag(%rip); jmp 1f; 1: ret", 4 + 7, "endbr64+cmpl+jmp"),
+    "stepped": ("endbr64; mov %rdi, %rax; push %rbp; pop %rbp; ret", 0, "other"),  # writes rax: then no skip
+    "arg_written": ("xor %edi, %edi; push %rbp; pop %rbp; ret", 0, "other"),  # an argument register: never skipped
+}
+
+
+def test_probes_go_on_the_first_emulated_instruction_past_skippable_ones(tmp_path: Path) -> None:
+    """One rule for the GPU libraries and libc's socket calls: hand-written prologues, assembled by gcc."""
+    src = tmp_path / "prologues.c"
+    body = "".join(
+        f'  ".globl {n}\\n.type {n}, @function\\n{n}:\\n{asm}\\n.size {n}, .-{n}\\n"\n'
+        for n, (asm, _, _) in PROLOGUES.items()
+    )
+    src.write_text(f'__asm__(".data\\nflag: .long 0\\n.text\\n"\n{body});\n'.replace("; ", "\\n"))
+    lib = tmp_path / "libprologues.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    image = elfsyms.load(str(lib))
+    for name, (_, at, kind) in PROLOGUES.items():
+        start = image.function_offset(name)
+        assert start is not None
+        assert elfsyms.probe_offset(image, name) == (start + at, kind), name
+
+
+def test_libc_socket_calls_are_probed_on_an_emulated_instruction() -> None:
+    """The system's libc (what attach_sockets probes): every socket call's probe sits on a push, jmp or
+    jcc, reached through skippable instructions only (glibc's sendto: past its cmpb and mov)."""
+    from ingero.agent.trace.libc_sockets import SOCKET_FUNCTIONS
+
+    libc = next((p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib64/libc.so.6") if os.path.exists(p)), None)
+    if libc is None:
+        pytest.skip("no x86-64 glibc at the usual paths")
+    image = elfsyms.load(libc)
+    for name, _ in SOCKET_FUNCTIONS:
+        where = elfsyms.probe_offset(image, name)
+        assert where is not None and where[1].rsplit("+", 1)[-1] in ("push", "jmp", "jcc"), (name, where)

@@ -1,8 +1,9 @@
 """A small ELF64 reader: function symbols, file offsets and prologues — no bcc, no pyelftools.
 
-Used to decide where a uprobe goes (the file offset of a function, +4 past an ``endbr64`` so the
-kernel emulates the ``push %rbp`` instead of single-stepping ~10x slower), to tell ``ingero check``
-which GPU functions a library exports, and to symbolize user stacks (:mod:`ingero.agent.trace.stacks`).
+Used to decide where a uprobe goes (:func:`probe_offset`: the function's first instruction the kernel
+emulates, past an ``endbr64`` and the like, instead of single-stepping it ~10x slower), for the GPU
+libraries and libc's socket calls alike, to tell ``ingero check`` which GPU functions a library
+exports, and to symbolize user stacks (:mod:`ingero.agent.trace.stacks`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ _STT_GNU_IFUNC = 10
 _SHN_UNDEF = 0
 ENDBR64 = b"\xf3\x0f\x1e\xfa"
 PUSH_RBP = 0x55
+# Leading instructions a probe may be placed after: they touch neither the stack pointer (the return
+# address stays on top, for the uretprobe and the frame match) nor an argument register (rdi, rsi, rdx,
+# rcx, r8, r9; rax is none). glibc's sendto starts with `cmpb $0, __libc_single_threaded(%rip)`, which
+# the kernel would single-step; the jcc after it is emulated.
+_SKIPPABLE = (
+    (ENDBR64, 4, "endbr64"),
+    (b"\x80\x3d", 7, "cmpb"),  # cmpb $imm8, rel32(%rip)
+    (b"\x83\x3d", 7, "cmpl"),  # cmpl $imm8, rel32(%rip)
+    (b"\x64\x8b\x04\x25", 8, "mov"),  # mov %fs:disp32, %eax
+    (b"\x85\xc0", 2, "test"),  # test %eax, %eax
+    (b"\x41\x89\xca", 3, "mov"),  # mov %ecx, %r10d
+    (b"\x49\x89\xca", 3, "mov"),  # mov %rcx, %r10
+)
+_MAX_SKIPPED = 5
+_PROLOGUE_BYTES = 48  # read at a function's start: every skippable instruction and the one after
 
 
 class ElfError(Exception):
@@ -176,25 +192,48 @@ def load(path: str) -> ElfImage:
     return _cached(path, st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
-def probe_offset(image: ElfImage, name: str) -> tuple[int, str] | None:
-    """Where to put a uprobe for ``name``: (file offset, first instruction kind), or None if absent.
+def _emulated(code: bytes) -> str | None:
+    """The kind of instruction ``code`` starts with when the kernel executes it without single-stepping
+    (jcc / jmp with rel8 or rel32, push of a register), else None."""
+    op = code[0]
+    if 0x50 <= op <= 0x57 or (op == 0x41 and 0x50 <= code[1] <= 0x57):
+        return "push"
+    if 0x70 <= op <= 0x7F or (op == 0x0F and 0x80 <= code[1] <= 0x8F):
+        return "jcc"
+    if op in (0xEB, 0xE9):
+        return "jmp"
+    return None
 
-    The kernel emulates ``push %rbp`` (~1 µs per hit) but single-steps most other first instructions
-    (~11 µs here). A function that starts with ``endbr64`` is probed 4 bytes in (on its ``push`` in
-    compiler-generated code); the return address is still on top of the stack there, so arguments and
-    uretprobes work the same.
+
+def probe_offset(image: ElfImage, name: str) -> tuple[int, str] | None:
+    """Where to put a uprobe for ``name``: (file offset, what it sits on), or None if absent.
+
+    The kernel emulates ``push``, ``jmp`` and ``jcc`` (~1 µs per hit) but single-steps most other
+    instructions (~11 µs here). The probe goes on the function's first emulated instruction when only
+    :data:`_SKIPPABLE` ones precede it (``endbr64+push``: 4 bytes in, on the ``push`` of
+    compiler-generated code; ``endbr64+cmpb+jcc``: glibc's sendto), else on its first byte
+    (``other``). The return address is still on top of the stack there and the arguments in their
+    registers, so argument reads and uretprobes work the same.
     """
-    off = image.function_offset(name)
-    if off is None:
+    start = image.function_offset(name)
+    if start is None:
         return None
     try:
         with open(image.path, "rb") as f:
-            f.seek(off)
-            head = f.read(5)
+            code = os.pread(f.fileno(), _PROLOGUE_BYTES, start)
     except OSError:
-        return off, "unknown"
-    if head[:4] == ENDBR64:
-        return off + 4, "endbr64+push" if head[4:5] == bytes([PUSH_RBP]) else "endbr64"
-    if head[:1] == bytes([PUSH_RBP]):
-        return off, "push"
-    return off, "other"
+        return start, "unknown"
+    at = 0
+    skipped: list[str] = []
+    for _ in range(_MAX_SKIPPED + 1):
+        if len(code) - at < 2:
+            break
+        kind = _emulated(code[at:])
+        if kind is not None:
+            return start + at, "+".join((*skipped, kind))
+        step = next(((n, what) for prefix, n, what in _SKIPPABLE if code[at:].startswith(prefix)), None)
+        if step is None:
+            break
+        at += step[0]
+        skipped.append(step[1])
+    return start, "other"

@@ -1,8 +1,9 @@
 """Where libc's socket calls are probed: which functions, at which instruction, in which file.
 
 The agent records a traced process's socket calls with uprobes on its libc (net_probes.c), attached
-to that process alone (:meth:`ingero.agent.trace.probes.BpfProbes.attach_sockets`). This module holds the
-pure part: no bcc here.
+to that process alone (:meth:`ingero.agent.trace.probes.BpfProbes.attach_sockets`), each at the
+instruction :func:`ingero.agent.trace.elfsyms.probe_offset` picks (as the GPU libraries' are). This
+module holds the pure part: no bcc here.
 
 A failed call returns -1 and leaves its errno in the thread's TLS. The return probe reads it there:
 ``thread pointer + errno's offset``, where the thread pointer is the thread's FS base (x86-64, kept
@@ -29,63 +30,10 @@ SOCKET_FUNCTIONS = (
 )
 SOCKET_RETURN = "net_return"
 
-# Leading instructions of libc's socket calls that touch neither the stack pointer nor the first
-# argument (so a probe after them still sees the fd and the return address on top of the stack), and
-# the first instructions the kernel emulates instead of single-stepping (~1 µs against ~11 µs a hit
-# here): glibc's sendto starts with `cmpb $0, __libc_single_threaded(%rip)`, which would be stepped.
-_SKIP = (
-    (b"\xf3\x0f\x1e\xfa", 4),  # endbr64
-    (b"\x80\x3d", 7),  # cmpb $imm8, rel32(%rip)
-    (b"\x83\x3d", 7),  # cmpl $imm8, rel32(%rip)
-    (b"\x64\x8b\x04\x25", 8),  # mov %fs:disp32, %eax
-    (b"\x85\xc0", 2),  # test %eax, %eax
-    (b"\x41\x89\xca", 3),  # mov %ecx, %r10d
-    (b"\x49\x89\xca", 3),  # mov %rcx, %r10
-)
-
-
-def _emulated(code: bytes) -> bool:
-    """jcc/jmp (rel8, rel32) or push of a register: executed by the kernel without single-stepping."""
-    op = code[0]
-    return (
-        0x70 <= op <= 0x7F
-        or op in (0xEB, 0xE9)
-        or 0x50 <= op <= 0x57
-        or (op == 0x0F and 0x80 <= code[1] <= 0x8F)
-        or (op == 0x41 and 0x50 <= code[1] <= 0x57)
-    )
-
-
-def socket_probe_offset(image: elfsyms.ElfImage, name: str) -> int | None:
-    """File offset for the entry uprobe of libc's ``name``: its first emulated instruction when only
-    harmless ones precede it (see _SKIP), else the function's start. None when not exported."""
-    start = image.function_offset(name) if name in image.symbols else None
-    if start is None:
-        return None
-    try:
-        with open(image.path, "rb") as f:
-            f.seek(start)
-            code = f.read(48)
-    except OSError:
-        return start
-    at = 0
-    for _ in range(6):
-        if len(code) - at < 2:
-            break
-        if _emulated(code[at:]):
-            return start + at
-        step = next((n for prefix, n in _SKIP if code[at:].startswith(prefix)), 0)
-        if not step:
-            break
-        at += step
-    return start
-
-
 # task_struct.thread.fsbase: the thread pointer of a task (x86-64), for the return probe (net_probes.c)
 FSBASE_MEMBERS = (("task_struct", "thread"), ("thread_struct", "fsbase"))
 # glibc's __errno_location on x86-64: [endbr64] mov GOT(%rip), %rax; add %fs:0, %rax; ret. The GOT slot
 # holds errno's offset from the thread pointer (an R_X86_64_TPOFF64 the dynamic linker fills at load).
-_ENDBR64 = b"\xf3\x0f\x1e\xfa"
 _MOV_RIP_RAX = b"\x48\x8b\x05"  # + rel32
 _ADD_FS0_RAX = b"\x64\x48\x03\x04\x25\x00\x00\x00\x00"
 _MAX_TLS = 1 << 20  # the static TLS blocks sit just below the thread pointer (variant II): a few KiB
@@ -117,7 +65,7 @@ def errno_got_vaddr(image: elfsyms.ElfImage) -> int | None:
             code = os.pread(f.fileno(), 32, start)
     except OSError:
         return None
-    at = len(_ENDBR64) if code.startswith(_ENDBR64) else 0
+    at = len(elfsyms.ENDBR64) if code.startswith(elfsyms.ENDBR64) else 0
     mov_end = at + len(_MOV_RIP_RAX) + 4
     if code[at : at + len(_MOV_RIP_RAX)] != _MOV_RIP_RAX or not code[mov_end:].startswith(_ADD_FS0_RAX):
         return None

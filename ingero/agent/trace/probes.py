@@ -32,7 +32,6 @@ from ingero.agent.trace.libc_sockets import (
     SOCKET_RETURN,
     errno_tp_offset,
     libc_of,
-    socket_probe_offset,
 )
 from ingero.agent.trace.ringbuf import EMPTY, RingReader
 from ingero.errors import TracingUnavailableError
@@ -358,8 +357,8 @@ class BpfProbes:
         tpoff = errno_tp_offset(pid, image)
         addrs: dict[int, str] = {}  # vaddr -> entry program (aliases at one address probed once)
         for symbol, fn in SOCKET_FUNCTIONS:
-            where = socket_probe_offset(image, symbol)
-            vaddr = image.offset_to_vaddr(where) if where is not None else None
+            where = elfsyms.probe_offset(image, symbol)
+            vaddr = image.offset_to_vaddr(where[0]) if where is not None else None
             if vaddr is not None:
                 addrs.setdefault(vaddr, fn)
         done: list[tuple[bytes, int, bool]] = []
