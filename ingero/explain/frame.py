@@ -4,10 +4,11 @@ Materialising a million rows through ``sqlite3`` cursors costs about a microseco
 own ``group_concat`` over integer expressions costs a fraction of that. So each row is packed *inside
 SQLite* and read back as comma-separated strings that numpy parses in C, in one pass over the events:
 
-* ``a = node_idx << 56 | source << 52 | op << 44 | failed << 43 | duration`` (duration capped at 2^43 ns ≈ 2.4 h)
+* ``duration`` as recorded (capped to [0, 2^43 ns ≈ 2.4 h] by numpy)
 * ``b = ((timestamp - t0) // ts_div) << 22 | pid``             (pid_max is at most 2^22)
-* ``tid - pid`` (``0`` for a process's main thread: short strings)
-* ``arg0`` and ``arg1`` of the rows some rule reads (:data:`ARG_OPS`), ``0`` for the others.
+* ``t = (tid - pid) << 20 | node_idx << 13 | source << 9 | op << 1 | failed`` (``tid - pid`` is ``0`` for a
+  process's main thread: short strings; small fields low, so the numbers stay short)
+* ``arg0`` and ``arg1`` (the rows some rule reads keep them: :data:`ARG_OPS`).
 
 Only GPU ids per process come from a second, narrower query (when a node has several GPU processes).
 
@@ -398,15 +399,14 @@ def _load_batch(
 ) -> tuple[dict[str, Frame], bool]:
     case, case_params = _node_case(names, trusted)
     # sources and ops are small ids (< 16, < 256 in the catalog): masked rather than range-checked, which
-    # keeps the per-row work to a few bit operations
-    # the fields do not overlap, so ``+`` packs them like ``|`` (and costs SQLite less); the duration is
-    # clamped to [0, MAX_DUR] by one comparison per row, not two function calls
+    # keeps the per-row work to a few operations; the fields do not overlap, so ``+`` packs them like ``|``
+    # (and costs SQLite less); the duration goes as it is (the cheapest column), capped by numpy
     sql = (
-        f"SELECT group_concat(({case} << 56) + ((source & 15) << 52) + ((op & 255) << 44)"
-        f" + ((ret_code != 0) << 43) + iif(duration BETWEEN 0 AND {MAX_DUR}, duration, (duration > 0) * {MAX_DUR})),"
+        "SELECT group_concat(duration),"
         f" group_concat((((timestamp - ?) / ?) << {PID_BITS}) | (pid & {(1 << PID_BITS) - 1})),"
-        f" group_concat(coalesce(tid, pid) - pid),"
-        f" group_concat(coalesce(arg0, 0)), group_concat(coalesce(arg1, 0))"
+        f" group_concat(((coalesce(tid, pid) - pid) << 20) + ({case} << 13) + ((source & 15) << 9)"
+        " + ((op & 255) << 1) + (ret_code != 0)),"
+        " group_concat(coalesce(arg0, 0)), group_concat(coalesce(arg1, 0))"
         f" FROM events WHERE {where}"
     )
     parsed: dict[int, list[I64]] = {}  # per slice, its five packed columns (filled by run())
@@ -414,7 +414,7 @@ def _load_batch(
     def run(k: int) -> None:  # connection k reads slices k, k + len(conns), ...
         for i in range(k, len(slices), len(conns)):
             sw, sp = slices[i]
-            row = conns[k].execute(sql + f" AND {sw}", [*case_params, t0, ts_div, *params, *sp]).fetchone()
+            row = conns[k].execute(sql + f" AND {sw}", [t0, ts_div, *case_params, *params, *sp]).fetchone()
             parsed[i] = [_parse(txt) for txt in row]
 
     if len(conns) == 1:
@@ -426,9 +426,10 @@ def _load_batch(
             for f in others:
                 f.result()
     parts = [parsed[i] for i in range(len(slices))]
-    tids = all(p[2].size == p[0].size for p in parts)  # tid NULL somewhere (not written by a tracer): threads unknown
+    if not all(p[0].size == p[1].size == p[2].size for p in parts):  # a NULL duration, time or op
+        raise sqlite3.DataError("events rows with no duration, timestamp, pid, source or op")
     args = all(p[3].size == p[0].size == p[4].size for p in parts)  # NULL arguments (foreign rows): none
-    cols = _unpacked(parts, t0, ts_div, tids=tids, args=args, nodes=case != "0")
+    cols = _unpacked(parts, t0, ts_div, args=args, nodes=case != "0")
     source, op, dur, failed, ts, pid, tid, x, y, idx = cols
     out: dict[str, Frame] = {}
     if case == "0":  # the database's one node, by its own bookkeeping: every row is node 0
@@ -463,9 +464,7 @@ def _load_batch(
     return out, missing
 
 
-def _unpacked(
-    parts: list[list[I64]], t0: int, ts_div: int, *, tids: bool, args: bool, nodes: bool
-) -> list[npt.NDArray[Any]]:
+def _unpacked(parts: list[list[I64]], t0: int, ts_div: int, *, args: bool, nodes: bool) -> list[npt.NDArray[Any]]:
     """The slices' packed columns (see the module notes) unpacked, end to end, into the frame's columns:
     source, op, dur, failed, ts, pid, tid, arg0, arg1, node index (empty unless ``nodes``). Each column is
     allocated once and every slice unpacked into its part (no temporary the size of the whole table: on
@@ -479,23 +478,20 @@ def _unpacked(
         cols[7] = cols[8] = np.zeros(n, dtype=np.int64)
     source, op, dur, failed, ts, pid, tid, x, y, idx = cols
     o = 0
-    for a, b, dt, xs, ys in parts:
-        sl = slice(o, o + a.size)
-        o += a.size
-        np.bitwise_and(np.right_shift(a, 52, out=source[sl]), 0xF, out=source[sl])
-        np.bitwise_and(np.right_shift(a, 44, out=op[sl]), 0xFF, out=op[sl])
-        np.bitwise_and(a, MAX_DUR, out=dur[sl])
-        failed[sl] = np.bitwise_and(np.right_shift(a, 43, out=tid[sl]), 1, out=tid[sl])  # tid[sl]: scratch
+    for d, b, t, xs, ys in parts:
+        sl = slice(o, o + d.size)
+        o += d.size
+        np.clip(d, 0, MAX_DUR, out=dur[sl])
+        np.bitwise_and(np.right_shift(t, 9, out=source[sl]), 0xF, out=source[sl])
+        np.bitwise_and(np.right_shift(t, 1, out=op[sl]), 0xFF, out=op[sl])
+        failed[sl] = np.bitwise_and(t, 1, out=tid[sl])  # tid[sl]: scratch
+        if nodes:
+            np.bitwise_and(np.right_shift(t, 13, out=idx[sl]), 0x7F, out=idx[sl])
         np.bitwise_and(b, (1 << PID_BITS) - 1, out=pid[sl])
+        np.add(np.right_shift(t, 20, out=tid[sl]), pid[sl], out=tid[sl])
         np.add(np.multiply(np.right_shift(b, PID_BITS, out=ts[sl]), ts_div, out=ts[sl]), t0, out=ts[sl])
-        if tids:
-            np.add(pid[sl], dt, out=tid[sl])
-        else:
-            tid[sl] = pid[sl]
         if args:
             x[sl], y[sl] = xs, ys
-        if nodes:
-            np.right_shift(a, 56, out=idx[sl])
     return cols
 
 
