@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from ingero.explain.context import Culprit
 from ingero.explain.evidence import Evidence
 from ingero.explain.model import TimelineEntry
@@ -152,6 +155,12 @@ def severity_of_loss(lost_ns: float, wall_ns: float, *, may_be_sleep: bool = Fal
     if share >= MEDIUM_SHARE:
         return "MEDIUM"
     return "LOW"
+
+
+def may_be_sleep(family: str, tids: npt.NDArray[np.int64], woken: frozenset[int]) -> bool:
+    """Off-CPU time of unknown kind (``family`` ``offcpu``) on threads some of which have no recorded
+    wakeup may be their own sleeps: :func:`severity_of_loss`'s ``may_be_sleep``."""
+    return family == "offcpu" and not set(np.unique(tids).tolist()) <= woken
 
 
 def startup_severity(lost_ns: float, wall_ns: float) -> str:
@@ -385,3 +394,47 @@ def timeline(causes: list[Cause], ep: Evidence, culprits: list[Culprit]) -> list
         if ep.net_n:
             out.append(TimelineEntry("NET", "socket_io", f"{ep.net_n} socket ops ({ep.net_bytes / MIB:.1f} MB)"))
     return out
+
+
+def evidence_figures(ep: Evidence, base: Evidence | None) -> dict[str, object]:
+    """A window's host evidence as a chain's figures (and its baseline's, with one)."""
+    d: dict[str, object] = {
+        "sched_switch": ep.sched_n,
+        "offcpu_ms": round(ep.offcpu_ns / 1e6, 1),
+        "offcpu_share": round(ep.offcpu_frac, 3),
+        "block_io": ep.io_n,
+        "block_reads": ep.io_reads,
+        "block_writes": ep.io_writes,
+        "block_io_ms": round(ep.io_ns / 1e6, 1),
+        "block_io_peak_ms": round(ep.io_max_ns / 1e6, 2),
+        "block_io_mb": round(ep.io_bytes / MIB, 1),
+        "page_alloc_gb": round(ep.page_bytes / GIB, 2),
+        "tcp_retransmits": ep.tcp_n,
+        "socket_ops": ep.net_n,
+    }
+    for k in ("cpu_max", "mem_max", "swap_max"):
+        v = getattr(ep, k)
+        if v is not None:
+            d[k.replace("_max", "_max_pct" if k != "swap_max" else "_max_mb")] = round(v, 1)
+    if base is not None:
+        d["baseline_offcpu_share"] = round(base.offcpu_frac, 3)
+        d["baseline_block_io_per_s"] = round(base.per_s(base.io_n), 2)
+        d["baseline_sched_switch_per_s"] = round(base.per_s(base.sched_n), 2)
+    return d
+
+
+def mechanism(family: str, op: str) -> str:
+    """How a cause family slows the calls of ``op``: a chain's closing sentence."""
+    return {
+        "cpu": f"While the calling thread is preempted it cannot issue or return from {op}, so the call's "
+        "measured time includes the wait for a CPU; the overlap is measured on the same thread, and its "
+        "voluntary sleeps (futex, poll, I/O) are not counted.",
+        "offcpu": f"The thread calling {op} was off the CPU during these calls; without prev_state the "
+        "recording cannot tell preemption from waiting.",
+        "io-write": f"Checkpoint writes saturate the disk and the page cache flush steals CPU and memory bandwidth "
+        f"from the process calling {op}.",
+        "io-read": f"The input pipeline waits on disk reads, so the process reaches {op} late and the GPU starves.",
+        "io": f"Block I/O competes with the process calling {op} for CPU time and memory bandwidth.",
+        "memory": f"Host memory pressure (reclaim, page faults) stalls the CPU side of {op}.",
+        "network": f"The process blocks on the network (retransmits, remote data) before or inside {op}.",
+    }.get(family, "")

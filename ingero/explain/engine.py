@@ -23,6 +23,7 @@ from ingero.explain import (
     rules_cold,
     rules_copies,
     rules_drift,
+    rules_drop,
     rules_events,
     rules_graphs,
     rules_hang,
@@ -240,7 +241,7 @@ def _explain_node(
         tail, unexplained = rules_latency.tail_chains(ctx)
         explained = {c.cuda_op for c in tail}
         periodic = rules_periodic.periodic_chains(ctx, [o for o in ctx.ops if o.name not in explained])
-        chains += tail + periodic + rules_latency.drop_chains(ctx) + rules_memory.churn_chains(ctx, periodic)
+        chains += tail + periodic + rules_drop.drop_chains(ctx) + rules_memory.churn_chains(ctx, periodic)
         cold = rules_cold.cold_start_chains(ctx)
         chains += cold + rules_events.transfer_chains(ctx)
         chains += rules_drift.drift_chains(ctx) + rules_copies.pageable_chains(ctx, chains)

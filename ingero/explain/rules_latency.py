@@ -1,22 +1,19 @@
-"""Rules on a GPU op's own timing: slower regimes, throughput drop, periodic spikes.
+"""Rules on a GPU op's own timing: its slower regimes and the calls held off the CPU (the tail rule).
 
 * **tail** — an op's slower regimes (:mod:`ingero.explain.regimes`: stretches of calls ≥ 2x the op's
   regime-aware steady level, found by run-length; no p99/p50 gate, so a third of the calls running
   3x slower is found), and the calls *held off the CPU*: no regime's slow calls, but their thread was
   preempted (or off-CPU of unknown kind) inside them beyond steady — contention that delays a sync now
   and then makes no stretch, yet each call's loss is measured on its own thread. The buckets of these
-  calls make runs (± one bucket): *episodes*. Each
-  episode's host evidence is weighed against the op's other buckets
-  (:func:`ingero.explain.causes.assess`), and where its lost time went is measured per call on the
-  calling thread (involuntary / voluntary / unknown off-CPU time, block I/O in flight:
+  calls make runs (± one bucket): *episodes*. Each episode's host evidence is weighed against the
+  op's other buckets (:func:`ingero.explain.causes.assess`), and where its lost time went is measured
+  per call on the calling thread (involuntary / voluntary / unknown off-CPU time, block I/O in flight:
   :class:`~ingero.explain.causes.Shares`). The root cause is the one holding the dominant share
   (≥ 50 %) of the lost time (:func:`~ingero.explain.causes.dominant`); other causes are context. An
   episode with no dominant cause makes no chain (a note says where the time went). Episodes are
   folded into one chain per (op, root family); severity is its lost time over wall time. p99/p50
   stay in the chain as figures (Ingero's columns), not as a gate.
-* **drop** — an op's call rate (moving average over ~5 s) falls ≥ 40 % below its baseline for ≥ 2
-  buckets while it keeps running, corroborated the same way.
-(Periodic spikes: :mod:`ingero.explain.rules_periodic`.)
+(Throughput drops: :mod:`ingero.explain.rules_drop`; periodic spikes: :mod:`ingero.explain.rules_periodic`.)
 """
 
 from __future__ import annotations
@@ -31,18 +28,15 @@ from ingero.explain.context import Context, Culprit, OpRows, fmt_ns, layer_of, s
 from ingero.explain.evidence import Evidence, runs
 from ingero.explain.frame import member
 from ingero.explain.ledger_gaps import GAP_NS
-from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
+from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, Intervals, union
 from ingero.explain.rules_launch import LAUNCH_OPS, first_launch_mask
 from ingero.explain.stats import OpStats
 from ingero.store.catalog import IO, NCCL, op_ids
-from ingero.timeutil import NS_PER_S, fmt_ts
+from ingero.timeutil import fmt_ts
 
 MIN_CALLS = 10
-DROP = 0.40
-MIN_PEAK_RATE = 10.0  # ops/s before rate changes mean anything
 MIN_IO_OVERLAP = 0.05  # share of the lost time during which the traced tree's block I/O was in flight
-IDLE_SLEEP = 0.25  # a bucket whose GPU thread sleeps this much more than usual is idle, not a drop
 COPY_OPS = set(op_ids("cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync"))  # arg0 = bytes
 # a call off-CPU inside itself (preempted, or of unknown kind) beyond steady for this share of its steady
 # time, and at least as long as an ordinary preemption or wakeup latency (the ledger's turnaround)
@@ -58,32 +52,6 @@ def _mask(ctx: Context, ts: np.ndarray, dilate: int = 0) -> np.ndarray:
         d[1:] |= m[:-1]
         return d
     return m
-
-
-def _evidence_dict(ep: Evidence, base: Evidence | None) -> dict[str, object]:
-    d: dict[str, object] = {
-        "sched_switch": ep.sched_n,
-        "offcpu_ms": round(ep.offcpu_ns / 1e6, 1),
-        "offcpu_share": round(ep.offcpu_frac, 3),
-        "block_io": ep.io_n,
-        "block_reads": ep.io_reads,
-        "block_writes": ep.io_writes,
-        "block_io_ms": round(ep.io_ns / 1e6, 1),
-        "block_io_peak_ms": round(ep.io_max_ns / 1e6, 2),
-        "block_io_mb": round(ep.io_bytes / cz.MIB, 1),
-        "page_alloc_gb": round(ep.page_bytes / cz.GIB, 2),
-        "tcp_retransmits": ep.tcp_n,
-        "socket_ops": ep.net_n,
-    }
-    for k in ("cpu_max", "mem_max", "swap_max"):
-        v = getattr(ep, k)
-        if v is not None:
-            d[k.replace("_max", "_max_pct" if k != "swap_max" else "_max_mb")] = round(v, 1)
-    if base is not None:
-        d["baseline_offcpu_share"] = round(base.offcpu_frac, 3)
-        d["baseline_block_io_per_s"] = round(base.per_s(base.io_n), 2)
-        d["baseline_sched_switch_per_s"] = round(base.per_s(base.sched_n), 2)
-    return d
 
 
 @dataclass
@@ -134,7 +102,7 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
             if not cz.worth_a_chain(lost, wall):
                 continue
             best = max(eps, key=lambda e: e.shares.lost_ns)
-            sev = cz.severity_of_loss(lost, wall, may_be_sleep=_may_be_sleep(ctx, fam, rows.tid))
+            sev = cz.severity_of_loss(lost, wall, may_be_sleep=cz.may_be_sleep(fam, rows.tid, ctx.off.woken))
             chains.append(_tail_chain(ctx, st, rows, reg, held_n, fam, best, sev, eps, lost, wall, base))
             chained = True
         minority = [e for e in minority if e.seen]  # causes seen, none dominant: say so, name none
@@ -151,12 +119,6 @@ def tail_chains(ctx: Context) -> tuple[list[Chain], list[OpStats]]:
         if not chained and cz.worth_a_chain(reg.lost_total_ns, wall):
             unexplained.append(st)
     return chains, unexplained
-
-
-def _may_be_sleep(ctx: Context, family: str, tids: np.ndarray) -> bool:
-    """Off-CPU time of unknown kind on threads whose wakeups are not recorded may be their own sleeps
-    (see :func:`ingero.explain.causes.severity_of_loss`)."""
-    return family == "offcpu" and not set(np.unique(tids).tolist()) <= ctx.off.woken
 
 
 def _who(ctx: Context) -> str:
@@ -353,7 +315,7 @@ def _tail_chain(
         + (f"The same cause recurs in {len(eps)} separate windows. " if len(eps) > 1 else "")
         + f"Time lost: {short_ns(lost)} ({100 * lost / wall:.1f}% of wall time); of it, {total.words()}. "
         + (f"Also seen, not the root (a minority of the lost time): {also}. " if also else "")
-        + _mechanism(fam, st.name)
+        + cz.mechanism(fam, st.name)
     )
     tl = cz.timeline(found, ep, culprits)
     tl.append(
@@ -392,9 +354,11 @@ def _tail_chain(
         "overlap_unknown": round(total.share(total.unk_ns), 3),
         "io_overlap_ms": round(total.io_ns / 1e6, 1),
         "prev_state": "recorded" if ctx.off.has_state else ("unknown" if ctx.off.has_rows else "no sched rows"),
-        "may_be_sleep": _may_be_sleep(ctx, fam, rows.tid),  # unknown off-CPU time whose sleeps cannot be told
+        "may_be_sleep": cz.may_be_sleep(
+            fam, rows.tid, ctx.off.woken
+        ),  # unknown off-CPU time whose sleeps cannot be told
         "preempted_by": [c.name for c in culprits if c.ns],
-        **_evidence_dict(ep, base),
+        **cz.evidence_figures(ep, base),
     }
     return ctx.chain(
         cid=ctx.chain_id("tail", fam, st.name),
@@ -419,177 +383,3 @@ def _slow_calls(reg: regimes.Regimes, held_n: int) -> str:
         return held
     said = f"{n} calls ≥ {regimes.SLOW_FACTOR:.0f}x its steady {fmt_ns(reg.steady_ns)}"
     return f"{said} (+ {held_n} held off the CPU)" if held_n else said
-
-
-def _mechanism(family: str, op: str) -> str:
-    return {
-        "cpu": f"While the calling thread is preempted it cannot issue or return from {op}, so the call's "
-        "measured time includes the wait for a CPU; the overlap is measured on the same thread, and its "
-        "voluntary sleeps (futex, poll, I/O) are not counted.",
-        "offcpu": f"The thread calling {op} was off the CPU during these calls; without prev_state the "
-        "recording cannot tell preemption from waiting.",
-        "io-write": f"Checkpoint writes saturate the disk and the page cache flush steals CPU and memory bandwidth "
-        f"from the process calling {op}.",
-        "io-read": f"The input pipeline waits on disk reads, so the process reaches {op} late and the GPU starves.",
-        "io": f"Block I/O competes with the process calling {op} for CPU time and memory bandwidth.",
-        "memory": f"Host memory pressure (reclaim, page faults) stalls the CPU side of {op}.",
-        "network": f"The process blocks on the network (retransmits, remote data) before or inside {op}.",
-    }.get(family, "")
-
-
-# --- throughput drop ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Drop:
-    st: OpStats
-    b0: int
-    b1: int
-    found: list[cz.Cause]
-    ep: Evidence
-    base: Evidence | None
-    sev: str
-    fall: float
-    base_rate: float
-    rate: float
-    episodes: int
-
-
-def drop_chains(ctx: Context) -> list[Chain]:
-    """Throughput drops, one chain per cause family: the ops of one process slow down together, so the
-    drop is reported on its busiest op with the others listed."""
-    found_by_family: dict[str, list[_Drop]] = {}
-    for st in ctx.ops:
-        d = _drop(ctx, st)
-        if d is not None:
-            found_by_family.setdefault(d.found[0].family, []).append(d)
-    chains = []
-    for drops in found_by_family.values():
-        drops.sort(key=lambda d: (SEVERITY_RANK[d.sev], -d.base_rate))
-        chains.append(_drop_chain(ctx, drops[0], drops[1:]))
-    return chains
-
-
-def _drop(ctx: Context, st: OpStats) -> _Drop | None:
-    g = ctx.grid
-    width_s = g.width_ns / NS_PER_S
-    w = max(3, round(5 / width_s)) if width_s < 5 else 1
-    if st.count < MIN_CALLS or (st.stored is not None and st.stored < st.count):
-        return None  # a sampled op's stored rows do not give its rate (event_aggregates do, per minute)
-    rows = ctx.rows(st)
-    idx = g.index(rows.ts_ns)
-    lo, hi = int(idx.min()) + 1, int(idx.max()) - 1  # first and last buckets are partial
-    if hi - lo + 1 < 2 * w + 2:
-        return None
-    counts = np.bincount(idx, minlength=g.n)[lo : hi + 1].astype(np.float64)
-    kernel = np.ones(w)
-    rate = np.convolve(counts, kernel, mode="same") / np.convolve(np.ones(counts.size), kernel, mode="same") / width_s
-    peak = float(rate.max(initial=0))
-    if peak < MIN_PEAK_RATE:
-        return None
-    low = (rate < (1 - DROP) * peak) & (rate >= 1.0)
-    # buckets where the process was idle by its own choice (no calls, or its GPU thread asleep far more
-    # than usual: an evaluation pause, waiting for input) are not drops
-    vol = ctx.series.vol[lo : hi + 1] / g.width_ns
-    idle = (counts == 0) | (vol > float(np.median(vol)) + IDLE_SLEEP)
-    idle = np.convolve(idle.astype(np.float64), np.ones(w), mode="same") > 0
-    low &= ~idle
-    if low.all() or not low.any():
-        return None
-    base_mask = np.zeros(g.n, dtype=bool)
-    base_mask[lo : hi + 1] = ~low
-    base_rate = float(counts[~low].sum() / (int((~low).sum()) * width_s))
-    base = ctx.series.over_mask(base_mask)
-    best: _Drop | None = None
-    n_eps = 0
-    lost_by_family: dict[str, int] = {}
-    for a, b in runs(low, max_gap=0):
-        if b - a + 1 < 2:
-            continue
-        ep_rate = float(counts[a : b + 1].sum() / ((b - a + 1) * width_s))
-        fall = 1 - ep_rate / base_rate if base_rate > 0 else 0.0
-        if fall < DROP:
-            continue
-        ep = ctx.series.over_range(lo + a, lo + b)
-        found = _dominant_off_cpu(cz.assess(ep, base, st.p99_ns), ep, base, fall * (b - a + 1) * g.width_ns)
-        if not found:
-            ctx.notes.append(
-                f"{ctx.node}: {st.name} ops/s fell {100 * fall:.0f}% at {fmt_ts(g.start_of(lo + a))} "
-                f"({base_rate:.0f} → {ep_rate:.0f}/s for {short_ns((b - a + 1) * g.width_ns)}), no host cause recorded"
-            )
-            continue
-        n_eps += 1
-        ep.excess_ns = round(fall * (b - a + 1) * g.width_ns)  # the window's share of work not done
-        fam = found[0].family
-        lost_by_family[fam] = lost_by_family.get(fam, 0) + ep.excess_ns
-        cand = _Drop(st, lo + a, lo + b, found, ep, base, "LOW", fall, base_rate, ep_rate, 0)
-        if best is None or (-ep.excess_ns, -fall) < (-best.ep.excess_ns, -best.fall):
-            best = cand
-    if best is not None:
-        best.episodes = n_eps
-        fam = best.found[0].family  # severity from the work not done across the family's windows
-        best.sev = cz.severity_of_loss(
-            lost_by_family[fam],
-            max(1, ctx.gpu.last_ns - ctx.gpu.first_ns),
-            may_be_sleep=_may_be_sleep(ctx, fam, rows.tid),
-        )
-    return best
-
-
-def _dominant_off_cpu(found: list[cz.Cause], ep: Evidence, base: Evidence | None, lost_ns: float) -> list[cz.Cause]:
-    """A drop's CPU contention (or unknown off-CPU time) is kept only when the GPU threads' off-CPU
-    time above their baseline is the dominant share of the work not done."""
-    above_inv = max(0.0, ep.offcpu_frac - (base.offcpu_frac if base else 0.0)) * ep.span_ns
-    above_unk = max(0.0, ep.frac(ep.unknown_ns) - (base.frac(base.unknown_ns) if base else 0.0)) * ep.span_ns
-    shares = cz.Shares(max(1, round(lost_ns)), inv_ns=round(above_inv), unk_ns=round(above_unk))
-    return [c for c in found if c.family not in ("cpu", "offcpu") or (shares.of(c.family) or 0.0) >= cz.DOMINANT]
-
-
-def _drop_chain(ctx: Context, d: _Drop, others: list[_Drop]) -> Chain:
-    g = ctx.grid
-    st, found, ep = d.st, d.found, d.ep
-    start, end = g.start_of(d.b0), min(g.end_of(d.b1), ctx.frame.last_ns + 1)
-    culprits: list[Culprit] = []
-    if found[0].family == "cpu":  # who ran in the GPU threads' place in the window, measured
-        tids = np.unique(ctx.rows(st).tid)
-        culprits = ctx.preemptors(
-            tids, np.full(tids.size, start, dtype=np.int64), np.full(tids.size, end, dtype=np.int64)
-        ) or ctx.culprits(start, end)
-    words = " + ".join(cz.phrase(c, ep) for c in found[:3])
-    change = f"{d.base_rate:.0f} → {d.rate:.0f} ops/s"
-    tl = cz.timeline(found, ep, culprits)
-    tl.append(TimelineEntry(layer_of(st.source), st.name, f"throughput dropped {100 * d.fall:.0f}% ({change})"))
-    also = ", ".join(f"{o.st.name} -{100 * o.fall:.0f}%" for o in others[:4])
-    return ctx.chain(
-        cid=ctx.chain_id("drop", found[0].family, st.name),
-        detected_at=end,
-        severity=d.sev,
-        summary=f"{st.name} throughput dropped {100 * d.fall:.0f}% ({change}) — {words}",
-        root_cause=cz.root_cause(found[0], ep, ctx.subject(ctx.rows(st).pid), culprits),
-        explanation=(
-            f"{st.name} ran at {d.base_rate:.0f} calls/s, then at {d.rate:.0f} calls/s from {fmt_ts(start)} to "
-            f"{fmt_ts(end)} ({fmt_ns(end - start)}) with its per-call latency unchanged (p50 {fmt_ns(st.p50_ns)}): the "
-            f"process issued less work; it did not wait longer per call. "
-            + (f"Its other GPU calls fell with it ({also}). " if also else "")
-            + f"In that window the host shows {words}. "
-            + _mechanism(found[0].family, st.name)
-        ),
-        recommendations=cz.recommendations(found, ep),
-        family=f"drop/{found[0].family}",
-        evidence={
-            "rule": "drop",
-            "op": st.name,
-            "baseline_per_s": round(d.base_rate, 1),
-            "rate_per_s": round(d.rate, 1),
-            "drop_pct": round(100 * d.fall, 1),
-            "also_dropped": {o.st.name: round(100 * o.fall, 1) for o in others},
-            "window_start_ns": start,
-            "window_end_ns": end,
-            "episodes": d.episodes,
-            "causes": [c.family for c in found],
-            "score": round(d.fall, 4),
-            **_evidence_dict(ep, d.base),
-        },
-        timeline=tl,
-        st=st,
-    )
