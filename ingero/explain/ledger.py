@@ -464,15 +464,18 @@ def _thread_row(
     b_start = ts[new]
     b_end = reach[np.concatenate((np.flatnonzero(new)[1:] - 1, [ts.size - 1]))]
     busy = int((b_end - b_start).sum())
-    busy_of = np.cumsum(new) - 1
-    drains = _DRAINS[((src & 0xF) << 8) | (op & 0xFF)] & (end == b_end[busy_of])  # ends its busy stretch
-    drained = np.bincount(busy_of[drains], minlength=b_start.size) > 0
+    # the draining calls (few: syncs, blocking copies) that end their busy stretch
+    cand = np.flatnonzero(_DRAINS[((src & 0xF) << 8) | (op & 0xFF)])
+    busy_of = np.searchsorted(b_start, ts[cand], side="right") - 1
+    drained = np.zeros(b_start.size, dtype=bool)
+    drained[busy_of[end[cand] == b_end[busy_of]]] = True
     slow = steady_end < end
-    ss, se = union(np.maximum(steady_end[slow], ts[slow]), end[slow])
+    slow_from, slow_end = np.maximum(steady_end[slow], ts[slow]), end[slow]
+    ss, se = union(slow_from, slow_end)
     slow_ns = int((se - ss).sum())
     buckets = dict.fromkeys(BUCKETS, 0)
     buckets[GPU_STEADY], buckets[GPU_SLOW] = busy - slow_ns, slow_ns
-    excess = end[slow] - np.maximum(steady_end[slow], ts[slow])
+    excess = slow_end - slow_from
     key = (src[slow] << 16) | op[slow]
     by_op: dict[tuple[int, int], int] = {}
     if key.size:
