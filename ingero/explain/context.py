@@ -76,13 +76,17 @@ class Context:
         return self.offcpu
 
     def rows(self, st: OpStats) -> OpRows:
+        return OpRows(st, *self.op_calls(st.source, st.op))
+
+    def op_calls(self, source: int, op: int) -> tuple[I64, I64, I64, I64]:
+        """ts, dur, pid and tid of the context's calls of one op, in the frame's order."""
         if not self._rows:
             self._group_rows()
-        cached = self._rows.get((st.source, st.op))
+        cached = self._rows.get((source, op))
         if cached is None:
             z = np.zeros(0, dtype=np.int64)
-            return OpRows(st, z, z, z, z)
-        return OpRows(st, *cached)
+            return z, z, z, z
+        return cached
 
     def _group_rows(self) -> None:
         """Every op's calls at once (in the frame's order within an op): one stable counting sort by op

@@ -53,10 +53,14 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
         keys = np.flatnonzero(np.bincount(src * 256 + op)) if src.size else np.zeros(0, dtype=np.int64)
         for key in keys.tolist():  # the ops of the process (small ids: a count, not a sort)
             s, o = divmod(int(key), 256)
-            k = (src == s) & (op == o)
-            if k.sum() < 2 * MIN_CALLS:
+            if gpu.pids.size > 1:
+                k = (src == s) & (op == o)
+                ts_k, dur_k = ts[k], dur[k]
+            else:  # one GPU process: the context's calls of the op, grouped once for every rule
+                ts_k, dur_k = ctx.op_calls(s, o)[:2]
+            if dur_k.size < 2 * MIN_CALLS:
                 continue
-            d = dur[k][np.argsort(ts[k], kind="stable")]
+            d = dur_k[np.argsort(ts_k, kind="stable")]
             n_cold = int(min(20, max(3, np.ceil(d.size * 0.01))))
             cold, rest = float(np.median(d[:n_cold])), d[max(n_cold, d.size // 10) :]
             steady = float(np.median(rest))
