@@ -465,6 +465,30 @@ def test_unstored_calls_are_not_recorded_never_idle(tmp_path: Path) -> None:
     assert full.buckets["not_recorded"] == 0
 
 
+def test_unstored_calls_take_the_idle_part_only_its_share(tmp_path: Path) -> None:
+    """Which gap an unstored call fell in cannot be told at the aggregates' minute resolution: the idle
+    part of a bucket gives up its share of the unstored time, not all of it first — a 1-in-4 sampled
+    recording keeps the host-bound loss (and its chain) that the fully stored one shows."""
+    lp = Loop(62)
+    lp.run(host_code, 0.16)
+    kept = lp.write(tmp_path / "all.db")
+    lp2 = Loop(62)
+    lp2.run(host_code, 0.16)
+    for i, e in enumerate(list(lp2.rec.events)):
+        if (e[3], e[4]) == LAUNCH and i % 4:
+            lp2.rec.events.remove(e)
+            lp2.rec.unstored.append(e)
+    full_r, part_r = report_of(kept), report_of(lp2.write(tmp_path / "sampled.db"))
+    full, part = full_r.ledger[0], part_r.ledger[0]
+    moved = part.buckets["not_recorded"]
+    idle_full, idle_part = full.idle_ns.get("host_code", 0), part.idle_ns.get("host_code", 0)
+    assert moved > 0 and idle_full > moved  # the loss is far larger than the launches' own time
+    share = idle_full / full.buckets["host_code"]
+    assert idle_full - moved <= idle_part <= idle_full
+    assert idle_full - idle_part <= moved * share * 1.1 + 120  # its share (per minute, rounded up)
+    assert {(c.family, c.severity) for c in full_r.chains} == {(c.family, c.severity) for c in part_r.chains}
+
+
 def test_a_recording_hole_is_not_recorded(tmp_path: Path) -> None:
     """Two minutes with nothing counted (the tracer was down): not idle, not host code."""
     rec = SyntheticNode("gpu-node-00", BASE, 71)

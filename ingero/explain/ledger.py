@@ -32,7 +32,9 @@ wakeup (a runnable task is not woken): that part is classified by its waker; the
 Selective storage: ``event_aggregates`` count every call per minute, stored or not. The duration of
 the calls counted but not stored is moved, per minute, from the thread's gaps (its own host code
 first) into ``not_recorded``: which gap each unstored call fell in cannot be told at that resolution,
-so the idle figures of such minutes are upper bounds — but a busy GPU is never reported idle.
+so a bucket's idle part gives up its share of that time (the calls' expected place, were they spread
+evenly over the bucket's gaps; rounded up). A busy GPU is still never reported idle: a gap is idle only
+after a draining call and beyond the loop's turnaround (below).
 
 What counts as GPU idle (``LedgerRow.idle_ns``, ``gpu_idle`` in JSON; the chains' lost time): a gap's
 time only where the GPU had nothing queued — gaps of at least ``GAP_NS`` that follow a draining call
@@ -296,12 +298,15 @@ def _take_unstored(row: LedgerRow, per_minute: npt.NDArray[np.float64], amounts:
         want = int(amounts[i])
         for b in TAKE_ORDER:
             have = int(per_minute[i, IDX[b]])
-            take = min(want, have, row.buckets[b])
+            total = row.buckets[b]
+            take = min(want, have, total)
             if take <= 0:
                 continue
+            idle = row.idle_ns.get(b, 0)
             row.buckets[b] -= take
             row.buckets[NOT_RECORDED] += take
-            row.idle_ns[b] = max(0, row.idle_ns.get(b, 0) - take)
+            # which of the bucket's gaps the calls fell in is not known: its idle part gives its share
+            row.idle_ns[b] = max(0, idle - -(-take * idle // total))
             want -= take
             if want == 0:
                 break
