@@ -229,25 +229,26 @@ class RangePeaks:
         return [None if math.isnan(v) else v for v in np.fmax(lvl[b0], lvl[b1 - (1 << j) + 1]).tolist()]
 
 
-# the per-bucket series kept as cumulative sums (O(1) sums over any run of buckets)
-_CUM_SERIES = (
-    "sched_n",
-    "offcpu",
-    "io_n",
-    "io_ns",
-    "io_reads",
-    "io_writes",
-    "io_bytes",
-    "page_n",
-    "page_bytes",
-    "tcp_n",
-    "net_n",
-    "net_bytes",
-    "vol",
-    "unknown",
-    "io_other_n",
-    "tcp_other_n",
-)
+# the per-bucket series summed over runs of buckets, and the Evidence field each sum fills (kept as
+# cumulative sums: O(1) sums over any run of buckets)
+_SUMMED = {
+    "sched_n": "sched_n",
+    "offcpu": "offcpu_ns",
+    "io_n": "io_n",
+    "io_ns": "io_ns",
+    "io_reads": "io_reads",
+    "io_writes": "io_writes",
+    "io_bytes": "io_bytes",
+    "page_n": "page_n",
+    "page_bytes": "page_bytes",
+    "tcp_n": "tcp_n",
+    "net_n": "net_n",
+    "net_bytes": "net_bytes",
+    "vol": "vol_ns",
+    "unknown": "unknown_ns",
+    "io_other_n": "io_other_n",
+    "tcp_other_n": "tcp_other_n",
+}
 
 
 class HostSeries:
@@ -312,7 +313,7 @@ class HostSeries:
         nidx = grid.index(args.ts_ns[net])
         self.net_n = _sum(grid, nidx)
         self.net_bytes = _sum(grid, nidx, np.abs(args.arg0[net]).astype(np.float64))
-        self._cum2d = np.stack([_cum(getattr(self, name)) for name in _CUM_SERIES], axis=1)  # a row per bucket edge
+        self._cum2d = np.stack([_cum(getattr(self, name)) for name in _SUMMED], axis=1)  # a row per bucket edge
         snap = self.snap
         # cpu, mem, swap, -avail (its minimum is the peak of its negation), load, io_max
         self._peaks = RangePeaks(np.stack([snap.cpu, snap.mem, snap.swap, -snap.avail, snap.load, self.io_max]))
@@ -321,36 +322,18 @@ class HostSeries:
         """Evidence in buckets b0..b1 (inclusive, clipped to the grid): O(1), from the cumulative sums
         and the peaks' sparse tables."""
         b0, b1 = max(0, b0), min(self.grid.n - 1, b1)
-        sums = dict(
-            zip(_CUM_SERIES, np.rint(self._cum2d[b1 + 1] - self._cum2d[b0]).astype(np.int64).tolist(), strict=True)
-        )
+        sums = np.rint(self._cum2d[b1 + 1] - self._cum2d[b0]).astype(np.int64).tolist()
         cpu, mem, swap, neg_avail, load, io_max = self._peaks.over(b0, b1)
-        avail = None if neg_avail is None else -neg_avail
         return Evidence(
             span_ns=(b1 - b0 + 1) * self.grid.width_ns,
             buckets=b1 - b0 + 1,
-            sched_n=sums["sched_n"],
-            offcpu_ns=sums["offcpu"],
-            io_n=sums["io_n"],
-            io_ns=sums["io_ns"],
             io_max_ns=int(max(io_max or 0.0, 0.0)),
-            io_reads=sums["io_reads"],
-            io_writes=sums["io_writes"],
-            io_bytes=sums["io_bytes"],
-            page_n=sums["page_n"],
-            page_bytes=sums["page_bytes"],
-            tcp_n=sums["tcp_n"],
-            net_n=sums["net_n"],
-            net_bytes=sums["net_bytes"],
-            vol_ns=sums["vol"],
-            unknown_ns=sums["unknown"],
-            io_other_n=sums["io_other_n"],
-            tcp_other_n=sums["tcp_other_n"],
             cpu_max=cpu,
             mem_max=mem,
             swap_max=swap,
-            avail_min=avail,
+            avail_min=None if neg_avail is None else -neg_avail,
             load_max=load,
+            **dict(zip(_SUMMED.values(), sums, strict=True)),
         )
 
     def over_mask(self, mask: BoolArr) -> Evidence | None:
@@ -359,34 +342,16 @@ class HostSeries:
         if n == 0:
             return None
 
-        def s(a: F64) -> int:
-            return round(float(a[mask].sum()))
-
         return Evidence(
             span_ns=n * self.grid.width_ns,
             buckets=n,
-            sched_n=s(self.sched_n),
-            offcpu_ns=s(self.offcpu),
-            io_n=s(self.io_n),
-            io_ns=s(self.io_ns),
             io_max_ns=int(self.io_max[mask].max(initial=0)),
-            io_reads=s(self.io_reads),
-            io_writes=s(self.io_writes),
-            io_bytes=s(self.io_bytes),
-            page_n=s(self.page_n),
-            page_bytes=s(self.page_bytes),
-            tcp_n=s(self.tcp_n),
-            net_n=s(self.net_n),
-            net_bytes=s(self.net_bytes),
-            vol_ns=s(self.vol),
-            unknown_ns=s(self.unknown),
-            io_other_n=s(self.io_other_n),
-            tcp_other_n=s(self.tcp_other_n),
             cpu_max=_peak(self.snap.cpu, mask, "max"),
             mem_max=_peak(self.snap.mem, mask, "max"),
             swap_max=_peak(self.snap.swap, mask, "max"),
             avail_min=_peak(self.snap.avail, mask, "min"),
             load_max=_peak(self.snap.load, mask, "max"),
+            **{field: round(float(getattr(self, name)[mask].sum())) for name, field in _SUMMED.items()},
         )
 
 
