@@ -209,7 +209,8 @@ def serve(engine: Engine, port: int = 0) -> ThreadingHTTPServer:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # serve_forever notices shutdown() at its next poll: 0.5 s by default, paid by every test that stops one
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     return server
 
 
