@@ -224,6 +224,7 @@ class LedgerRow:
     gap_end: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
     gap_idle: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)  # their idle ns
     name: str = ""  # the process's name (command line), when recorded
+    paced_ns: int = 0  # of idle_ns[host_code]: the loop's own pace (CPU-bound at every step, ledger_gaps.judge_idle)
 
     @property
     def wall_ns(self) -> int:
@@ -307,6 +308,8 @@ def _take_unstored(row: LedgerRow, per_minute: npt.NDArray[np.float64], amounts:
             row.buckets[NOT_RECORDED] += take
             # which of the bucket's gaps the calls fell in is not known: its idle part gives its share
             row.idle_ns[b] = max(0, idle - -(-take * idle // total))
+            if b == HOST_CODE:  # the paced part of it gives its share too
+                row.paced_ns = min(row.idle_ns[b], max(0, row.paced_ns - -(-take * row.paced_ns // total)))
             want -= take
             if want == 0:
                 break
@@ -497,12 +500,20 @@ def _thread_row(
     if un_ns is not None:
         first = (w0 // MINUTE_NS + 1) * MINUTE_NS
         minutes = np.arange(first, w1, MINUTE_NS, dtype=np.int64)
-    idle = ((g1 - g0) >= GAP_NS) & drained[:-1]
-    total, in_idle, per_minute, row.gap_idle = paint(g0, g1, idle, gap_classes(ev, tid, kids), minutes)
+    nxt = np.flatnonzero(new)[1:]  # the call that ends each gap: a sync tells what the GPU did in it
+    nxt_key = ((src[nxt] & 0xF) << 8) | (op[nxt] & 0xFF)
+    syncs = _DRAINS[nxt_key]
+    idle = ((g1 - g0) >= GAP_NS) & (drained[:-1] | syncs)  # the gaps judged (ledger_gaps.judge_idle)
+    sync = (np.where(syncs, end[nxt] - ts[nxt], -1), nxt_key)
+    classes = gap_classes(ev, tid, kids)
+    total, in_idle, per_minute, gap_idle, row.paced_ns = paint(
+        g0, g1, idle, classes, minutes, drained=drained[:-1], sync=sync
+    )
     for b in GAP_BUCKETS:
         row.buckets[b] = int(total[IDX[b]])
         row.idle_ns[b] = int(in_idle[IDX[b]])
-    row.gap_start, row.gap_end = g0[idle], g1[idle]
+    keep = drained[:-1][idle] | (gap_idle > 0)  # the gaps the GPU idled in
+    row.gap_start, row.gap_end, row.gap_idle = g0[idle][keep], g1[idle][keep], gap_idle[keep]
     if un_ns is None or per_minute is None or minutes is None:
         return row
     amounts = np.zeros(per_minute.shape[0], dtype=np.float64)

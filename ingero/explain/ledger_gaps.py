@@ -70,6 +70,83 @@ TURNAROUND_X = 2.0  # own host code in a gap beyond this many times the loop's m
 NET_NEAR_NS = NS_PER_MS  # a sleep this close to the thread's own socket call is a wait on the network
 
 
+SLEEPS = (ASLEEP_WORKERS, ASLEEP_DISK, ASLEEP_NETWORK, ASLEEP_TIMER, ASLEEP_UNKNOWN, OFFCPU_UNKNOWN)
+SLEEP_FREE_NS = NS_PER_MS // 4  # a gap with less sleep than this (scheduler ticks) is on-CPU throughout
+MIN_REF = 5  # a sync's steady level after quick host gaps needs this many of them (else: unknown, not idle)
+
+
+@dataclass
+class Judged:
+    """What :func:`judge_idle` counts as GPU idle: per gap bucket (exact ns), per judged gap, and the
+    part of the idle own host code that is the loop's pace (within its usual time per gap, beyond the
+    turnaround: CPU-bound at every step)."""
+
+    in_idle: I64
+    gap_idle: npt.NDArray[np.float64]
+    paced: int
+
+
+def judge_idle(per: npt.NDArray[np.float64], drained: npt.NDArray[np.bool_], sync_ns: I64, sync_key: I64) -> Judged:
+    """How much of each judged gap the GPU idled, per bucket (``per``: rows BUCKETS, a column per gap).
+
+    * Each bucket's first ``GAP_NS`` in a gap is the loop's turnaround (dispatching the next step, a
+      handoff, an ordinary preemption): never idle.
+    * After a draining call (``drained``) the GPU had nothing queued: the rest is idle — own host code
+      beyond twice the loop's usual time per gap as an incident; up to it, the loop's pace, only in gaps
+      the thread never slept in (under ``SLEEP_FREE_NS``: a CPU-bound step). A loop that sleeps between
+      steps (a timer, a peer, a queue) is paced by that wait, told in its own bucket.
+    * After asynchronous launches, the GPU may still run what was queued: only what is unusual in the gap
+      can be idle — per bucket, its time beyond its median in such gaps (those ending in the same op) and
+      the turnaround; own host code beyond twice its usual time — ``H``; the sync that ends the gap tells
+      how much of it was: it returned in ``S`` where, after gaps with nothing unusual, the same op of the
+      same thread returns in ``W`` (their median; ``MIN_REF`` of them at least, else unknown: not idle).
+      The GPU worked ``W - S`` into the gap, the rest ``H - (W - S)`` idled (clamped to [0, H]), taken
+      from the off-CPU buckets first, then own host code. Gaps with no sync after them stay unknown.
+    """
+    n, host = per.shape[0], IDX[HOST_CODE]
+    h = per[host]
+    allow = np.zeros(h.size)
+    for kind in (drained, ~drained):  # the two places of a loop's host code: after a sync, between launches
+        if kind.any():
+            allow[kind] = max(float(GAP_NS), TURNAROUND_X * float(np.median(h[kind])))
+    beyond = np.maximum(per - GAP_NS, 0)
+    beyond[host] = np.maximum(h - allow, 0)
+    asleep = per[[IDX[b] for b in SLEEPS]].sum(axis=0)
+    cpu_bound = drained & (asleep < SLEEP_FREE_NS)  # gaps the thread never waited in: on-CPU throughout
+    paced = np.where(cpu_bound, np.maximum(np.minimum(h, allow) - GAP_NS, 0), 0)
+    cap = np.where(drained, np.inf, 0.0)
+    after_async = ~drained & (sync_ns >= 0)
+    for key in np.unique(sync_key[after_async]).tolist():
+        mine = np.flatnonzero(after_async & (sync_key == key))
+        usual = np.median(per[:, mine], axis=1)
+        b = np.maximum(per[:, mine] - usual[:, None] - GAP_NS, 0)
+        b[host] = beyond[host, mine]
+        beyond[:, mine] = b
+        unusual = b.sum(axis=0)
+        ref = unusual == 0
+        if int(ref.sum()) >= MIN_REF:
+            worked = np.maximum(float(np.median(sync_ns[mine][ref])) - sync_ns[mine], 0)
+            cap[mine] = np.maximum(unusual - worked, 0)
+    order = [IDX[b] for b in _GAP_ORDER] + [host]  # off-CPU time first: the unusual part of a gap
+    b = beyond[order]
+    beyond[order] = np.clip(cap - (np.cumsum(b, axis=0) - b), 0, b)
+    in_idle = beyond.sum(axis=1)
+    in_idle[host] += paced.sum()
+    gap_idle = beyond.sum(axis=0) + paced
+    return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())))
+
+
+def _sure_context(
+    idle: npt.NDArray[np.bool_], drained: npt.NDArray[np.bool_] | None, sync: tuple[I64, I64] | None
+) -> tuple[npt.NDArray[np.bool_], I64, I64]:
+    """For the judged gaps (``idle``): which follow a draining call, and the draining call that ends each."""
+    m = int(idle.sum())
+    d = np.ones(m, dtype=bool) if drained is None else drained[idle]
+    if sync is None:
+        return d, np.full(m, -1, dtype=np.int64), np.full(m, -1, dtype=np.int64)
+    return d, sync[0][idle], sync[1][idle]
+
+
 def _covered(starts: I64, ends: I64, points: I64) -> npt.NDArray[np.bool_]:
     """Which ``points`` fall inside the sorted, disjoint intervals [starts, ends)."""
     k = np.searchsorted(starts, points, side="right") - 1
@@ -150,19 +227,32 @@ def gap_classes(ev: ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tuple
     return out
 
 
+Painted = tuple[I64, I64, "npt.NDArray[np.float64] | None", npt.NDArray[np.float64], int]
+
+
 def paint(
-    g0: I64, g1: I64, idle: npt.NDArray[np.bool_], classes: dict[str, tuple[I64, I64]], minutes: I64 | None
-) -> tuple[I64, I64, npt.NDArray[np.float64] | None, npt.NDArray[np.float64]]:
+    g0: I64,
+    g1: I64,
+    idle: npt.NDArray[np.bool_],
+    classes: dict[str, tuple[I64, I64]],
+    minutes: I64 | None,
+    *,
+    drained: npt.NDArray[np.bool_] | None = None,
+    sync: tuple[I64, I64] | None = None,
+) -> Painted:
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
-    ``idle``, beyond the loop's turnaround), (with ``minutes``, the minute edges inside the wall) its
-    time per minute (rows) — exact integer sums — and the idle time of each ``idle`` gap.
+    ``idle``, judged by :func:`judge_idle`), (with ``minutes``, the minute edges inside the wall) its
+    time per minute (rows) — exact integer sums —, the idle time of each ``idle`` gap, and the paced
+    part of the idle own host code (:attr:`Judged.paced`). ``drained``: which gaps follow a draining
+    call (None: every ``idle`` gap); ``sync``: per gap, the duration and op key of the draining call
+    that ends it (-1: none) — what the gaps after asynchronous launches are judged by.
 
     The classes are painted once, strongest first, into segments between their own edges; the gaps are
     measured through their prefix sums (no cut per gap: the work grows with the scheduler rows, not the
     calls), and only the ``idle`` gaps get per-gap figures. Per minute (selective storage) the gaps are
     cut up (:func:`_paint_segments`)."""
     if minutes is not None:
-        return _paint_segments(g0, g1, idle, classes, minutes)
+        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync)
     n, host = len(BUCKETS), IDX[HOST_CODE]
     live = [(b, classes[b]) for b in _GAP_ORDER if classes[b][0].size]
     seg_s = seg_e = seg_b = np.zeros(0, dtype=np.int64)
@@ -181,9 +271,7 @@ def paint(
     in_gaps = gaps.before(seg_e) - gaps.before(seg_s)  # each segment's time inside the gaps
     total = np.bincount(seg_b, weights=in_gaps.astype(np.float64), minlength=n)
     total[host] = float(int(gaps.cum[-1]) - int(in_gaps.sum()))  # what no class covers: own host code
-    # per gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
-    # (dispatching the next step, a handoff from a ready queue, an ordinary preemption); own host code
-    # counts beyond twice the loop's typical turnaround (a steady loop's own pace)
+    # per idle gap, each bucket's time in it: judge_idle says how much of it the GPU idled
     sure = np.flatnonzero(idle)
     a, z = g0[sure], g1[sure]
     per = np.zeros((n, sure.size), dtype=np.int64)  # per bucket, its time in each idle gap
@@ -192,18 +280,20 @@ def paint(
         s, e = seg_s[m], seg_e[m]
         mine = Intervals(s, e, np.concatenate(([0], np.cumsum(e - s))), s)
         per[b] = mine.before(z) - mine.before(a)
-    sure_host = ((z - a) - per.sum(axis=0)).astype(np.float64)
-    allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
-    beyond = np.maximum(per.astype(np.float64) - GAP_NS, 0)
-    own = np.maximum(sure_host - allowance, 0)
-    in_idle_f = beyond.sum(axis=1)
-    in_idle_f[host] = own.sum()
-    return np.rint(total).astype(np.int64), np.rint(in_idle_f).astype(np.int64), None, own + beyond.sum(axis=0)
+    per[host] = (z - a) - per.sum(axis=0)
+    judged = judge_idle(per.astype(np.float64), *_sure_context(idle, drained, sync))
+    return np.rint(total).astype(np.int64), judged.in_idle, None, judged.gap_idle, judged.paced
 
 
 def _paint_segments(
-    g0: I64, g1: I64, idle: npt.NDArray[np.bool_], classes: dict[str, tuple[I64, I64]], minutes: I64 | None
-) -> tuple[I64, I64, npt.NDArray[np.float64] | None, npt.NDArray[np.float64]]:
+    g0: I64,
+    g1: I64,
+    idle: npt.NDArray[np.bool_],
+    classes: dict[str, tuple[I64, I64]],
+    minutes: I64 | None,
+    drained: npt.NDArray[np.bool_] | None,
+    sync: tuple[I64, I64] | None,
+) -> Painted:
     """:func:`paint` by cutting the touched gaps into segments at every class and minute edge (only
     the gaps a class interval touches: the others are own host code whole)."""
     n, host = len(BUCKETS), IDX[HOST_CODE]
@@ -246,9 +336,7 @@ def _paint_segments(
         w = length.astype(np.float64)
     total = np.bincount(label, weights=w, minlength=n).astype(np.float64)
     total[host] += float(int((g1 - g0).sum()) - int((t1 - t0).sum()))  # untouched gaps: host code whole
-    # per gap the GPU certainly idles in, each bucket's first GAP_NS is the loop's own turnaround
-    # (dispatching the next step, a handoff from a ready queue, an ordinary preemption); own host code
-    # counts beyond twice the loop's typical turnaround (a steady loop's own pace)
+    # per idle gap, each bucket's time in it: judge_idle says how much of it the GPU idled
     on = label == host
     sure_gaps = np.flatnonzero(idle)
     sure_host = (g1[sure_gaps] - g0[sure_gaps]).astype(np.float64)
@@ -256,8 +344,6 @@ def _paint_segments(
     touched = hit[j] == sure_gaps if hit.size else np.zeros(sure_gaps.size, dtype=bool)
     if touched.any():
         sure_host[touched] = np.bincount(k[on], weights=w[on], minlength=t0.size)[j[touched]]
-    allowance = max(float(GAP_NS), TURNAROUND_X * float(np.median(sure_host))) if sure_host.size else 0.0
-    gap_idle = np.maximum(sure_host - allowance, 0)  # per idle gap: what counts as GPU idle in it
     # the other buckets, per (touched gap, bucket): grouped over the off-CPU segments only (in gap order
     # already: a stable sort only reorders each gap's few)
     key = k[~on] * n + label[~on]
@@ -265,13 +351,13 @@ def _paint_segments(
     sk = key[order]
     first = np.concatenate(([True], sk[1:] != sk[:-1])) if sk.size else np.zeros(0, dtype=bool)
     pairs = sk[first]
-    beyond = np.maximum(np.add.reduceat(w[~on][order], np.flatnonzero(first)) - GAP_NS, 0) if sk.size else w[:0]
+    sums = np.add.reduceat(w[~on][order], np.flatnonzero(first)) if sk.size else w[:0]
     gap_of = hit[pairs // n]
     sure = idle[gap_of]
-    gap_idle += np.bincount(np.searchsorted(sure_gaps, gap_of[sure]), weights=beyond[sure], minlength=sure_gaps.size)
-    in_idle_f = np.bincount(pairs[sure] % n, weights=beyond[sure], minlength=n).astype(np.float64)
-    in_idle_f[host] = np.maximum(sure_host - allowance, 0).sum()
-    in_idle: I64 = np.rint(in_idle_f).astype(np.int64)
+    per = np.zeros((n, sure_gaps.size), dtype=np.float64)  # per bucket, its time in each idle gap
+    per[pairs[sure] % n, np.searchsorted(sure_gaps, gap_of[sure])] = sums[sure]
+    per[host] = sure_host
+    judged = judge_idle(per, *_sure_context(idle, drained, sync))
     per_minute: npt.NDArray[np.float64] | None = None
     if minutes is not None:
         m = np.searchsorted(minutes, left, side="right")
@@ -283,4 +369,4 @@ def _paint_segments(
         cum = np.concatenate(([0], np.cumsum(u1 - u0)))
         before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
         per_minute[:, host] += np.diff(before).astype(np.float64)
-    return np.rint(total).astype(np.int64), in_idle, per_minute, gap_idle
+    return np.rint(total).astype(np.int64), judged.in_idle, per_minute, judged.gap_idle, judged.paced

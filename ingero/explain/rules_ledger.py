@@ -182,6 +182,10 @@ def _evidence(row: LedgerRow, bucket: str, lost: int) -> dict[str, Any]:
 def _host(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any) -> Chain:
     lost, pid = row.idle_ns[HOST_CODE], int(row.pid or 0)
     pct = 100 * lost / row.wall_ns
+    paced = min(row.paced_ns, lost)
+    base = {**base, "paced_ms": round(paced / 1e6, 1), "incidents_ms": round((lost - paced) / 1e6, 1)}
+    if paced >= DOMINANT * lost:
+        return _host_bound(ctx, row, sev, base, lost, paced)
     return ledger_chain(
         ctx,
         row,
@@ -199,6 +203,42 @@ def _host(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any)
             "or torch.compile",
         ],
         [TimelineEntry("HOST", "on-CPU", f"own host code {ms(lost)} in the gaps (on-CPU, no GPU call)", lost // 1000)],
+        base,
+        sev,
+    )
+
+
+def _host_bound(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], lost: int, paced: int) -> Chain:
+    """Own host code at every step: the loop is CPU-bound, not disturbed (no incident to find)."""
+    pid, steps = int(row.pid or 0), max(1, int(row.gap_start.size))
+    pct = 100 * lost / row.wall_ns
+    return ledger_chain(
+        ctx,
+        row,
+        "idle/host_bound",
+        f"GPU idle {pct:.0f}% of wall time waiting for its thread's host code, at every step "
+        f"({ms(lost)}, ~{ms(paced // steps)} per step)",
+        f"CPU-bound loop — at every step, after its synchronizing GPU call, the thread driving the GPU (tid "
+        f"{row.tid} of {ctx.proc(pid)}) runs its own code for ~{ms(paced // steps)} before it queues more GPU work "
+        f"(beyond a 1 ms turnaround, over {steps} gaps): the GPU waits for the host {pct:.0f}% of the wall time. "
+        "No incident: the loop's own pace (sampling, detokenising, building the next batch, Python overhead)",
+        [
+            "Overlap host work with GPU work: launch step N+1 asynchronously before post-processing step N "
+            "(non_blocking copies, a prefetching DataLoader / next-batch thread), and sync only where a result "
+            "is needed",
+            "Sync less: drop per-step .item() / .cpu() / printing; keep metrics on the GPU and read them every N steps",
+            "Cut the host's per-step cost: CUDA Graphs or torch.compile(mode='reduce-overhead') for launch overhead, "
+            "larger batches (fewer steps for the same work)",
+            f"Profile the host code between GPU calls: py-spy record --native -p {pid}",
+        ],
+        [
+            TimelineEntry(
+                "HOST",
+                "on-CPU",
+                f"own host code {ms(paced)} across {steps} gaps after syncs (every step)",
+                lost // 1000,
+            )
+        ],
         base,
         sev,
     )

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ingero.demo.synth import SyntheticNode
-from tests.scenarios import idle, memory, ranks, slow
+from tests.scenarios import host, idle, memory, ranks, slow
 from tests.scenarios.base import Params
 
 Builder = Callable[[Params], list[SyntheticNode]]
-FAMILIES: dict[str, Builder] = {**idle.FAMILIES, **slow.FAMILIES, **memory.FAMILIES, **ranks.FAMILIES}
+FAMILIES: dict[str, Builder] = {**idle.FAMILIES, **host.FAMILIES, **slow.FAMILIES, **memory.FAMILIES, **ranks.FAMILIES}
 
 __all__ = ["FAMILIES", "Builder", "Params"]

@@ -36,6 +36,7 @@ WORKERS = ("idle/input", "idle/asleep_workers")
 DISK = ("idle/io", "idle/asleep_disk")
 NETWORK_WAIT = ("idle/net", "idle/asleep_network")
 HOST_CODE = ("idle/host_code",)
+HOST_BOUND = ("idle/host_bound",)  # own host code at every step: the loop is CPU-bound
 HANG = ("hang", "hung", "straggler", "stall")
 SLOWER_REGIME = ("drift", "regime", "slow/", "tail/gpu", "tail/slow", "tail/unknown")
 MISSING_PREV_STATE = "prev_state"  # what a chain of off-CPU time of unknown kind must say is missing
@@ -108,7 +109,7 @@ def lost(names: tuple[str, ...], *, must_not: tuple[str, ...] = (), **kw: object
     return Expect(names, by_loss, by_loss_most, CPU_CONTENTION + must_not, **kw)  # type: ignore[arg-type]
 
 
-HEALTHY_MUST_NOT = CPU_CONTENTION + WORKERS + DISK + ("transfer", "gpu-leak", "oom", "alloc-churn")
+HEALTHY_MUST_NOT = CPU_CONTENTION + WORKERS + DISK + HOST_BOUND + ("transfer", "gpu-leak", "oom", "alloc-churn")
 HEALTHY = Expect((), nothing, low, HEALTHY_MUST_NOT, healthy=True)
 
 # family -> layout -> expectation
@@ -123,6 +124,12 @@ CATALOG: dict[str, dict[str, Expect]] = {
         INGERO: lost(DISK + OFFCPU_UNKNOWN, must_not=WORKERS),  # the thread's own reads are still there
     },
     "serving-host-bound": {RECORDED: lost(HOST_CODE), INGERO: lost(HOST_CODE)},
+    "cpu-bound-loop": {layout: lost(HOST_BOUND, must_not=WORKERS + DISK) for layout in LAYOUTS},
+    # reads overlapping queued GPU work: only what outlasts the queue is lost (the sync tells how much)
+    "loader-overlap": {
+        RECORDED: lost(DISK, must_not=WORKERS + HOST_BOUND),
+        INGERO: lost(DISK + OFFCPU_UNKNOWN, must_not=WORKERS + HOST_BOUND),
+    },
     "tool-call": {
         RECORDED: lost(NETWORK_WAIT, must_not=WORKERS + DISK),
         INGERO: lost(NETWORK_WAIT + OFFCPU_UNKNOWN, must_not=WORKERS + DISK),
@@ -169,6 +176,7 @@ CATALOG: dict[str, dict[str, Expect]] = {
     "healthy-sleeps": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-collective": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-idle-server": {layout: HEALTHY for layout in LAYOUTS},
+    "healthy-overlap": {layout: HEALTHY for layout in LAYOUTS},
 }
 HEALTHY_FAMILIES = tuple(f for f, e in CATALOG.items() if e[RECORDED].healthy)
 CPU_FAMILIES = ("cpu-contention", "cpu-bimodal")
