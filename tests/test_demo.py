@@ -21,13 +21,19 @@ def run(tmp_path: Path, name: str) -> DemoRun:
     return run_scenario(name, tmp_path / f"{name}.db")
 
 
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The incident scenario, run once for the tests that only read it."""
+    return run(tmp_path_factory.mktemp("demo"), "incident")
+
+
 def the_chain(r: DemoRun) -> Chain:
     assert len(r.report.chains) == 1, [(c.family, c.cuda_op, c.severity) for c in r.report.chains]
     return r.report.chains[0]
 
 
-def test_incident_high_chain_names_sched_storm_and_cpu_pinning(tmp_path: Path) -> None:
-    c = the_chain(run(tmp_path, "incident"))
+def test_incident_high_chain_names_sched_storm_and_cpu_pinning(incident: DemoRun) -> None:
+    c = the_chain(incident)
     assert (c.severity, c.family, c.cuda_op) == ("HIGH", "tail/cpu", "cudaStreamSync")
     # measured overlap on the same thread, and the preemptor named from sched_switch arg1
     assert "off-CPU" in c.root_cause and "preempted by pid 5150 (stress-ng" in c.root_cause
@@ -85,8 +91,8 @@ def test_every_scenario_has_a_test() -> None:
     assert set(SCENARIOS) == tested
 
 
-def test_demo_database_is_real_and_stores_its_chains(tmp_path: Path) -> None:
-    r = run(tmp_path, "incident")
+def test_demo_database_is_real_and_stores_its_chains(incident: DemoRun, tmp_path: Path) -> None:
+    r = incident
     conn = open_readonly(r.db)
     s = summarize(conn, r.db)
     assert s.events == r.events > 10_000 and s.first_ns >= BASE_NS and s.nodes == ["demo-node"]
