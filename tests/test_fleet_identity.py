@@ -94,6 +94,11 @@ def _serve(db: Path, ready: Path, *extra: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+# Six real agent processes (3 s of CPU, the fast suite's largest fixture): run by make test, not test-fast,
+# which keeps the identity units above and the in-process twin fleet below.
+REAL_AGENTS = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[str, dict[str, object]]]]:
     """Real agents: the three recordings served without --node, and three copies of one recording
@@ -122,6 +127,7 @@ def _query(addrs: list[str], capsys: pytest.CaptureFixture[str], *extra: str) ->
     return code, json.loads(out), err
 
 
+@REAL_AGENTS
 def test_agents_serving_recordings_answer_as_the_recorded_nodes(
     agents: dict[str, tuple[str, dict[str, object]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -133,6 +139,7 @@ def test_agents_serving_recordings_answer_as_the_recorded_nodes(
     assert "did not answer" not in err and "shared name" not in err
 
 
+@REAL_AGENTS
 def test_twins_are_all_kept_made_distinct_and_flagged_once(
     agents: dict[str, tuple[str, dict[str, object]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -152,6 +159,7 @@ def test_twins_are_all_kept_made_distinct_and_flagged_once(
     assert len(warnings) == 1 and "3 distinct agents" in warnings[0] and "--node" in warnings[0]
 
 
+@REAL_AGENTS
 def test_the_same_agent_listed_twice_or_at_two_addresses_is_counted_once(
     agents: dict[str, tuple[str, dict[str, object]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
