@@ -34,15 +34,17 @@ the calls counted but not stored is moved, per minute, from the thread's gaps (i
 first) into ``not_recorded``: which gap each unstored call fell in cannot be told at that resolution,
 so a bucket's idle part gives up its share of that time (the calls' expected place, were they spread
 evenly over the bucket's gaps; rounded up). A busy GPU is still never reported idle: a gap is idle only
-after a draining call and beyond the loop's turnaround (below).
+where the GPU had nothing queued, and beyond the loop's turnaround (below).
 
-What counts as GPU idle (``LedgerRow.idle_ns``, ``gpu_idle`` in JSON; the chains' lost time): a gap's
-time only where the GPU had nothing queued — gaps of at least ``GAP_NS`` that follow a draining call
-(a sync, a blocking copy: :data:`DRAINING`) — less each bucket's first ``GAP_NS`` in the gap (the
-loop's turnaround: dispatch, a handoff, an ordinary preemption), and own host code only beyond twice
-the loop's median per gap (a steady loop's own pace; a loop CPU-bound at every step shows it in its
-line, not as an incident). A gap after an asynchronous launch may overlap queued GPU work: it is in
-the buckets, never called idle.
+What counts as GPU idle (``LedgerRow.idle_ns``, ``gpu_idle`` in JSON; the chains' lost time): gaps of at
+least ``GAP_NS``, judged by :func:`~ingero.explain.ledger_gaps.judge_idle`. After a draining call (a sync,
+a blocking copy: :data:`DRAINING`) the GPU had nothing queued: each bucket's time beyond its first
+``GAP_NS`` in the gap (the loop's turnaround: dispatch, a handoff, an ordinary preemption) is idle — own
+host code beyond twice the loop's median per gap as an incident, and up to it, in gaps the thread never
+slept in, as the loop's pace (``LedgerRow.paced_ns``: CPU-bound at every step). After asynchronous
+launches the GPU may still run queued work: only the gap's unusual time can be idle, and the sync that
+ends the gap says how much was (it returns sooner by what the GPU did in the gap: sync shrinkage); a
+gap with no sync after it is never called idle.
 
 ``steady_ns`` is the one definition of an op's steady level (the median of the op's calls on the node
 plus their noise band); a regime-aware level can replace it there.

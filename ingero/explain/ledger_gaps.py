@@ -86,7 +86,9 @@ class Judged:
     paced: int
 
 
-def judge_idle(per: npt.NDArray[np.float64], drained: npt.NDArray[np.bool_], sync_ns: I64, sync_key: I64) -> Judged:
+def judge_idle(
+    per: npt.NDArray[np.float64], drained: npt.NDArray[np.bool_], sync_ns: I64, sync_key: I64, sleeps: bool = True
+) -> Judged:
     """How much of each judged gap the GPU idled, per bucket (``per``: rows BUCKETS, a column per gap).
 
     * Each bucket's first ``GAP_NS`` in a gap is the loop's turnaround (dispatching the next step, a
@@ -94,7 +96,9 @@ def judge_idle(per: npt.NDArray[np.float64], drained: npt.NDArray[np.bool_], syn
     * After a draining call (``drained``) the GPU had nothing queued: the rest is idle — own host code
       beyond twice the loop's usual time per gap as an incident; up to it, the loop's pace, only in gaps
       the thread never slept in (under ``SLEEP_FREE_NS``: a CPU-bound step). A loop that sleeps between
-      steps (a timer, a peer, a queue) is paced by that wait, told in its own bucket.
+      steps (a timer, a peer, a queue) is paced by that wait, told in its own bucket; a thread with no
+      sleep recorded at all (``sleeps`` False: not even in its syncs) may spin on-CPU waiting for work
+      (requests, the GPU) as well as run its own code — its pace is not claimed.
     * After asynchronous launches, the GPU may still run what was queued: only what is unusual in the gap
       can be idle — per bucket, its time beyond its median in such gaps (those ending in the same op) and
       the turnaround; own host code beyond twice its usual time — ``H``; the sync that ends the gap tells
@@ -112,7 +116,7 @@ def judge_idle(per: npt.NDArray[np.float64], drained: npt.NDArray[np.bool_], syn
     beyond = np.maximum(per - GAP_NS, 0)
     beyond[host] = np.maximum(h - allow, 0)
     asleep = per[[IDX[b] for b in SLEEPS]].sum(axis=0)
-    cpu_bound = drained & (asleep < SLEEP_FREE_NS)  # gaps the thread never waited in: on-CPU throughout
+    cpu_bound = drained & (asleep < SLEEP_FREE_NS) & sleeps  # gaps the thread never waited in: on-CPU throughout
     paced = np.where(cpu_bound, np.maximum(np.minimum(h, allow) - GAP_NS, 0), 0)
     cap = np.where(drained, np.inf, 0.0)
     after_async = ~drained & (sync_ns >= 0)
@@ -134,6 +138,11 @@ def judge_idle(per: npt.NDArray[np.float64], drained: npt.NDArray[np.bool_], syn
     in_idle[host] += paced.sum()
     gap_idle = beyond.sum(axis=0) + paced
     return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())))
+
+
+def _sleeps(classes: dict[str, tuple[I64, I64]]) -> bool:
+    """Whether the thread's sleeps are recorded (any interval of a sleep class)."""
+    return any(classes[b][0].size for b in SLEEPS)
 
 
 def _sure_context(
@@ -281,7 +290,7 @@ def paint(
         mine = Intervals(s, e, np.concatenate(([0], np.cumsum(e - s))), s)
         per[b] = mine.before(z) - mine.before(a)
     per[host] = (z - a) - per.sum(axis=0)
-    judged = judge_idle(per.astype(np.float64), *_sure_context(idle, drained, sync))
+    judged = judge_idle(per.astype(np.float64), *_sure_context(idle, drained, sync), _sleeps(classes))
     return np.rint(total).astype(np.int64), judged.in_idle, None, judged.gap_idle, judged.paced
 
 
@@ -357,7 +366,7 @@ def _paint_segments(
     per = np.zeros((n, sure_gaps.size), dtype=np.float64)  # per bucket, its time in each idle gap
     per[pairs[sure] % n, np.searchsorted(sure_gaps, gap_of[sure])] = sums[sure]
     per[host] = sure_host
-    judged = judge_idle(per, *_sure_context(idle, drained, sync))
+    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes))
     per_minute: npt.NDArray[np.float64] | None = None
     if minutes is not None:
         m = np.searchsorted(minutes, left, side="right")

@@ -173,7 +173,7 @@ def idle_entry(row: LedgerRow) -> TimelineEntry:
     return TimelineEntry(
         "CUDA",
         "idle",
-        f"{gaps.size} gaps of ≥ 1 ms after a synchronizing call, {ms(idle)} with no GPU work queued "
+        f"{gaps.size} gaps of ≥ 1 ms the GPU idled in, {ms(idle)} with no GPU work queued "
         f"({100 * idle / max(1, row.wall_ns):.0f}% of wall time{longest})",
         idle // 1000,
     )
@@ -211,7 +211,8 @@ def explanation(ctx: Context, row: LedgerRow) -> str:
     """Where the GPU thread's wall time went (its ledger line), and what counts as lost."""
     return (
         f"The thread that drives the GPU (tid {row.tid} of {ctx.proc(int(row.pid or 0))}) spent its "
-        f"{describe(row)}. Only gaps of ≥ 1 ms after a synchronizing call (a sync, a blocking copy) count as GPU "
-        "idle — the GPU had no work queued then, so that time is lost, not overlapped — and only beyond the "
-        "loop's own turnaround in each gap (its first millisecond; own host code beyond twice its usual time)."
+        f"{describe(row)}. Only gaps of ≥ 1 ms where the GPU had no work queued count as GPU idle — after a "
+        "synchronizing call (a sync, a blocking copy), or after asynchronous launches for what the next sync "
+        "says the queued work did not cover — and only beyond the loop's own turnaround in each gap (its first "
+        "millisecond)."
     )

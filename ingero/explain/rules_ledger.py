@@ -1,8 +1,8 @@
 """Chains from the wall-time ledger: the largest buckets of lost time, each with its measured cause.
 
-Lost time is the ledger's ``gpu_slow`` and its gap buckets — counted only in gaps of ≥ 1 ms that follow a
-synchronizing call, where the GPU had no work queued (a gap after an asynchronous launch may overlap
-queued GPU work and is never called idle). Per GPU thread, each bucket of lost time becomes a chain
+Lost time is the ledger's ``gpu_slow`` and its gap buckets' GPU-idle time (:func:`ingero.explain.ledger_gaps.judge_idle`:
+gaps of ≥ 1 ms after a synchronizing call, beyond the loop's turnaround; after asynchronous launches, only
+what the next sync says the queued work did not cover). Per GPU thread, each bucket of lost time becomes a chain
 when it reaches 1 % of the thread's wall time; severity is its share: HIGH ≥ 20 %, MEDIUM ≥ 5 %, LOW ≥ 1 %.
 A chain names a root cause only when one share holds at least half of its lost time (a preemptor, a
 slow op, a kind of wait); smaller shares are context.
@@ -23,6 +23,9 @@ Not every idle second is somebody's fault:
   sleeps look the same without prev_state — except ``offcpu_unknown`` over half the wall time (the GPU
   idle most of the run, whatever the kind): MEDIUM.
 * ``not_recorded`` — no chain: a note says what selective storage or a hole hides.
+* ``host_code`` — own host code: ``idle/host_code`` for incidents (a gap far beyond the loop's usual
+  time), ``idle/host_bound`` where most of it is the loop's own pace (CPU-bound at every step: the fix is
+  overlap, fewer syncs, CUDA Graphs, larger batches — there is no incident to find).
 
 ``gpu_slow`` makes a chain only for an op no other rule explains (the latency and launch rules name
 their cause first; one chain per lost time), and never for NCCL (waiting for peers: ``explain --nodes``).
