@@ -129,6 +129,17 @@ def test_explain_finds_the_straggler_and_nothing_on_peers() -> None:
         assert f"pid {spec.trainer}" in sync.root_cause  # the trainer is the victim, not the cause
         # severity is the lost share of wall time (issue #20): ~4 % of the 90 s lost inside the syncs
         assert sync.severity == cz.severity_of_loss(sync.evidence["lost_share"], 1.0) == "LOW"
+        # ... and the preemptions in its host work between the launches and the sync: the syncs did not
+        # return sooner for it (no queued GPU work covered it), so the GPU idled (sync shrinkage)
+        idle = next(c for c in report.chains if c.family == "idle/preempted")
+        assert idle.severity == cz.severity_of_loss(idle.evidence["lost_share"], 1.0) == "MEDIUM"
+        assert f"{PREPROCESS[0]} ({PREPROCESS[1]}" in idle.root_cause and any(
+            "taskset" in r for r in idle.recommendations
+        )
+        # what an expert reads off the recording: the time the preprocessing job took the trainer's CPU
+        taken = _preempted_by(INVESTIGATIONS / FILES[spec.name], spec.trainer, PREPROCESS[0])
+        lost = idle.evidence["lost_ms"] + sync.evidence["lost_ms"]
+        assert 0.85 * taken <= lost <= 1.05 * taken and lost <= idle.evidence["wall_ms"], (lost, taken)
         # the launch tail loses too little time for a chain
         assert not [c for c in report.chains if c.cuda_op == "cuLaunchKernel" and c.severity != "LOW"]
         assert any("taskset" in r for r in sync.recommendations)
@@ -138,23 +149,36 @@ def test_explain_finds_the_straggler_and_nothing_on_peers() -> None:
         assert not any("checkpoint" in r for r in sync.recommendations)
 
 
+def _preempted_by(path: Path, tid: int, by: int) -> float:
+    """Milliseconds ``by`` held ``tid`` off its CPU (sched_switch rows: arg1 = the task that ran instead)."""
+    conn = open_readonly(path)
+    try:
+        q = "SELECT sum(duration) FROM events WHERE source = 3 AND op = 1 AND tid = ? AND arg1 = ?"
+        return float(conn.execute(q, (tid, by)).fetchone()[0] or 0) / 1e6
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("name", [*FILES, "cluster"])
 def test_stored_chains_name_the_straggler_and_its_cause(name: str) -> None:
-    """What ``explain --chains`` shows from the committed files: one chain, on the straggler only — its
-    trainer's syncs slowed by the preprocessing job's preemptions, pinning as the fix."""
+    """What ``explain --chains`` shows from the committed files: two chains, on the straggler only — its
+    trainer preempted by the preprocessing job in its host work (the GPU idle) and inside its syncs,
+    pinning as the fix."""
     conn = open_readonly(INVESTIGATIONS / (CLUSTER_FILE if name == "cluster" else FILES[name]))
     stored = stored_chains(conn)
     conn.close()
     if name not in ("cluster", STRAGGLER.name):
         assert stored == [], [(c.node, c.summary) for c in stored]
         return
-    assert len(stored) == 1, [(c.node, c.summary) for c in stored]
-    (c,) = stored
-    assert (c.node, c.cuda_op) == (STRAGGLER.name, "cudaStreamSync")
-    assert "CPU contention" in c.root_cause and f"pid {STRAGGLER.trainer}" in c.root_cause
-    assert f"pid {PREPROCESS[0]} ({PREPROCESS[1]}" in c.root_cause
-    assert any("taskset" in r for r in c.recommendations)
-    assert not any("checkpoint" in r for r in c.recommendations)  # rank 0's checkpoints are context only
+    assert len(stored) == 2, [(c.node, c.summary) for c in stored]
+    assert sorted(c.severity for c in stored) == ["LOW", "MEDIUM"]
+    assert any(c.cuda_op == "cudaStreamSync" for c in stored)
+    for c in stored:
+        assert c.node == STRAGGLER.name
+        assert "CPU contention" in c.root_cause and f"pid {STRAGGLER.trainer}" in c.root_cause
+        assert f"pid {PREPROCESS[0]} ({PREPROCESS[1]}" in c.root_cause
+        assert any("taskset" in r for r in c.recommendations)
+        assert not any("checkpoint" in r for r in c.recommendations)  # rank 0's checkpoints are context only
 
 
 def test_explain_on_the_cluster_file_keeps_nodes_apart(capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,7 +192,7 @@ def test_explain_on_the_cluster_file_keeps_nodes_apart(capsys: pytest.CaptureFix
     assert "snapshot(s) left out" not in err
     code = main(["explain", "--db", str(INVESTIGATIONS / CLUSTER_FILE), "--chains"])
     out, _ = capsys.readouterr()
-    assert code == 0 and "1 stored causal chain(s)" in out  # node 01's sync tail (the launch tail loses too little)
+    assert code == 0 and "2 stored causal chain(s)" in out  # node 01's idle and sync tail (the launch tail: too little)
 
 
 def test_cli_regenerates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -178,4 +202,4 @@ def test_cli_regenerates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert code == 0 and sorted(files) == sorted(ALL_FILES)
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == sorted(ALL_FILES)  # no -wal/-shm left
     assert files[CLUSTER_FILE]["events"] == sum(files[f]["events"] for f in FILES.values())
-    assert files[CLUSTER_FILE]["chains"] == files[FILES["gpu-node-01"]]["chains"] == 1
+    assert files[CLUSTER_FILE]["chains"] == files[FILES["gpu-node-01"]]["chains"] == 2
