@@ -644,3 +644,92 @@ def test_a_throughput_drop_of_the_same_cause_keeps_one_chain() -> None:
     assert _same_drop([other, drop], "n", row, "preempted") is drop
     assert _same_drop([other], "n", row, "asleep_disk") is other
     assert _same_drop([drop], "n", row, "host_code") is None and _same_drop([drop], "m", row, "preempted") is None
+
+
+# --- what counts as GPU idle: the loop's pace, and sync shrinkage after asynchronous launches -------
+
+
+def _gaps(m: int, **buckets: np.ndarray | float) -> np.ndarray:
+    """A per-bucket matrix of ``m`` judged gaps (rows BUCKETS), in nanoseconds."""
+    from ingero.explain.ledger_gaps import IDX
+
+    per = np.zeros((len(BUCKETS), m))
+    for b, v in buckets.items():
+        per[IDX[b]] = v
+    return per
+
+
+def _invariants(per: np.ndarray, judged: object) -> None:
+    from ingero.explain.ledger_gaps import Judged
+
+    assert isinstance(judged, Judged)
+    assert (judged.gap_idle >= 0).all() and (judged.gap_idle <= per.sum(axis=0) + 1).all()  # idle ≤ the gap
+    assert (judged.in_idle >= 0).all() and (judged.in_idle <= np.rint(per.sum(axis=1)) + 1).all()  # ≤ bucket
+    assert 0 <= judged.paced <= judged.in_idle[BUCKETS.index("host_code")]
+    assert int(judged.in_idle.sum()) == pytest.approx(float(judged.gap_idle.sum()), abs=len(BUCKETS))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_loop_cpu_bound_at_every_step_is_idle_beyond_its_turnaround(seed: int) -> None:
+    from ingero.explain.ledger_gaps import GAP_NS, judge_idle
+
+    rng = np.random.default_rng(seed)
+    m = 300
+    host = rng.normal(4 * NS_PER_MS, 0.2 * NS_PER_MS, m)  # 4 ms of own Python after every sync
+    per = _gaps(m, host_code=host)
+    after_sync, none = np.ones(m, dtype=bool), np.full(m, -1, dtype=np.int64)
+    j = judge_idle(per, after_sync, none, none)
+    _invariants(per, j)
+    assert j.paced == pytest.approx(float((host - GAP_NS).sum()), rel=1e-6)  # every step, less the turnaround
+    assert j.in_idle[BUCKETS.index("host_code")] == pytest.approx(j.paced, abs=1)  # no incident
+    # one gap far beyond the loop's pace: an incident beside the pace, never counted twice
+    host[7] = 40 * NS_PER_MS
+    j = judge_idle(_gaps(m, host_code=host), after_sync, none, none)
+    idle_host = j.in_idle[BUCKETS.index("host_code")]
+    assert idle_host == pytest.approx(float((host - GAP_NS).sum()), rel=1e-6) and j.paced < idle_host
+    # a loop that sleeps in its gaps is paced by that wait; a thread with no sleep recorded may spin
+    asleep = _gaps(m, host_code=host, asleep_timer=np.full(m, 2 * NS_PER_MS))
+    assert judge_idle(asleep, after_sync, none, none).paced == 0
+    assert judge_idle(_gaps(m, host_code=host), after_sync, none, none, sleeps=False).paced == 0
+    # the turnaround is never idle: a loop inside it loses nothing
+    quick = _gaps(m, host_code=np.full(m, 0.9 * NS_PER_MS))
+    assert judge_idle(quick, after_sync, none, none).in_idle.sum() == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_idle_after_async_launches_is_what_the_next_sync_did_not_shrink_by(seed: int) -> None:
+    """Launches queue 20 ms of GPU work; the thread's host work takes 5 ms, then it syncs (W = 15 ms).
+    A preemption of d in the host work: if the GPU ran through it, the sync returns d sooner (nothing
+    lost); if it did not, the sync is not shorter and d (less the turnaround) was idle."""
+    from ingero.explain.ledger_gaps import GAP_NS, MIN_REF, judge_idle
+
+    rng = np.random.default_rng(seed)
+    m, queued, host = 200, 20 * NS_PER_MS, 5 * NS_PER_MS
+    d = np.zeros(m)
+    hit = rng.choice(m, 30, replace=False)
+    d[hit] = rng.uniform(3, 40, 30) * NS_PER_MS
+    per = _gaps(m, host_code=rng.normal(host, 0.1 * NS_PER_MS, m), preempted=d)
+    gap = per.sum(axis=0)
+    after_launch, key = np.zeros(m, dtype=bool), np.full(m, 5, dtype=np.int64)
+    real = np.maximum(30_000, queued - gap).astype(np.int64)  # a GPU that works through the gap
+    j = judge_idle(per, after_launch, real, key)
+    _invariants(per, j)
+    truth = np.maximum(gap - queued, 0)  # what the queue did not cover
+    assert j.in_idle[BUCKETS.index("preempted")] <= truth.sum() + 1
+    assert j.in_idle[BUCKETS.index("preempted")] == pytest.approx(float(truth.sum()), rel=0.15, abs=GAP_NS * 30)
+    flat = np.full(m, queued - host, dtype=np.int64)  # syncs that never shrink: the preemption was all idle
+    j = judge_idle(per, after_launch, flat, key)
+    assert j.in_idle[BUCKETS.index("preempted")] == pytest.approx(float((d[hit] - GAP_NS).sum()), rel=0.01)
+    # the same op only: a different sync's level says nothing; no sync after the gap: unknown
+    other = key.copy()
+    other[hit[:4]] = 9  # four disturbed gaps end in another op, with no steady level of its own
+    left = float((d[hit[4:]] - GAP_NS).sum())
+    assert judge_idle(per, after_launch, flat, other).in_idle[BUCKETS.index("preempted")] == pytest.approx(
+        left, rel=0.01
+    )
+    assert judge_idle(per, after_launch, np.full(m, -1, dtype=np.int64), key).in_idle.sum() == 0
+    k = MIN_REF - 1  # too few quick gaps of this op for a steady level: unknown, not idle
+    sparse = _gaps(k, preempted=np.array([30 * NS_PER_MS] + [0] * (k - 1)))
+    assert judge_idle(sparse, after_launch[:k], flat[:k], key[:k]).in_idle.sum() == 0
+    # the loop's host code between its launches and its sync is never idle in itself (overlapped)
+    assert judge_idle(_gaps(m, host_code=np.full(m, host)), after_launch, flat, key).in_idle.sum() == 0
