@@ -3,8 +3,9 @@
 The figures come from the wall-time ledger (:mod:`ingero.explain.ledger`): ``asleep_workers`` — asleep
 between GPU calls until a process the GPU process forked woke it (``sched_wakeup`` arg0 = the waker's
 tgid); ``asleep_disk`` — asleep in uninterruptible state (D), usually reading or writing itself. Only
-gaps that follow a synchronizing call count (the GPU had no work queued), so the lost time is GPU idle
-time, not overlap. :mod:`ingero.explain.rules_ledger` calls these builders; this module holds their words:
+time where the GPU had no work queued counts (:func:`ingero.explain.ledger_gaps.judge_idle`: after a
+synchronizing call; after asynchronous launches, what the next sync did not shrink by), so the lost time
+is GPU idle time, not overlap. :mod:`ingero.explain.rules_ledger` calls these builders; this module holds their words:
 
 * the classic DataLoader input starvation: the trainer waits for its workers' batches;
 * a single long wait right after a fork is *waiting on a child* (compile, checkpoint writer);
@@ -166,7 +167,7 @@ def io_chain(ctx: Context, row: LedgerRow, severity: str, base: dict[str, object
 
 
 def idle_entry(row: LedgerRow) -> TimelineEntry:
-    """The CUDA side of an idle chain: the gaps after synchronizing calls and their share of wall time."""
+    """The CUDA side of an idle chain: the gaps the GPU idled in and their share of wall time."""
     idle = int(sum(row.idle_ns.values()))
     gaps: I64 = row.gap_end - row.gap_start
     longest = f", longest {ms(int(gaps.max()))}" if gaps.size else ""
