@@ -113,27 +113,34 @@ def judge_idle(
     for kind in (drained, ~drained):  # the two places of a loop's host code: after a sync, between launches
         if kind.any():
             allow[kind] = max(float(GAP_NS), TURNAROUND_X * float(np.median(h[kind])))
-    beyond = np.maximum(per - GAP_NS, 0)
+    live = [i for i in range(n) if i != host and per[i].any()]  # the off-CPU buckets present (few)
+    beyond = np.zeros_like(per)
+    beyond[live] = np.maximum(per[live] - GAP_NS, 0)
     beyond[host] = np.maximum(h - allow, 0)
-    asleep = per[[IDX[b] for b in SLEEPS]].sum(axis=0)
+    sleep_rows = [IDX[b] for b in SLEEPS if IDX[b] in live]
+    asleep = per[sleep_rows].sum(axis=0) if sleep_rows else np.zeros(h.size)
     cpu_bound = drained & (asleep < SLEEP_FREE_NS) & sleeps  # gaps the thread never waited in: on-CPU throughout
     paced = np.where(cpu_bound, np.maximum(np.minimum(h, allow) - GAP_NS, 0), 0)
-    cap = np.where(drained, np.inf, 0.0)
-    after_async = ~drained & (sync_ns >= 0)
-    for key in np.unique(sync_key[after_async]).tolist():
-        mine = np.flatnonzero(after_async & (sync_key == key))
-        usual = np.median(per[:, mine], axis=1)
-        b = np.maximum(per[:, mine] - usual[:, None] - GAP_NS, 0)
-        b[host] = beyond[host, mine]
-        beyond[:, mine] = b
-        unusual = b.sum(axis=0)
+    after_launch = np.flatnonzero(~drained)
+    cap = np.zeros(after_launch.size)  # per gap after launches: what can be idle (0: unknown)
+    has_sync = sync_ns[after_launch] >= 0
+    for key in np.unique(sync_key[after_launch][has_sync]).tolist():
+        j = np.flatnonzero(has_sync & (sync_key[after_launch] == key))
+        mine = after_launch[j]
+        unusual = beyond[host, mine]
+        if live:
+            off = per[np.ix_(live, mine)]
+            off = np.maximum(off - np.median(off, axis=1)[:, None] - GAP_NS, 0)
+            beyond[np.ix_(live, mine)] = off
+            unusual = unusual + off.sum(axis=0)
         ref = unusual == 0
         if int(ref.sum()) >= MIN_REF:
             worked = np.maximum(float(np.median(sync_ns[mine][ref])) - sync_ns[mine], 0)
-            cap[mine] = np.maximum(unusual - worked, 0)
-    order = [IDX[b] for b in _GAP_ORDER] + [host]  # off-CPU time first: the unusual part of a gap
-    b = beyond[order]
-    beyond[order] = np.clip(cap - (np.cumsum(b, axis=0) - b), 0, b)
+            cap[j] = np.maximum(unusual - worked, 0)
+    if after_launch.size:  # off-CPU time first (the unusual part of a gap), then own host code
+        order = [IDX[b] for b in _GAP_ORDER if IDX[b] in live] + [host]
+        b = beyond[np.ix_(order, after_launch)]
+        beyond[np.ix_(order, after_launch)] = np.clip(cap - (np.cumsum(b, axis=0) - b), 0, b)
     in_idle = beyond.sum(axis=1)
     in_idle[host] += paced.sum()
     gap_idle = beyond.sum(axis=0) + paced
