@@ -101,6 +101,13 @@ def member(arr: I64, values: Sequence[int] | I64) -> npt.NDArray[np.bool_]:
     return m
 
 
+def rows_of(mask: npt.NDArray[np.bool_]) -> I64:
+    """The positions a row mask selects: one pass over the mask for the several columns taken with it
+    (a boolean index scans the mask again for every column)."""
+    out: I64 = np.flatnonzero(mask)
+    return out
+
+
 def arg_row_mask(source: I64, op: I64, arg0: I64) -> npt.NDArray[np.bool_]:
     """The rows whose arguments some rule reads (:data:`ARG_OPS`, launches with a kernel function)."""
     key = source * 256 + op
@@ -143,15 +150,9 @@ class ArgRows:
         return cls(z, z, z, z, z, z, z, z)
 
     def select(self, mask: npt.NDArray[np.bool_]) -> ArgRows:
+        i = rows_of(mask)
         return ArgRows(
-            self.source[mask],
-            self.op[mask],
-            self.pid[mask],
-            self.ts_ns[mask],
-            self.arg0[mask],
-            self.arg1[mask],
-            self.tid[mask],
-            self.dur[mask],
+            self.source[i], self.op[i], self.pid[i], self.ts_ns[i], self.arg0[i], self.arg1[i], self.tid[i], self.dur[i]
         )
 
     def of(self, source: int, ops: Sequence[int] | None = None) -> ArgRows:
@@ -208,15 +209,16 @@ class Frame:
         return out
 
     def select(self, mask: npt.NDArray[np.bool_]) -> Frame:
+        i = rows_of(mask)
         return Frame(
             self.node,
-            self.source[mask],
-            self.op[mask],
-            self.dur[mask],
-            self.ts_ns[mask],
-            self.pid[mask],
-            self.failed[mask],
-            self.tid[mask],
+            self.source[i],
+            self.op[i],
+            self.dur[i],
+            self.ts_ns[i],
+            self.pid[i],
+            self.failed[i],
+            self.tid[i],
             self.args,
             self.gpu_ids,
         )
@@ -459,7 +461,7 @@ def _load_batch(
         )
         arg0, arg1 = x[lo:hi], y[lo:hi]
         m = arg_row_mask(fr.source, fr.op, arg0)
-        fr.args = ArgRows(fr.source[m], fr.op[m], fr.pid[m], fr.ts_ns[m], arg0[m], arg1[m], fr.tid[m], fr.dur[m])
+        fr.args = ArgRows(fr.source, fr.op, fr.pid, fr.ts_ns, arg0, arg1, fr.tid, fr.dur).select(m)
         out[name] = fr
     return out, missing
 
