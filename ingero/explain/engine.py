@@ -449,10 +449,14 @@ def _snapshot_rows(conn: sqlite3.Connection, frames: dict[str, Frame]) -> dict[s
     cols = {r[1] for r in conn.execute("PRAGMA table_info(system_snapshots)")}
     if "node" in cols:
         out: dict[str, tuple[SnapRows, str | None]] = {}
+        first, last = conn.execute("SELECT min(timestamp), max(timestamp) FROM system_snapshots").fetchone()
         for name, fr in frames.items():
+            # a window holding every snapshot reads the table in order (``+timestamp``: not through the
+            # index, a lookup per row); a narrower one through the index
+            column = "+timestamp" if first is None or (fr.first_ns <= first and last <= fr.last_ns) else "timestamp"
             cur = conn.execute(
                 "SELECT timestamp, cpu_pct, mem_pct, mem_avail, swap_mb, load_avg FROM system_snapshots "
-                "WHERE node = ? AND timestamp >= ? AND timestamp <= ?",
+                f"WHERE node = ? AND {column} >= ? AND {column} <= ?",
                 (name, fr.first_ns, fr.last_ns),
             )
             out[name] = (snapshot_array(cur.fetchall()), None)
