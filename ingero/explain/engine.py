@@ -449,7 +449,9 @@ def _snapshot_rows(conn: sqlite3.Connection, frames: dict[str, Frame]) -> dict[s
     cols = {r[1] for r in conn.execute("PRAGMA table_info(system_snapshots)")}
     if "node" in cols:
         out: dict[str, tuple[SnapRows, str | None]] = {}
-        first, last = conn.execute("SELECT min(timestamp), max(timestamp) FROM system_snapshots").fetchone()
+        # two queries: SQLite answers a lone min() or max() from the timestamp index, not both at once
+        first = conn.execute("SELECT min(timestamp) FROM system_snapshots").fetchone()[0]
+        last = conn.execute("SELECT max(timestamp) FROM system_snapshots").fetchone()[0]
         for name, fr in frames.items():
             # a window holding every snapshot reads the table in order (``+timestamp``: not through the
             # index, a lookup per row); a narrower one through the index
