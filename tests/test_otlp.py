@@ -64,7 +64,7 @@ def otlp_receiver(request_cls: Any, response_cls: Any) -> Iterator[Receiver]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     t.start()
     rec.url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
