@@ -234,3 +234,18 @@ def test_healthy_jobs_get_none_of_these_findings(tmp_path: Path, family: str) ->
         check_invariants(r)
         said = [(c.family, c.severity) for c in r.chains]
         assert not [f for f, _ in said if f.startswith(("drift", "transfer", "late-rank", "alloc-churn", "hang"))], said
+
+
+@pytest.mark.parametrize("layout", [RECORDED, INGERO])
+def test_a_cpu_bound_loop_is_its_pace_not_an_incident(tmp_path: Path, layout: str) -> None:
+    """Own host code at every step: one idle/host_bound chain whose paced part holds the lost time (the
+    incidents' part beside it), figures within the wall; its healthy twin gets no host finding."""
+    p = Params(seed=12, magnitude=0.16, n_nodes=2, outlier=0)
+    r = _report("cpu-bound-loop", p, tmp_path, layout)
+    check_invariants(r)
+    c = _one(r, p.outlier_node, "idle/host_bound")
+    ev = c.evidence
+    assert ev["paced_ms"] + ev["incidents_ms"] == pytest.approx(ev["lost_ms"], abs=0.2)
+    assert 0.5 * ev["lost_ms"] <= ev["paced_ms"] <= ev["lost_ms"] <= ev["wall_ms"]
+    assert any("CUDA Graphs" in x for x in c.recommendations) and "every step" in c.summary
+    assert not [x for x in r.chains if x.node != p.outlier_node and x.family.startswith("idle/host")]
