@@ -113,11 +113,11 @@ def judge_idle(
     for kind in (drained, ~drained):  # the two places of a loop's host code: after a sync, between launches
         if kind.any():
             allow[kind] = max(float(GAP_NS), TURNAROUND_X * float(np.median(h[kind])))
-    live = [i for i in range(n) if i != host and per[i].any()]  # the off-CPU buckets present (few)
+    live = np.asarray([i for i in range(n) if i != host and per[i].any()], dtype=np.int64)  # off-CPU buckets present
     beyond = np.zeros_like(per)
     beyond[live] = np.maximum(per[live] - GAP_NS, 0)
     beyond[host] = np.maximum(h - allow, 0)
-    sleep_rows = [IDX[b] for b in SLEEPS if IDX[b] in live]
+    sleep_rows = [IDX[b] for b in SLEEPS if IDX[b] in live.tolist()]
     asleep = per[sleep_rows].sum(axis=0) if sleep_rows else np.zeros(h.size)
     cpu_bound = drained & (asleep < SLEEP_FREE_NS) & sleeps  # gaps the thread never waited in: on-CPU throughout
     paced = np.where(cpu_bound, np.maximum(np.minimum(h, allow) - GAP_NS, 0), 0)
@@ -128,7 +128,7 @@ def judge_idle(
         j = np.flatnonzero(has_sync & (sync_key[after_launch] == key))
         mine = after_launch[j]
         unusual = beyond[host, mine]
-        if live:
+        if live.size:
             off = per[np.ix_(live, mine)]
             off = np.maximum(off - np.median(off, axis=1)[:, None] - GAP_NS, 0)
             beyond[np.ix_(live, mine)] = off
@@ -138,7 +138,7 @@ def judge_idle(
             worked = np.maximum(float(np.median(sync_ns[mine][ref])) - sync_ns[mine], 0)
             cap[j] = np.maximum(unusual - worked, 0)
     if after_launch.size:  # off-CPU time first (the unusual part of a gap), then own host code
-        order = [IDX[b] for b in _GAP_ORDER if IDX[b] in live] + [host]
+        order = np.asarray([IDX[b] for b in _GAP_ORDER if IDX[b] in live.tolist()] + [host], dtype=np.int64)
         b = beyond[np.ix_(order, after_launch)]
         beyond[np.ix_(order, after_launch)] = np.clip(cap - (np.cumsum(b, axis=0) - b), 0, b)
     in_idle = beyond.sum(axis=1)
