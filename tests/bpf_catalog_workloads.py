@@ -177,6 +177,26 @@ def loader_disk(env: Env) -> list[int]:
     return [done(env.start("disk", SECS, 48, data_file(env, "dataset-disk.bin", 64)))]
 
 
+def cpu_bound_loop(env: Env) -> list[int]:
+    # ~5.6 ms of GPU work per step, then 4 ms of its own host code: the GPU waits ~30 % of every step
+    return [done(env.start("cpubound", SECS, 4000))]
+
+
+def _overlapped(env: Env, every: int) -> list[int]:
+    # 40 ms queued; 2 ms of host code, then a 256 KiB read (under 1 ms here, 38 ms of room on a busy
+    # disk) hides under the rest; every ``every``-th step a 64 MiB read (70-140 ms here) outlasts it:
+    # only the excess is lost
+    return [done(env.start("overlap", SECS, 4, 1024, every, data_file(env, "dataset-disk.bin", 64)))]
+
+
+def loader_overlap(env: Env) -> list[int]:
+    return _overlapped(env, 8)
+
+
+def healthy_overlap(env: Env) -> list[int]:
+    return _overlapped(env, 0)
+
+
 def serving_host_bound(env: Env) -> list[int]:
     return [done(env.start("serve", SECS, 700))]
 

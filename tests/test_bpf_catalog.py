@@ -72,13 +72,16 @@ class Scenario:
 
 # In the order they run. Magnitudes are what the workload is built to lose (see each runner); 0.24 (named
 # at least MEDIUM, at most HIGH) where the loss rides on this machine's disk, allocator or clock timing
-# and was measured here between 20 and 45 %.
+# and was measured here between 16 and 45 %.
 SCENARIOS: dict[str, Scenario] = {
     "healthy-sleeps": Scenario(wl.healthy_sleeps, 0.0),
     "loader-fork": Scenario(wl.loader_fork, 0.5),
     "loader-inline": Scenario(wl.loader_inline, 0.4),
     "loader-disk": Scenario(wl.loader_disk, 0.24),
     "serving-host-bound": Scenario(wl.serving_host_bound, 0.35),
+    "cpu-bound-loop": Scenario(wl.cpu_bound_loop, 0.3),
+    "loader-overlap": Scenario(wl.loader_overlap, 0.24),
+    "healthy-overlap": Scenario(wl.healthy_overlap, 0.0),
     "tool-call": Scenario(wl.tool_call, 0.4),
     "checkpoint": Scenario(wl.checkpoint, 0.24),
     "kv-pressure": Scenario(wl.kv_pressure, 0.24),
@@ -93,28 +96,33 @@ SCENARIOS: dict[str, Scenario] = {
     "healthy-collective": Scenario(wl.healthy_collective, 0.0),
     "hung-rank": Scenario(wl.hung_rank, 0.4),  # 1.5 s stopped after 2 s
     "oom": Scenario(wl.oom, 1.0),
-    "cpu-contention": Scenario(wl.cpu_contention, 0.4),
+    "cpu-contention": Scenario(wl.cpu_contention, 0.24),  # 19-43 % measured: EEVDF lets a sleeper back in
     "cpu-bimodal": Scenario(wl.cpu_bimodal, 0.24),
 }
 
 # (family, layout) -> what explain said instead (strict: the mark goes with the fix)
 NOT_YET: dict[tuple[str, str], str] = {
     **{
-        ("serving-host-bound", lay): "no chain: the ledger's host-code allowance is 2x the median host code of the "
-        "gaps after a drain of at least 1 ms; a back-to-back decode loop has no such gap but the two 0.7 s bursts, "
-        "so the allowance swallows them (host_code 40 % of wall, idle 0)"
+        ("serving-host-bound", lay): "named idle/host_bound 'at every step (~699ms per step)', not an incident: a "
+        "back-to-back decode loop has no gap of 1 ms or more after its syncs but the two 0.7 s bursts, so the "
+        "loop's pace is measured on the incidents themselves (idle/host_code expected)"
         for lay in LAYOUTS
     },
-    ("late-rank", RECORDED): "no late-rank chain: late_entries rejects the rank because its collectives after "
-    "the late entries are ~40 µs longer in median (the rendezvous round trip of the last to arrive) than its "
-    "others; the ledger's host code (48 %) is swallowed by the allowance as above",
-    ("late-rank", INGERO): "no chain naming the late rank's host code (allowance as above); the peer gets "
-    "idle/asleep_unknown LOW",
+    ("late-rank", INGERO): "named idle/host_bound 'at every step (~24ms per step)' for a rank late before every "
+    "5th all-reduce: its 25 ms stretches are the only gaps of 1 ms or more, so they are taken for its pace "
+    "(idle/host_code, straggler or late-rank expected)",
     **{
         ("tool-call", lay): "idle/asleep_network stays LOW (41 % of wall): a tool call's wait is not yet told "
         "from a server idle between requests"
         for lay in LAYOUTS
     },
+}
+# Misses that come and go from run to run (not strict: a pass is luck, not the fix)
+COIN_FLIP: dict[tuple[str, str], str] = {
+    ("late-rank", RECORDED): "no late-rank chain in 4 runs of 5: late_entries rejects the rank when its "
+    "collectives after the late entries are longer in median than its others (140 vs 84 µs: the last to "
+    "arrive pays the rendezvous round trip) — tens of µs decide, against 25 ms of lateness; idle/host_bound "
+    "'at every step' is named instead",
 }
 
 
@@ -214,8 +222,8 @@ def _show(o: Outcome, report: ExplainReport, rec: Recording, family: str) -> str
 
 
 def _case(family: str, layout: str) -> object:
-    why = NOT_YET.get((family, layout))
-    marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+    why = NOT_YET.get((family, layout)) or COIN_FLIP.get((family, layout))
+    marks = [pytest.mark.xfail(strict=(family, layout) in NOT_YET, reason=why)] if why else []
     return pytest.param(family, layout, id=f"{family}-{layout}", marks=marks)
 
 

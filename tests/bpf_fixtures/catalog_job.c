@@ -16,6 +16,11 @@
  *                               (both: one decode step, "warm", then a line on stdin before the rest)
  *   checkpoint FILE MB EVERY_MS every EVERY_MS: weights device->host, written to FILE (O_DIRECT), fsync
  *   contend                     steps of 1 ms of host code + kernels (a CPU hog is put beside it)
+ *   cpubound HOST_US            steps, each followed by HOST_US of its own host code (CPU-bound at every step)
+ *   overlap CHUNKS LATE EVERY FILE
+ *                               40 ms of kernels queued, 2 ms of host code, then CHUNKS x 64 KiB of FILE
+ *                               read with O_DIRECT while the GPU runs (LATE chunks every EVERY-th step;
+ *                               EVERY 0: never), then the sync
  *   kv                          serving with a KV cache of 32 MiB blocks; preempts (frees, recomputes)
  *   leak LEAK_MB                one activation malloc/free per step; every 8th step LEAK_MB never freed
  *   oom LEAK_MB AFTER_S         after AFTER_S, a pinned staging buffer of LEAK_MB per step, never freed
@@ -220,26 +225,59 @@ static int inline_loader(double secs, long decode_us, const char *file) {
     return n;
 }
 
-static int disk_loader(double secs, int chunks, const char *file) {
-    int fd = open(file, O_RDONLY | O_DIRECT);
-    if (fd < 0)
-        exit(3);
+/* the dataset is larger than the page cache: CHUNKS x 64 KiB from the disk itself (O_DIRECT), wrapping */
+static struct {
+    int fd;
+    off_t size, off;
     void *buf;
-    if (posix_memalign(&buf, 4096, 64 << 10))
+} dataset;
+
+static void open_dataset(const char *file) {
+    dataset.fd = open(file, O_RDONLY | O_DIRECT);
+    if (dataset.fd < 0 || posix_memalign(&dataset.buf, 4096, 64 << 10))
         exit(3);
-    off_t size = lseek(fd, 0, SEEK_END), off = 0;
+    dataset.size = lseek(dataset.fd, 0, SEEK_END);
+}
+
+static void read_chunks(int chunks) {
+    for (int c = 0; c < chunks; c++) {
+        if (dataset.off + (64 << 10) > dataset.size)
+            dataset.off = 0;
+        if (pread(dataset.fd, dataset.buf, 64 << 10, dataset.off) != 64 << 10)
+            exit(3);
+        dataset.off += 64 << 10;
+    }
+}
+
+static int disk_loader(double secs, int chunks, const char *file) {
+    open_dataset(file);
     int n = 0;
     for (double t0 = now_s(); now_s() - t0 < secs; n++) {
-        for (int c = 0; c < chunks; c++) { /* the dataset is larger than the page cache: the disk */
-            if (off + (64 << 10) > size)
-                off = 0;
-            if (pread(fd, buf, 64 << 10, off) != 64 << 10)
-                exit(3);
-            off += 64 << 10;
-        }
+        read_chunks(chunks);
         step();
     }
-    close(fd);
+    return n;
+}
+
+/* the next batch read while the GPU runs the step queued before it: hidden unless the read outlasts it */
+static int overlap(double secs, int chunks, int late, int every, const char *file) {
+    open_dataset(file);
+    int n = 0;
+    for (double t0 = now_s(); now_s() - t0 < secs; n++) {
+        kernels(8, 5000);
+        spin_us(2000); /* the step's own Python */
+        read_chunks(every && n % every == every - 1 ? late : chunks);
+        sync_stream(NULL);
+    }
+    return n;
+}
+
+static int cpubound(double secs, long host_us) {
+    int n = 0;
+    for (double t0 = now_s(); now_s() - t0 < secs; n++) {
+        step();
+        spin_us(host_us); /* sampling, detokenising, building the next batch: every step */
+    }
     return n;
 }
 
@@ -498,6 +536,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(mode, "server")) { ARGS(1); n = server(secs, atoi(argv[4])); }
     else if (!strcmp(mode, "checkpoint")) { ARGS(3); n = checkpoint(secs, argv[4], atol(argv[5]), atof(argv[6])); }
     else if (!strcmp(mode, "contend")) { ARGS(0); n = contend(secs); }
+    else if (!strcmp(mode, "cpubound")) { ARGS(1); n = cpubound(secs, atol(argv[4])); }
+    else if (!strcmp(mode, "overlap")) { ARGS(4); n = overlap(secs, atoi(argv[4]), atoi(argv[5]), atoi(argv[6]), argv[7]); }
     else if (!strcmp(mode, "kv")) { ARGS(0); n = kv(secs); }
     else if (!strcmp(mode, "leak")) { ARGS(1); n = leak(secs, atol(argv[4])); }
     else if (!strcmp(mode, "oom")) { ARGS(2); n = oom(secs, atol(argv[4]), atof(argv[5])); }
