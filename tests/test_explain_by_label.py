@@ -47,11 +47,21 @@ CASES: dict[str, tuple[Callable[[Loop, float], None], str, tuple[str, ...]]] = {
 
 
 def labelled_run(
-    path: Path, seed: int, incident: Callable[[Loop, float], None] | None, slow_s: float, *, spans: bool = True
+    path: Path,
+    seed: int,
+    incident: Callable[[Loop, float], None] | None,
+    slow_s: float,
+    *,
+    spans: bool = True,
+    node: str | None = None,
+    bad: int | None = None,
 ) -> int:
-    """20 steps of the loop, step ``bad`` (drawn from the seed) preceded by ``incident`` of ``slow_s``."""
+    """20 steps of the loop on ``node``, step ``bad`` (drawn from the seed unless given) preceded by
+    ``incident`` of ``slow_s``."""
     lp = Loop(seed)
-    bad = int(np.random.default_rng(seed).integers(1, STEPS - 1))
+    if node is not None:
+        lp.rec.node = node
+    bad = int(np.random.default_rng(seed).integers(1, STEPS - 1)) if bad is None else bad
     edges = []
     for i in range(STEPS):
         t0 = lp.t

@@ -98,13 +98,10 @@ def run(args: argparse.Namespace) -> int:
     if common.wants_fleet(args):
         from ingero.cli import fleet_cmds
 
-        if args.annotations or args.by or args.annotation:
-            from ingero.errors import UsageError
+        if args.by:
+            from ingero.cli.explain_fleet import run_by
 
-            raise UsageError(
-                "--annotations, --by and --annotation are local for now",
-                hint="run it on a merged database (ingero merge)",
-            )
+            return run_by(args)
         return fleet_cmds.run_explain(args)
     return run_local(args)
 
@@ -253,17 +250,15 @@ def _by_label(conn: Any, args: argparse.Namespace, path: Any, window: Any) -> in
 def _annotation_window(conn: Any, args: argparse.Namespace, window: Any) -> tuple[Any, tuple[str, Any]]:
     """``--annotation step=12``: the window of that value's span(s) (their process when they have one),
     and the value's ledger among its key's values (the span's own start, before its first GPU call, too)."""
-    from ingero.explain.by_label import by_label, label_spans, parse_selector, span_window
+    from ingero.explain.by_label import explain_value
     from ingero.timeutil import fmt_ts
 
-    key, value = parse_selector(args.annotation)
-    span, pid = span_window(label_spans(conn, key, window, args.node), key, value)
+    span, pid, key, value = explain_value(conn, args.annotation, window, node=args.node, threads=read_threads())
     if args.pid is None and pid is not None:
         args.pid = pid
     scope = f", pid {args.pid}" if args.pid is not None else ""
-    note(f"{key}={value}: {fmt_ts(span.start_ns)} to {fmt_ts(span.end_ns)}{scope}")
-    every = by_label(conn, key, window, node=args.node, threads=read_threads())
-    return span, (key, next(v for v in every.values if v.value == value))
+    note(f"{key}={value.value}: {fmt_ts(span.start_ns)} to {fmt_ts(span.end_ns)}{scope}")
+    return span, (key, value)
 
 
 def _per_cgroup(conn: Any, args: argparse.Namespace, path: Any, window: Any) -> int:

@@ -188,6 +188,8 @@ def run_explain(args: argparse.Namespace) -> int:
             node=wanted_node,
             stored=bool(getattr(args, "chains", False)),
             per_process=bool(getattr(args, "per_process", False)),
+            annotation=getattr(args, "annotation", None),
+            annotations=bool(getattr(args, "annotations", False)),
             on_outcome=progress,
         )
     finally:
@@ -197,10 +199,16 @@ def run_explain(args: argparse.Namespace) -> int:
             f"no node {wanted_node!r} answered",
             hint="nodes: " + ", ".join(sorted(o.label for o in fleet.answered)),
         )
+    from ingero.fleet.labels import label_doc, label_text
+
+    asked = {
+        "annotation": bool(getattr(args, "annotation", None)),
+        "annotations": bool(getattr(args, "annotations", False)),
+    }
     if getattr(args, "format", "table") == "json":
-        emit_json(fleet.as_dict())
+        emit_json({**fleet.as_dict(), **label_doc(fleet.outcomes, **asked)})
     elif fleet.answered:
-        print(render_chains(fleet))
+        print(label_text(fleet.outcomes, render_chains(fleet), **asked))
         window = _window_note(fleet.windows)
         note(
             f"{len(fleet.chains)} chain(s) from {len(fleet.answered)} node(s) in {fleet.elapsed_ms:.0f} ms"

@@ -126,6 +126,22 @@ class ValueLedger:
             "cause_share": round(self.lost[self.cause] / self.lost_ns, 3) if self.cause else None,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ValueLedger:
+        """The value back from :meth:`as_dict` (an agent's answer): raises on a malformed one."""
+        return cls(
+            str(d["value"]),
+            int(d["start_ns"]),
+            int(d["end_ns"]),
+            int(d["spans"]),
+            int(d["threads"]),
+            int(d["wall_ns"]),
+            {str(k): int(v) for k, v in dict(d["buckets"]).items()},
+            {str(k): int(v) for k, v in dict(d["lost"]).items()},
+            float(d["x_median"]),
+            None if d.get("cause") is None else str(d["cause"]),
+        )
+
 
 @dataclass
 class ByLabel:
@@ -141,6 +157,11 @@ class ByLabel:
             "values": [v.as_dict() for v in self.values],
             "notes": list(self.notes),
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ByLabel:
+        values = [ValueLedger.from_dict(v) for v in d["values"]]
+        return cls(str(d["key"]), values, int(d["median_ns"]), [str(n) for n in d.get("notes") or []])
 
 
 def label_spans(
@@ -187,6 +208,12 @@ def _path(key: str) -> str:
     return f'$."{key}"'
 
 
+def check_key(key: str) -> str:
+    """A label key as ``--by`` takes it (one-line UsageError for one that cannot be selected)."""
+    _path(key)
+    return key
+
+
 def _last_event(conn: sqlite3.Connection, window: Window) -> int:
     row = conn.execute("SELECT max(timestamp) FROM events").fetchone()
     last = int(row[0]) if row and row[0] is not None else 0
@@ -209,6 +236,17 @@ def span_window(spans: list[LabelSpan], key: str, value: str) -> tuple[Window, i
     pids = {s.pid for s in mine}
     pid = next(iter(pids)) if len(pids) == 1 and 0 not in pids else None
     return Window(min(s.start_ns for s in mine), max(s.end_ns for s in mine) - 1), pid  # [start, end)
+
+
+def explain_value(
+    conn: sqlite3.Connection, selector: str, window: Window, *, node: str | None = None, threads: int = 1
+) -> tuple[Window, int | None, str, ValueLedger]:
+    """``--annotation step=12``: the window of that value's span(s), the process they are scoped to
+    (None: several or none), the key, and the value's ledger among its key's values in ``window``."""
+    key, value = parse_selector(selector)
+    span, pid = span_window(label_spans(conn, key, window, node), key, value)
+    every = by_label(conn, key, window, node=node, threads=threads)
+    return span, pid, key, next(v for v in every.values if v.value == value)
 
 
 def by_label(
@@ -396,6 +434,8 @@ __all__ = [
     "LabelSpan",
     "ValueLedger",
     "by_label",
+    "check_key",
+    "explain_value",
     "label_spans",
     "parse_selector",
     "render",

@@ -93,6 +93,8 @@ async def fleet_explain(
     node: str | None = None,
     stored: bool = False,
     per_process: bool = False,
+    annotation: str | None = None,
+    annotations: bool = False,
     client: FleetClient | None = None,
     on_outcome: OutcomeCallback | None = None,
 ) -> FleetChains:
@@ -100,7 +102,9 @@ async def fleet_explain(
 
     ``op``/``node``/``stored`` select chains as local ``explain --op/--node/--chains`` does
     (see :func:`~ingero.fleet.merge.merge_chains`); ``per_process`` has every agent compute its chains
-    for each GPU process (``explain --per-process``).
+    for each GPU process (``explain --per-process``). ``annotation`` (``step=12``) has each agent explain
+    that value's span(s) (a node without one answers so: :func:`~ingero.fleet.labels.label_job`);
+    ``annotations`` adds each node's label summary.
     """
     # numpy and the explain model are imported here, not with the module: a fleet query needs neither
     from ingero.fleet.collective_ops import collective_verdict, fetch_collectives, node_calls
@@ -108,10 +112,13 @@ async def fleet_explain(
 
     params = window_params(since, from_, to)
 
+    from ingero.fleet.labels import label_job, label_params
+
     chain_params = {**(params or {}), "per_process": "1"} if per_process else params
+    chain_params = label_params(chain_params, annotation=annotation, annotations=annotations)
 
     async def job(conn: NodeClient) -> dict[str, Any]:
-        chains = await conn.get("/api/v1/chains", chain_params)
+        chains = await label_job(conn, chain_params, annotation=annotation, annotations=annotations)
         if isinstance(chains.get("ops"), list) and isinstance(chains.get("host"), dict) and not per_process:
             ops = {"ops": chains["ops"], "host": chains["host"]}  # the agent computed them with the chains
         else:  # an older agent, or per-process chains (whose op tables are per process): ask /ops

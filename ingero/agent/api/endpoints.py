@@ -33,7 +33,11 @@ if TYPE_CHECKING:
 
 TOP_OPS = 10
 WINDOW_PARAMS = ("since", "from", "to")
-CHAINS_PARAMS = (*WINDOW_PARAMS, "per_process")  # per_process=1: chains for each GPU process, as explain --per-process
+# per_process=1: chains for each GPU process, as explain --per-process. explain --by / --annotation /
+# --annotations over the fleet: by=KEY answers the by-label ledger alone; annotation=KEY=VALUE explains
+# that value's span(s) (with its ledger line, "label"); annotations=1 adds the window's label summary
+# ("labels"). An agent older than these answers 400 (unknown parameter).
+CHAINS_PARAMS = (*WINDOW_PARAMS, "per_process", "by", "annotation", "annotations")
 
 
 @dataclass
@@ -206,9 +210,23 @@ def ops(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -
 def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
     from ingero.explain.model import stored_chains
 
+    extra: dict[str, Any] = {}
     with reader(ctx, cancel) as conn:
         window = window_from_params(conn, params)
-        computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"))
+        if params.get("by"):
+            return encode(ok(ctx, window=window.as_dict(), by=_by_label(conn, params["by"], window)))
+        if params.get("annotations") in ("1", "true"):
+            from ingero.store.annotation_join import label_summary
+
+            extra["labels"] = label_summary(conn, window.start_ns, window.end_ns)
+        pid = None
+        if params.get("annotation"):
+            label = _label(conn, params["annotation"], window)
+            if label.get("missing"):  # no such span here: nothing of the window to explain
+                return encode(ok(ctx, window=window.as_dict(), label=label, **extra))
+            window, pid = label["window_of"], label["pid"]
+            extra["label"] = {k: v for k, v in label.items() if k != "window_of"}
+        computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"), pid=pid)
         stored = stored_chains(conn, window)
     return encode(
         ok(
@@ -220,8 +238,27 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
             ops=[o.as_dict() for o in computed.ops],
             host=computed.host.as_dict(),
             ledger=[r.as_dict() for r in computed.ledger],  # where each GPU thread's wall time went
+            **extra,
         )
     )
+
+
+def _by_label(conn: sqlite3.Connection, key: str, window: Window) -> dict[str, Any]:
+    from ingero.explain.by_label import by_label
+
+    return by_label(conn, key, window).as_dict()
+
+
+def _label(conn: sqlite3.Connection, selector: str, window: Window) -> dict[str, Any]:
+    """``annotation=step=12``: the span's window and process, and the value's ledger line; a node
+    without that span says so (``missing``) rather than failing: the others may have it."""
+    from ingero.explain.by_label import explain_value
+
+    try:
+        span, pid, key, value = explain_value(conn, selector, window)
+    except UsageError as e:
+        return {"selector": selector, "missing": e.message}
+    return {"key": key, "pid": pid, "value": value.as_dict(), "window_of": span}
 
 
 def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
@@ -245,11 +282,13 @@ def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Eve
     )
 
 
-def _explain(conn: sqlite3.Connection, window: Window, *, per_process: bool = False) -> ExplainReport:
+def _explain(
+    conn: sqlite3.Connection, window: Window, *, per_process: bool = False, pid: int | None = None
+) -> ExplainReport:
     """Every node in this database (a merged cluster database served by one agent has several)."""
     from ingero.explain.engine import explain
 
-    return explain(conn, window, per_process=per_process)
+    return explain(conn, window, per_process=per_process, pid=pid)
 
 
 # --- request validation (runs on the loop: cheap) ----------------------------------------------
