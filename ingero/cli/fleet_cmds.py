@@ -205,10 +205,11 @@ def run_explain(args: argparse.Namespace) -> int:
         "annotation": bool(getattr(args, "annotation", None)),
         "annotations": bool(getattr(args, "annotations", False)),
     }
+    shown = [o for o in fleet.outcomes if wanted_node in (None, o.label)]
     if getattr(args, "format", "table") == "json":
-        emit_json({**fleet.as_dict(), **label_doc(fleet.outcomes, **asked)})
+        emit_json({**fleet.as_dict(), **label_doc(shown, **asked)})
     elif fleet.answered:
-        print(label_text(fleet.outcomes, render_chains(fleet), **asked))
+        print(label_text(shown, render_chains(fleet), **asked))
         window = _window_note(fleet.windows)
         note(
             f"{len(fleet.chains)} chain(s) from {len(fleet.answered)} node(s) in {fleet.elapsed_ms:.0f} ms"
