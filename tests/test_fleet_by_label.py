@@ -110,6 +110,8 @@ def test_annotation_explains_each_nodes_span(fleet: Fleet, capsys: pytest.Captur
     assert [x.split()[0] for x in head] == list(NODES)
     assert "asleep on forked workers" in head[1] and " lost: " not in head[0] + head[2]
     assert "FLEET DIAGNOSIS" in out
+    rc, _, err = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotation", "step=25"])
+    assert rc == 2 and err.count("\n") == 1 and "no span of step=25 on any of the 3 node(s)" in err
     rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotation", sel, "--node", SLOW_NODE, "--json"])
     assert rc == 0 and set(json.loads(out)["label"]) == {SLOW_NODE}
 

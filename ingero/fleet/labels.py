@@ -72,20 +72,39 @@ async def chains_with_labels(conn: NodeClient, params: dict[str, str] | None) ->
 
 
 async def label_job(
-    conn: NodeClient, params: dict[str, str] | None, *, annotation: str | None, annotations: bool
+    conn: NodeClient,
+    params: dict[str, str] | None,
+    *,
+    annotation: str | None,
+    annotations: bool,
+    missing: list[NodeSpec] | None = None,
 ) -> dict[str, Any]:
     """A fleet explain's ``/chains`` answer: with ``annotation``, the node's span explained (a node
-    without that span fails with the agent's words); with ``annotations``, its label summary."""
+    without that span fails with the agent's words, and is added to ``missing``); with ``annotations``,
+    its label summary."""
     body = await chains_with_labels(conn, params)
     label = body.get("label")
     if annotation is not None and not (isinstance(label, dict) and isinstance(label.get("value"), dict)):
-        missing = label.get("missing") if isinstance(label, dict) else None
-        if missing:
-            raise NodeFailure(Kind.ERROR, str(missing), node=conn.node)
+        if isinstance(label, dict) and label.get("missing"):
+            if missing is not None:
+                missing.append(conn.spec)
+            raise NodeFailure(Kind.ERROR, str(label["missing"]), node=conn.node)
         raise NodeFailure(Kind.SCHEMA, "the /chains answer has no 'label' (the agent ignored annotation=)")
     if annotations and not isinstance(body.get("labels"), dict):
         raise NodeFailure(Kind.SCHEMA, "the /chains answer has no 'labels' (the agent ignored annotations=)")
     return body
+
+
+def check_some_span(annotation: str | None, missing: list[NodeSpec], outcomes: Sequence[NodeOutcome]) -> None:
+    """``--annotation`` that no node has a span of is the user's error (one line), not N node failures."""
+    if annotation is not None and outcomes and len(missing) == len(outcomes):
+        from ingero.errors import UsageError
+
+        key = annotation.partition("=")[0].strip()
+        raise UsageError(
+            f"no span of {annotation} on any of the {len(outcomes)} node(s)",
+            hint=f"list them: ingero explain --nodes ... --by {key}",
+        )
 
 
 def node_parts(outcomes: Sequence[NodeOutcome], name: str) -> dict[str, Any]:
@@ -235,6 +254,7 @@ __all__ = [
     "FleetByLabel",
     "by_label_sync",
     "chains_with_labels",
+    "check_some_span",
     "fleet_by_label",
     "label_doc",
     "label_job",

@@ -112,13 +112,14 @@ async def fleet_explain(
 
     params = window_params(since, from_, to)
 
-    from ingero.fleet.labels import label_job, label_params
+    from ingero.fleet.labels import check_some_span, label_job, label_params
 
     chain_params = {**(params or {}), "per_process": "1"} if per_process else params
     chain_params = label_params(chain_params, annotation=annotation, annotations=annotations)
+    missing: list[NodeSpec] = []  # nodes without a span of ``annotation``
 
     async def job(conn: NodeClient) -> dict[str, Any]:
-        chains = await label_job(conn, chain_params, annotation=annotation, annotations=annotations)
+        chains = await label_job(conn, chain_params, annotation=annotation, annotations=annotations, missing=missing)
         if isinstance(chains.get("ops"), list) and isinstance(chains.get("host"), dict) and not per_process:
             ops = {"ops": chains["ops"], "host": chains["host"]}  # the agent computed them with the chains
         else:  # an older agent, or per-process chains (whose op tables are per process): ask /ops
@@ -131,6 +132,7 @@ async def fleet_explain(
     started = time.perf_counter()
     async with _client(nodes, settings, client) as fc:
         outcomes = await refine(await fc.fan_out(job, on_outcome=on_outcome))
+    check_some_span(annotation, missing, outcomes)
     fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000, op=op, node=node, stored=stored)
     calls = node_calls(outcomes)  # where nodes recorded collectives, their verdict replaces the host one
     if any(len(c) for c in calls):
