@@ -18,26 +18,32 @@ from ingero.explain.by_label import by_label
 from ingero.store.db import open_readonly
 from tests.fleet_agents import AgentSpec, Pki, agents_in_thread, closed_port, make_pki
 from tests.test_explain_by_label import labelled_run
-from tests.test_explain_ledger import workers
+from tests.test_explain_ledger import ingero_layout, workers
 
 NODES = ("gpu-a", "gpu-b", "gpu-c")
-SLOW_NODE, SLOW_STEP = "gpu-b", 12
-Fleet = tuple[dict[str, Path], list[str], Pki]
+SLOW_STEP = 12
+# the slow node first / last in node order, its recording as ingero writes it or as Ingero does (no
+# prev_state on sched_switch, wakeups as the waker's events)
+SLOW = [("gpu-a", "recorded"), ("gpu-c", "ingero")]
+Fleet = tuple[dict[str, Path], list[str], Pki, str]
 OLD_CHAINS_PARAMS = (*endpoints.WINDOW_PARAMS, "per_process")  # what /chains took before these flags
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """The three nodes' databases, the CLI flags that reach their agents, and their PKI."""
+@pytest.fixture(scope="module", params=SLOW, ids=[f"{n}-{layout}" for n, layout in SLOW])
+def fleet(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """The three nodes' databases, the CLI flags that reach their agents, their PKI and the slow node."""
+    slow_node, layout = request.param
     tmp = tmp_path_factory.mktemp("fleet")
     pki = make_pki(tmp / "pki")
     dbs: dict[str, Path] = {}
     for i, node in enumerate(NODES):
         dbs[node] = tmp / f"{node}.db"
-        slow = node == SLOW_NODE
+        slow = node == slow_node
         labelled_run(dbs[node], 40 + i, workers if slow else None, 0.03 if slow else 0.0, node=node, bad=SLOW_STEP)
+        if slow and layout == "ingero":
+            dbs[node] = ingero_layout(dbs[node], tmp / f"{node}-ingero.db", wakeups=True)
     with agents_in_thread(pki, [AgentSpec(dbs[n], n) for n in NODES]) as servers:
-        yield dbs, [",".join(f"{s.host}:{s.port}" for s in servers), *_tls(pki)], pki
+        yield dbs, [",".join(f"{s.host}:{s.port}" for s in servers), *_tls(pki)], pki, slow_node
 
 
 def _tls(pki: Pki) -> list[str]:
@@ -59,7 +65,7 @@ def _local(db: Path) -> dict[str, Any]:
 
 
 def test_by_step_names_the_slow_nodes_step_with_its_cause(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
-    dbs, (nodes, *tls), _pki = fleet
+    dbs, (nodes, *tls), _pki, slow = fleet
     rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--by", "step", "--json"])
     assert rc == 0
     doc = json.loads(out)
@@ -71,12 +77,12 @@ def test_by_step_names_the_slow_nodes_step_with_its_cause(fleet: Fleet, capsys: 
         assert [{k: v for k, v in r.items() if k != "node"} for r in rows if r["node"] == node] == local["values"]
         assert doc["by_node"][node]["median_ns"] == local["median_ns"]
     named = [(r["node"], r["value"], r["cause"]) for r in rows if r["cause"]]
-    assert named == [(SLOW_NODE, str(SLOW_STEP), "asleep_workers")]
+    assert named == [(slow, str(SLOW_STEP), "asleep_workers")]
 
     rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--by", "step"])
     assert rc == 0
-    assert f"slowest: step {SLOW_STEP} on {SLOW_NODE}," in out.splitlines()[0]
-    line = next(x for x in out.splitlines() if x.split()[:3] == [SLOW_NODE, "step", f"{SLOW_STEP}:"])
+    assert f"slowest: step {SLOW_STEP} on {slow}," in out.splitlines()[0]
+    line = next(x for x in out.splitlines() if x.split()[:3] == [slow, "step", f"{SLOW_STEP}:"])
     assert "asleep on forked workers (input starvation)" in line
     assert sum(1 for x in out.splitlines() if " lost: " in x) == 1
     assert all(sum(1 for x in out.splitlines() if x.split()[:1] == [n]) == 21 for n in NODES)  # median + 20 steps
@@ -86,7 +92,7 @@ def test_by_step_names_the_slow_nodes_step_with_its_cause(fleet: Fleet, capsys: 
 
 
 def test_annotation_explains_each_nodes_span(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
-    dbs, (nodes, *tls), _pki = fleet
+    dbs, (nodes, *tls), _pki, slow = fleet
     sel = f"step={SLOW_STEP}"
     rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotation", sel, "--json"])
     assert rc == 0
@@ -101,23 +107,24 @@ def test_annotation_explains_each_nodes_span(fleet: Fleet, capsys: pytest.Captur
         mine = sorted((c["family"], c["severity"]) for c in doc["chains"] if c["node"] == node)
         assert mine == sorted((c["family"], c["severity"]) for c in local["chains"])
         assert [r for r in doc["ledger"] if r["node"] == node] == local["ledger"]
-    assert doc["label"][SLOW_NODE]["value"]["cause"] == "asleep_workers"
-    assert all(doc["label"][n]["value"]["cause"] is None for n in NODES if n != SLOW_NODE)
+    assert doc["label"][slow]["value"]["cause"] == "asleep_workers"
+    assert all(doc["label"][n]["value"]["cause"] is None for n in NODES if n != slow)
 
     rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotation", sel])
     assert rc == 0
     head = out.splitlines()[:3]
     assert [x.split()[0] for x in head] == list(NODES)
-    assert "asleep on forked workers" in head[1] and " lost: " not in head[0] + head[2]
+    for node, line in zip(NODES, head, strict=True):
+        assert ("asleep on forked workers" in line) is (node == slow) and (" lost: " in line) is (node == slow)
     assert "FLEET DIAGNOSIS" in out
     rc, _, err = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotation", "step=25"])
     assert rc == 2 and err.count("\n") == 1 and "no span of step=25 on any of the 3 node(s)" in err
-    rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotation", sel, "--node", SLOW_NODE, "--json"])
-    assert rc == 0 and set(json.loads(out)["label"]) == {SLOW_NODE}
+    rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotation", sel, "--node", slow, "--json"])
+    assert rc == 0 and set(json.loads(out)["label"]) == {slow}
 
 
 def test_annotations_summarise_each_node(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
-    dbs, (nodes, *tls), _pki = fleet
+    dbs, (nodes, *tls), _pki, _slow = fleet
     rc, out, _ = _run(capsys, ["explain", "--nodes", nodes, *tls, "--annotations", "--json"])
     assert rc == 0
     doc = json.loads(out)
@@ -137,7 +144,7 @@ def test_a_down_node_and_an_older_agent_are_one_line_each(
 ) -> None:
     """A real agent whose /chains takes only the parameters it took before (what an older ingero
     answers: 400, unknown parameter) and a port nobody listens on, beside the three nodes."""
-    dbs, (nodes, *tls), pki = fleet
+    dbs, (nodes, *tls), pki, _slow = fleet
     with monkeypatch.context() as m:
         m.setattr(endpoints, "CHAINS_PARAMS", OLD_CHAINS_PARAMS)
         old = agents_in_thread(pki, [AgentSpec(dbs["gpu-a"], "gpu-old")])
