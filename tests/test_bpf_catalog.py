@@ -268,3 +268,7 @@ def test_no_family_is_found_in_the_healthy_window(rec: Recording, layout: str) -
             continue
         o = judge(report, CATALOG[family][layout], Params(seed=0, magnitude=sc.magnitude), family, layout)
         assert not o.found, f"{family} found in the healthy window: {o.chains}"
+
+
+def test_every_family_of_the_catalog_has_a_real_recording() -> None:
+    assert sorted(SCENARIOS) == sorted(CATALOG)
