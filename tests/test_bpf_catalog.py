@@ -103,15 +103,6 @@ SCENARIOS: dict[str, Scenario] = {
 # (family, layout) -> what explain said instead (strict: the mark goes with the fix)
 NOT_YET: dict[tuple[str, str], str] = {
     **{
-        ("serving-host-bound", lay): "named idle/host_bound 'at every step (~699ms per step)', not an incident: a "
-        "back-to-back decode loop has no gap of 1 ms or more after its syncs but the two 0.7 s bursts, so the "
-        "loop's pace is measured on the incidents themselves (idle/host_code expected)"
-        for lay in LAYOUTS
-    },
-    ("late-rank", INGERO): "named idle/host_bound 'at every step (~24ms per step)' for a rank late before every "
-    "5th all-reduce: its 25 ms stretches are the only gaps of 1 ms or more, so they are taken for its pace "
-    "(idle/host_code, straggler or late-rank expected)",
-    **{
         ("tool-call", lay): "idle/asleep_network stays LOW (41 % of wall): a tool call's wait is not yet told "
         "from a server idle between requests"
         for lay in LAYOUTS

@@ -504,12 +504,14 @@ def _thread_row(
         minutes = np.arange(first, w1, MINUTE_NS, dtype=np.int64)
     nxt = np.flatnonzero(new)[1:]  # the call that ends each gap: a sync tells what the GPU did in it
     nxt_key = ((src[nxt] & 0xF) << 8) | (op[nxt] & 0xFF)
+    prev = nxt - 1  # the call each gap follows
+    prev_key = ((src[prev] & 0xF) << 8) | (op[prev] & 0xFF)
     syncs = _DRAINS[nxt_key]
     idle = ((g1 - g0) >= GAP_NS) & (drained[:-1] | syncs)  # the gaps judged (ledger_gaps.judge_idle)
     sync = (np.where(syncs, end[nxt] - ts[nxt], -1), nxt_key)
     classes = gap_classes(ev, tid, kids)
     total, in_idle, per_minute, gap_idle, row.paced_ns = paint(
-        g0, g1, idle, classes, minutes, drained=drained[:-1], sync=sync
+        g0, g1, idle, classes, minutes, drained=drained[:-1], sync=sync, after=prev_key
     )
     for b in GAP_BUCKETS:
         row.buckets[b] = int(total[IDX[b]])

@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from ingero.explain.frame import I64
 from ingero.explain.offcpu import INVOL, IOWAIT, NOT_WOKEN, UNKNOWN, VOL, Intervals, OffCpu, union
+from ingero.store.catalog import op_ids
 from ingero.timeutil import NS_PER_MS
 
 BUCKETS = (
@@ -71,6 +72,13 @@ NET_NEAR_NS = NS_PER_MS  # a sleep this close to the thread's own socket call is
 
 
 SLEEPS = (ASLEEP_WORKERS, ASLEEP_DISK, ASLEEP_NETWORK, ASLEEP_TIMER, ASLEEP_UNKNOWN, OFFCPU_UNKNOWN)
+_STEP_ENDS = np.zeros(1 << 12, dtype=bool)  # by (source & 0xF) << 8 | (op & 0xFF): the syncs that end a loop's step
+_STEP_ENDS[
+    [
+        (s & 0xF) << 8 | (o & 0xFF)
+        for s, o in op_ids("cudaStreamSync", "cudaDeviceSync", "cudaEventSynchronize", "cuCtxSynchronize")
+    ]
+] = True
 SLEEP_FREE_NS = NS_PER_MS // 4  # a gap with less sleep than this (scheduler ticks) is on-CPU throughout
 MIN_REF = 5  # a sync's steady level after quick host gaps needs this many of them (else: unknown, not idle)
 
@@ -87,14 +95,21 @@ class Judged:
 
 
 def judge_idle(
-    per: npt.NDArray[np.float64], drained: npt.NDArray[np.bool_], sync_ns: I64, sync_key: I64, sleeps: bool = True
+    per: npt.NDArray[np.float64],
+    drained: npt.NDArray[np.bool_],
+    sync_ns: I64,
+    sync_key: I64,
+    sleeps: bool = True,
+    short: I64 | None = None,
 ) -> Judged:
     """How much of each judged gap the GPU idled, per bucket (``per``: rows BUCKETS, a column per gap).
 
     * Each bucket's first ``GAP_NS`` in a gap is the loop's turnaround (dispatching the next step, a
       handoff, an ordinary preemption): never idle.
     * After a draining call (``drained``) the GPU had nothing queued: the rest is idle — own host code
-      beyond twice the loop's usual time per gap as an incident; up to it, the loop's pace, only in gaps
+      beyond twice the loop's usual time per gap (its median over every gap after a sync, the ``short``
+      ones under ``GAP_NS`` included: a loop whose only long gaps are its incidents has no long pace) as
+      an incident; up to it, the loop's pace, only in gaps
       the thread never slept in (under ``SLEEP_FREE_NS``: a CPU-bound step). A loop that sleeps between
       steps (a timer, a peer, a queue) is paced by that wait, told in its own bucket; a thread with no
       sleep recorded at all (``sleeps`` False: not even in its syncs) may spin on-CPU waiting for work
@@ -110,9 +125,10 @@ def judge_idle(
     n, host = per.shape[0], IDX[HOST_CODE]
     h = per[host]
     allow = np.zeros(h.size)
-    for kind in (drained, ~drained):  # the two places of a loop's host code: after a sync, between launches
+    for kind, also in ((drained, short), (~drained, None)):  # a loop's host code: after a sync, between launches
         if kind.any():
-            allow[kind] = max(float(GAP_NS), TURNAROUND_X * float(np.median(h[kind])))
+            usual = np.concatenate((h[kind], also)) if also is not None else h[kind]
+            allow[kind] = max(float(GAP_NS), TURNAROUND_X * float(np.median(usual)))
     live = np.asarray([i for i in range(n) if i != host and per[i].any()], dtype=np.int64)  # off-CPU buckets present
     beyond = np.zeros_like(per)
     beyond[live] = np.maximum(per[live] - GAP_NS, 0)
@@ -145,6 +161,16 @@ def judge_idle(
     in_idle[host] += paced.sum()
     gap_idle = beyond.sum(axis=0) + paced
     return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())))
+
+
+def _short(g0: I64, g1: I64, drained: npt.NDArray[np.bool_] | None, after: I64 | None) -> I64 | None:
+    """The lengths of the gaps after a sync (a step's end: ``after``, the op key of the call each gap
+    follows) too short to be judged (under ``GAP_NS``)."""
+    if drained is None or after is None:
+        return None
+    length = g1 - g0
+    out: I64 = length[drained & (length < GAP_NS) & _STEP_ENDS[after & 0xFFF]]
+    return out
 
 
 def _sleeps(classes: dict[str, tuple[I64, I64]]) -> bool:
@@ -255,20 +281,24 @@ def paint(
     *,
     drained: npt.NDArray[np.bool_] | None = None,
     sync: tuple[I64, I64] | None = None,
+    after: I64 | None = None,
 ) -> Painted:
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
     ``idle``, judged by :func:`judge_idle`), (with ``minutes``, the minute edges inside the wall) its
     time per minute (rows) — exact integer sums —, the idle time of each ``idle`` gap, and the paced
     part of the idle own host code (:attr:`Judged.paced`). ``drained``: which gaps follow a draining
     call (None: every ``idle`` gap); ``sync``: per gap, the duration and op key of the draining call
-    that ends it (-1: none) — what the gaps after asynchronous launches are judged by.
+    that ends it (-1: none) — what the gaps after asynchronous launches are judged by; ``after``: per
+    gap, the op key (``source << 8 | op``) of the call it follows (a loop's steps end in syncs: its pace
+    is measured over every gap after one).
 
     The classes are painted once, strongest first, into segments between their own edges; the gaps are
     measured through their prefix sums (no cut per gap: the work grows with the scheduler rows, not the
     calls), and only the ``idle`` gaps get per-gap figures. Per minute (selective storage) the gaps are
     cut up (:func:`_paint_segments`)."""
     if minutes is not None:
-        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync)
+        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync, after)
+    short = _short(g0, g1, drained, after)
     n, host = len(BUCKETS), IDX[HOST_CODE]
     live = [(b, classes[b]) for b in _GAP_ORDER if classes[b][0].size]
     seg_s = seg_e = seg_b = np.zeros(0, dtype=np.int64)
@@ -297,7 +327,7 @@ def paint(
         mine = Intervals(s, e, np.concatenate(([0], np.cumsum(e - s))), s)
         per[b] = mine.before(z) - mine.before(a)
     per[host] = (z - a) - per.sum(axis=0)
-    judged = judge_idle(per.astype(np.float64), *_sure_context(idle, drained, sync), _sleeps(classes))
+    judged = judge_idle(per.astype(np.float64), *_sure_context(idle, drained, sync), _sleeps(classes), short)
     return np.rint(total).astype(np.int64), judged.in_idle, None, judged.gap_idle, judged.paced
 
 
@@ -309,6 +339,7 @@ def _paint_segments(
     minutes: I64 | None,
     drained: npt.NDArray[np.bool_] | None,
     sync: tuple[I64, I64] | None,
+    after: I64 | None,
 ) -> Painted:
     """:func:`paint` by cutting the touched gaps into segments at every class and minute edge (only
     the gaps a class interval touches: the others are own host code whole)."""
@@ -373,7 +404,7 @@ def _paint_segments(
     per = np.zeros((n, sure_gaps.size), dtype=np.float64)  # per bucket, its time in each idle gap
     per[pairs[sure] % n, np.searchsorted(sure_gaps, gap_of[sure])] = sums[sure]
     per[host] = sure_host
-    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes))
+    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), _short(g0, g1, drained, after))
     per_minute: npt.NDArray[np.float64] | None = None
     if minutes is not None:
         m = np.searchsorted(minutes, left, side="right")
