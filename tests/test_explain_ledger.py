@@ -691,6 +691,11 @@ def test_a_loop_cpu_bound_at_every_step_is_idle_beyond_its_turnaround(seed: int)
     asleep = _gaps(m, host_code=host, asleep_timer=np.full(m, 2 * NS_PER_MS))
     assert judge_idle(asleep, after_sync, none, none).paced == 0
     assert judge_idle(_gaps(m, host_code=host), after_sync, none, none, sleeps=False).paced == 0
+    # a back-to-back loop whose only long gaps after its syncs are two bursts: no pace, two incidents
+    bursts = _gaps(2, host_code=np.array([700.0, 650.0]) * NS_PER_MS)
+    short = np.full(2000, 50 * NS_PER_US, dtype=np.int64)  # its every other step: 50 µs after the sync
+    j = judge_idle(bursts, np.ones(2, dtype=bool), none[:2], none[:2], short=short)
+    assert j.paced == 0 and j.in_idle[BUCKETS.index("host_code")] == pytest.approx(1350 * NS_PER_MS - 2 * GAP_NS)
     # the turnaround is never idle: a loop inside it loses nothing
     quick = _gaps(m, host_code=np.full(m, 0.9 * NS_PER_MS))
     assert judge_idle(quick, after_sync, none, none).in_idle.sum() == 0
