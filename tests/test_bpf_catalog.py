@@ -102,18 +102,10 @@ SCENARIOS: dict[str, Scenario] = {
 
 # (family, layout) -> what explain said instead (strict: the mark goes with the fix)
 NOT_YET: dict[tuple[str, str], str] = {
-    **{
-        ("tool-call", lay): "idle/asleep_network stays LOW (41 % of wall): a tool call's wait is not yet told "
-        "from a server idle between requests"
-        for lay in LAYOUTS
-    },
-}
-# Misses that come and go from run to run (not strict: a pass is luck, not the fix)
-COIN_FLIP: dict[tuple[str, str], str] = {
-    ("late-rank", RECORDED): "no late-rank chain in 4 runs of 5: late_entries rejects the rank when its "
-    "collectives after the late entries are longer in median than its others (140 vs 84 µs: the last to "
-    "arrive pays the rendezvous round trip) — tens of µs decide, against 25 ms of lateness; idle/host_bound "
-    "'at every step' is named instead",
+    (family, lay): "idle/asleep_network stays LOW (41 % of wall): a tool call's wait is not yet told from a "
+    "server idle between requests"
+    for family in ("tool-call",)
+    for lay in LAYOUTS
 }
 
 
@@ -213,8 +205,8 @@ def _show(o: Outcome, report: ExplainReport, rec: Recording, family: str) -> str
 
 
 def _case(family: str, layout: str) -> object:
-    why = NOT_YET.get((family, layout)) or COIN_FLIP.get((family, layout))
-    marks = [pytest.mark.xfail(strict=(family, layout) in NOT_YET, reason=why)] if why else []
+    why = NOT_YET.get((family, layout))
+    marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
     return pytest.param(family, layout, id=f"{family}-{layout}", marks=marks)
 
 
