@@ -163,7 +163,7 @@ def judge_idle(
     return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())))
 
 
-def _short(g0: I64, g1: I64, drained: npt.NDArray[np.bool_] | None, after: I64 | None) -> I64 | None:
+def _short_after_syncs(g0: I64, g1: I64, drained: npt.NDArray[np.bool_] | None, after: I64 | None) -> I64 | None:
     """The lengths of the gaps after a sync (a step's end: ``after``, the op key of the call each gap
     follows) too short to be judged (under ``GAP_NS``)."""
     if drained is None or after is None:
@@ -298,7 +298,7 @@ def paint(
     cut up (:func:`_paint_segments`)."""
     if minutes is not None:
         return _paint_segments(g0, g1, idle, classes, minutes, drained, sync, after)
-    short = _short(g0, g1, drained, after)
+    short = _short_after_syncs(g0, g1, drained, after)
     n, host = len(BUCKETS), IDX[HOST_CODE]
     live = [(b, classes[b]) for b in _GAP_ORDER if classes[b][0].size]
     seg_s = seg_e = seg_b = np.zeros(0, dtype=np.int64)
@@ -404,7 +404,9 @@ def _paint_segments(
     per = np.zeros((n, sure_gaps.size), dtype=np.float64)  # per bucket, its time in each idle gap
     per[pairs[sure] % n, np.searchsorted(sure_gaps, gap_of[sure])] = sums[sure]
     per[host] = sure_host
-    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), _short(g0, g1, drained, after))
+    judged = judge_idle(
+        per, *_sure_context(idle, drained, sync), _sleeps(classes), _short_after_syncs(g0, g1, drained, after)
+    )
     per_minute: npt.NDArray[np.float64] | None = None
     if minutes is not None:
         m = np.searchsorted(minutes, left, side="right")
