@@ -105,10 +105,10 @@ class Env:
         p.stdin.write("go\n")
         p.stdin.flush()
 
-    def hog(self, cpu: int, on_ms: float = 0, off_ms: float = 0) -> subprocess.Popen[bytes]:
-        """A CPU hog (``catalog_job hog``) pinned to ``cpu`` at nice -10: ahead of a nice-0 workload."""
+    def hog(self, cpu: int, on_ms: float = 0, off_ms: float = 0, nice: int = -10) -> subprocess.Popen[bytes]:
+        """A CPU hog (``catalog_job hog``) pinned to ``cpu`` at ``nice`` (-10: ahead of a nice-0 workload)."""
         p = subprocess.Popen(
-            ["taskset", "-c", str(cpu), "nice", "-n", "-10", str(self.exe), "hog", "-", str(on_ms), str(off_ms)],
+            ["taskset", "-c", str(cpu), "nice", "-n", str(nice), str(self.exe), "hog", "-", str(on_ms), str(off_ms)],
             stdin=subprocess.DEVNULL,
         )
         self.procs.append(p)
@@ -159,7 +159,15 @@ SECS = 4.0
 
 
 def healthy_sleeps(env: Env) -> list[int]:
-    return [done(env.start("healthy", SECS))]
+    """The trainer (SCHED_FIFO, so never held off the CPU by it) shares its core with a batch job at nice
+    19 that spins whenever the core is free: the timers that end its sleeps fire while the batch job runs."""
+    batch = env.hog(HOG_CPU, nice=19)
+    env.culprits.append(batch.pid)
+    try:
+        return [done(env.start("healthy", SECS, cpu=HOG_CPU))]
+    finally:
+        batch.kill()
+        batch.wait()
 
 
 def loader_fork(env: Env) -> list[int]:
