@@ -508,7 +508,8 @@ def _thread_row(
     prev_key = ((src[prev] & 0xF) << 8) | (op[prev] & 0xFF)
     syncs = _DRAINS[nxt_key]
     idle = ((g1 - g0) >= GAP_NS) & (drained[:-1] | syncs)  # the gaps judged (ledger_gaps.judge_idle)
-    sync = (np.where(syncs, end[nxt] - ts[nxt], -1), nxt_key)
+    at = nxt[idle]  # per judged gap, the draining call that ends it (ledger_gaps.paint's ``sync``)
+    sync = (np.where(syncs[idle], end[at] - ts[at], -1), nxt_key[idle])
     classes = gap_classes(ev, tid, kids)
     total, in_idle, per_minute, gap_idle, row.paced_ns = paint(
         g0, g1, idle, classes, minutes, drained=drained[:-1], sync=sync, after=prev_key

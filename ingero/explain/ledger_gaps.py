@@ -186,7 +186,7 @@ def _sure_context(
     d = np.ones(m, dtype=bool) if drained is None else drained[idle]
     if sync is None:
         return d, np.full(m, -1, dtype=np.int64), np.full(m, -1, dtype=np.int64)
-    return d, sync[0][idle], sync[1][idle]
+    return d, sync[0], sync[1]
 
 
 def _covered(starts: I64, ends: I64, points: I64) -> npt.NDArray[np.bool_]:
@@ -287,8 +287,8 @@ def paint(
     ``idle``, judged by :func:`judge_idle`), (with ``minutes``, the minute edges inside the wall) its
     time per minute (rows) — exact integer sums —, the idle time of each ``idle`` gap, and the paced
     part of the idle own host code (:attr:`Judged.paced`). ``drained``: which gaps follow a draining
-    call (None: every ``idle`` gap); ``sync``: per gap, the duration and op key of the draining call
-    that ends it (-1: none) — what the gaps after asynchronous launches are judged by; ``after``: per
+    call (None: every ``idle`` gap); ``sync``: per ``idle`` gap (in order), the duration and op key of
+    the draining call that ends it (-1: none) — what the gaps after asynchronous launches are judged by; ``after``: per
     gap, the op key (``source << 8 | op``) of the call it follows (a loop's steps end in syncs: its pace
     is measured over every gap after one).
 
