@@ -78,6 +78,7 @@ from ingero.explain.ledger_gaps import (
     PREEMPTED,
     TAKE_ORDER,
     ThreadEvidence,
+    ends_a_step,
     gap_classes,
     paint,
 )
@@ -502,17 +503,19 @@ def _thread_row(
     if un_ns is not None:
         first = (w0 // MINUTE_NS + 1) * MINUTE_NS
         minutes = np.arange(first, w1, MINUTE_NS, dtype=np.int64)
+    long = (g1 - g0) >= GAP_NS
     nxt = np.flatnonzero(new)[1:]  # the call that ends each gap: a sync tells what the GPU did in it
-    nxt_key = ((src[nxt] & 0xF) << 8) | (op[nxt] & 0xFF)
-    prev = nxt - 1  # the call each gap follows
-    prev_key = ((src[prev] & 0xF) << 8) | (op[prev] & 0xFF)
-    syncs = _DRAINS[nxt_key]
-    idle = ((g1 - g0) >= GAP_NS) & (drained[:-1] | syncs)  # the gaps judged (ledger_gaps.judge_idle)
-    at = nxt[idle]  # per judged gap, the draining call that ends it (ledger_gaps.paint's ``sync``)
-    sync = (np.where(syncs[idle], end[at] - ts[at], -1), nxt_key[idle])
+    after = np.flatnonzero(long & ~drained[:-1])  # gaps after launches: judged where a draining call ends them
+    idle = long & drained[:-1]  # the gaps judged (ledger_gaps.judge_idle)
+    idle[after[_DRAINS[((src[nxt[after]] & 0xF) << 8) | (op[nxt[after]] & 0xFF)]]] = True
+    at = nxt[idle]  # per judged gap, the call that ends it (ledger_gaps.paint's ``sync``)
+    at_key = ((src[at] & 0xF) << 8) | (op[at] & 0xFF)
+    sync = (np.where(_DRAINS[at_key], end[at] - ts[at], -1), at_key)
+    short = np.flatnonzero(drained[:-1] & ~long)  # the loop's pace counts its short gaps after syncs too
+    short = short[ends_a_step(((src[nxt[short] - 1] & 0xF) << 8) | (op[nxt[short] - 1] & 0xFF))]
     classes = gap_classes(ev, tid, kids)
     total, in_idle, per_minute, gap_idle, row.paced_ns = paint(
-        g0, g1, idle, classes, minutes, drained=drained[:-1], sync=sync, after=prev_key
+        g0, g1, idle, classes, minutes, drained=drained[:-1], sync=sync, short=g1[short] - g0[short]
     )
     for b in GAP_BUCKETS:
         row.buckets[b] = int(total[IDX[b]])

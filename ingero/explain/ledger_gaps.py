@@ -163,13 +163,9 @@ def judge_idle(
     return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())))
 
 
-def _short_after_syncs(g0: I64, g1: I64, drained: npt.NDArray[np.bool_] | None, after: I64 | None) -> I64 | None:
-    """The lengths of the gaps after a sync (a step's end: ``after``, the op key of the call each gap
-    follows) too short to be judged (under ``GAP_NS``)."""
-    if drained is None or after is None:
-        return None
-    length = g1 - g0
-    out: I64 = length[drained & (length < GAP_NS) & _STEP_ENDS[after & 0xFFF]]
+def ends_a_step(keys: I64) -> npt.NDArray[np.bool_]:
+    """Which calls (op keys ``(source & 0xF) << 8 | (op & 0xFF)``) are syncs: a loop's step ends in one."""
+    out: npt.NDArray[np.bool_] = _STEP_ENDS[keys & 0xFFF]
     return out
 
 
@@ -281,24 +277,24 @@ def paint(
     *,
     drained: npt.NDArray[np.bool_] | None = None,
     sync: tuple[I64, I64] | None = None,
-    after: I64 | None = None,
+    short: I64 | None = None,
 ) -> Painted:
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
     ``idle``, judged by :func:`judge_idle`), (with ``minutes``, the minute edges inside the wall) its
     time per minute (rows) — exact integer sums —, the idle time of each ``idle`` gap, and the paced
     part of the idle own host code (:attr:`Judged.paced`). ``drained``: which gaps follow a draining
     call (None: every ``idle`` gap); ``sync``: per ``idle`` gap (in order), the duration and op key of
-    the draining call that ends it (-1: none) — what the gaps after asynchronous launches are judged by; ``after``: per
-    gap, the op key (``source << 8 | op``) of the call it follows (a loop's steps end in syncs: its pace
-    is measured over every gap after one).
+    the draining call that ends it (-1: none) — what the gaps after asynchronous launches are judged
+    by; ``short``: the lengths of the gaps after syncs too short to be judged (a loop's pace is measured
+    over every gap after one).
 
     The classes are painted once, strongest first, into segments between their own edges; the gaps are
     measured through their prefix sums (no cut per gap: the work grows with the scheduler rows, not the
     calls), and only the ``idle`` gaps get per-gap figures. Per minute (selective storage) the gaps are
     cut up (:func:`_paint_segments`)."""
     if minutes is not None:
-        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync, after)
-    short = _short_after_syncs(g0, g1, drained, after)
+        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync, short)
+
     n, host = len(BUCKETS), IDX[HOST_CODE]
     live = [(b, classes[b]) for b in _GAP_ORDER if classes[b][0].size]
     seg_s = seg_e = seg_b = np.zeros(0, dtype=np.int64)
@@ -339,7 +335,7 @@ def _paint_segments(
     minutes: I64 | None,
     drained: npt.NDArray[np.bool_] | None,
     sync: tuple[I64, I64] | None,
-    after: I64 | None,
+    short: I64 | None,
 ) -> Painted:
     """:func:`paint` by cutting the touched gaps into segments at every class and minute edge (only
     the gaps a class interval touches: the others are own host code whole)."""
@@ -404,9 +400,7 @@ def _paint_segments(
     per = np.zeros((n, sure_gaps.size), dtype=np.float64)  # per bucket, its time in each idle gap
     per[pairs[sure] % n, np.searchsorted(sure_gaps, gap_of[sure])] = sums[sure]
     per[host] = sure_host
-    judged = judge_idle(
-        per, *_sure_context(idle, drained, sync), _sleeps(classes), _short_after_syncs(g0, g1, drained, after)
-    )
+    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short)
     per_minute: npt.NDArray[np.float64] | None = None
     if minutes is not None:
         m = np.searchsorted(minutes, left, side="right")
