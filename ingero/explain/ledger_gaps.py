@@ -129,12 +129,14 @@ def judge_idle(
         if kind.any():
             usual = np.concatenate((h[kind], also)) if also is not None else h[kind]
             allow[kind] = max(float(GAP_NS), TURNAROUND_X * float(np.median(usual)))
-    live = np.asarray([i for i in range(n) if i != host and per[i].any()], dtype=np.int64)  # off-CPU buckets present
-    beyond = np.zeros_like(per)
-    beyond[live] = np.maximum(per[live] - GAP_NS, 0)
-    beyond[host] = np.maximum(h - allow, 0)
-    sleep_rows = [IDX[b] for b in SLEEPS if IDX[b] in live.tolist()]
-    asleep = per[sleep_rows].sum(axis=0) if sleep_rows else np.zeros(h.size)
+    # the off-CPU buckets present (few), strongest first, then own host code: a compact matrix of them
+    rows = [IDX[b] for b in _GAP_ORDER if per[IDX[b]].any()] + [host]
+    k = len(rows) - 1  # own host code's row in it
+    beyond = per[rows]
+    beyond[:k] = np.maximum(beyond[:k] - GAP_NS, 0)
+    beyond[k] = np.maximum(h - allow, 0)
+    sleep_rows = [i for i, r in enumerate(rows) if BUCKETS[r] in SLEEPS]
+    asleep = per[[rows[i] for i in sleep_rows]].sum(axis=0) if sleep_rows else np.zeros(h.size)
     cpu_bound = drained & (asleep < SLEEP_FREE_NS) & sleeps  # gaps the thread never waited in: on-CPU throughout
     paced = np.where(cpu_bound, np.maximum(np.minimum(h, allow) - GAP_NS, 0), 0)
     after_launch = np.flatnonzero(~drained)
@@ -143,21 +145,19 @@ def judge_idle(
     for key in np.unique(sync_key[after_launch][has_sync]).tolist():
         j = np.flatnonzero(has_sync & (sync_key[after_launch] == key))
         mine = after_launch[j]
-        unusual = beyond[host, mine]
-        if live.size:
-            off = per[np.ix_(live, mine)]
-            off = np.maximum(off - np.median(off, axis=1)[:, None] - GAP_NS, 0)
-            beyond[np.ix_(live, mine)] = off
-            unusual = unusual + off.sum(axis=0)
+        off = per[np.ix_(np.asarray(rows[:k], dtype=np.int64), mine)]
+        off = np.maximum(off - np.median(off, axis=1)[:, None] - GAP_NS, 0) if k else off
+        beyond[:k, mine] = off
+        unusual = beyond[k, mine] + off.sum(axis=0)
         ref = unusual == 0
         if int(ref.sum()) >= MIN_REF:
             worked = np.maximum(float(np.median(sync_ns[mine][ref])) - sync_ns[mine], 0)
             cap[j] = np.maximum(unusual - worked, 0)
     if after_launch.size:  # off-CPU time first (the unusual part of a gap), then own host code
-        order = np.asarray([IDX[b] for b in _GAP_ORDER if IDX[b] in live.tolist()] + [host], dtype=np.int64)
-        b = beyond[np.ix_(order, after_launch)]
-        beyond[np.ix_(order, after_launch)] = np.clip(cap - (np.cumsum(b, axis=0) - b), 0, b)
-    in_idle = beyond.sum(axis=1)
+        b = beyond[:, after_launch]
+        beyond[:, after_launch] = np.clip(cap - (np.cumsum(b, axis=0) - b), 0, b)
+    in_idle = np.zeros(n)
+    in_idle[rows] = beyond.sum(axis=1)
     in_idle[host] += paced.sum()
     gap_idle = beyond.sum(axis=0) + paced
     return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())))
@@ -316,14 +316,14 @@ def paint(
     # per idle gap, each bucket's time in it: judge_idle says how much of it the GPU idled
     sure = np.flatnonzero(idle)
     a, z = g0[sure], g1[sure]
-    per = np.zeros((n, sure.size), dtype=np.int64)  # per bucket, its time in each idle gap
+    per = np.zeros((n, sure.size))  # per bucket, its time in each idle gap
     for b in np.unique(seg_b).tolist():
         m = seg_b == b
         s, e = seg_s[m], seg_e[m]
         mine = Intervals(s, e, np.concatenate(([0], np.cumsum(e - s))), s)
         per[b] = mine.before(z) - mine.before(a)
     per[host] = (z - a) - per.sum(axis=0)
-    judged = judge_idle(per.astype(np.float64), *_sure_context(idle, drained, sync), _sleeps(classes), short)
+    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short)
     return np.rint(total).astype(np.int64), judged.in_idle, None, judged.gap_idle, judged.paced
 
 
