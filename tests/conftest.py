@@ -106,9 +106,17 @@ def make_ingero_08(
     return path
 
 
-def write_db(path: Path, events: list[EventRow], node: str = "test-node", **ident: int) -> Path:
+def write_db(
+    path: Path,
+    events: list[EventRow],
+    node: str = "test-node",
+    *,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+) -> Path:
     """Write events into a fresh ingero database through the real writer."""
-    with StoreWriter(path, Identity(node, **ident)) as w:
+    with StoreWriter(path, Identity(node, rank, local_rank, world_size)) as w:
         sid = w.start_session({"flags": "test"})
         w.write_batch(events)
         w.end_session(sid, {"events_seen": len(events)})
