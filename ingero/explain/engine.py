@@ -41,11 +41,12 @@ from ingero.explain.cgroups import pid_cgroups, with_cgroups
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, SnapRows, Snapshots, load_snapshots, snapshot_array
 from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
-from ingero.explain.ledger import LedgerRow, Unstored, aggregate, build_ledger, load_unstored
+from ingero.explain.ledger import LedgerRow, aggregate, build_ledger
 from ingero.explain.model import Chain, sort_chains
 from ingero.explain.offcpu import OffCpu
 from ingero.explain.stats import HostSummary, OpStats, host_summary_from_columns, stats_from_columns
 from ingero.explain.storage import Storage, aggregate_scopes, load_storage, with_true_counts
+from ingero.explain.unstored import Unstored, load_unstored
 from ingero.store.catalog import NCCL, op_id
 from ingero.store.window import Window
 
