@@ -234,8 +234,13 @@ class OffCpu:
             calls = Intervals(cs, ce, np.concatenate(([0], np.cumsum(ce - cs))), np.zeros(cs.size, dtype=np.int64))
             ov = calls.covered(th.start, th.end)
             hit = ov > 0
-            for w, ns in zip(th.who[hit].tolist(), ov[hit].tolist(), strict=True):
-                out[int(w)] = out.get(int(w), 0) + int(ns)
+            if not hit.any():
+                continue
+            who, inv = np.unique(th.who[hit], return_inverse=True)
+            ns = np.zeros(who.size, dtype=np.int64)
+            np.add.at(ns, inv, ov[hit].astype(np.int64))
+            for w, n in zip(who.tolist(), ns.tolist(), strict=True):
+                out[w] = out.get(w, 0) + n
         return out
 
     def total(self, kind: str, tids: I64, a: int, b: int) -> int:
