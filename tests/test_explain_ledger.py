@@ -443,19 +443,24 @@ def test_steady_level_is_the_median_plus_noise_and_collectives_are_their_own() -
     assert row.buckets[GPU_SLOW] == 300 - int(s[0])
 
 
-def test_unstored_calls_are_not_recorded_never_idle(tmp_path: Path) -> None:
-    """Selective storage: most launches only counted. Their time is taken out of the gaps of their
-    minute into not_recorded — the GPU is never reported idle while they ran."""
-    lp = Loop(61)
+def _sampled_pair(seed: int, tmp_path: Path) -> tuple[Path, Path, Loop]:
+    """One host-bound loop recorded twice: every call stored, and 3 launches in 4 only counted."""
+    lp = Loop(seed)
     lp.run(host_code, 0.16)
     kept = lp.write(tmp_path / "all.db")
-    lp2 = Loop(61)
+    lp2 = Loop(seed)
     lp2.run(host_code, 0.16)
     for i, e in enumerate(list(lp2.rec.events)):
         if (e[3], e[4]) == LAUNCH and i % 4:
             lp2.rec.events.remove(e)
             lp2.rec.unstored.append(e)
-    sampled = lp2.write(tmp_path / "sampled.db")
+    return kept, lp2.write(tmp_path / "sampled.db"), lp2
+
+
+def test_unstored_calls_are_not_recorded_never_idle(tmp_path: Path) -> None:
+    """Selective storage: most launches only counted. Their time is taken out of the gaps of their
+    minute into not_recorded — the GPU is never reported idle while they ran."""
+    kept, sampled, lp2 = _sampled_pair(61, tmp_path)
     full, part = report_of(kept).ledger[0], report_of(sampled).ledger[0]
     assert part.wall_ns == full.wall_ns and sum(part.buckets.values()) == part.wall_ns
     moved = part.buckets["not_recorded"]
@@ -469,16 +474,8 @@ def test_unstored_calls_take_the_idle_part_only_its_share(tmp_path: Path) -> Non
     """Which gap an unstored call fell in cannot be told at the aggregates' minute resolution: the idle
     part of a bucket gives up its share of the unstored time, not all of it first — a 1-in-4 sampled
     recording keeps the host-bound loss (and its chain) that the fully stored one shows."""
-    lp = Loop(62)
-    lp.run(host_code, 0.16)
-    kept = lp.write(tmp_path / "all.db")
-    lp2 = Loop(62)
-    lp2.run(host_code, 0.16)
-    for i, e in enumerate(list(lp2.rec.events)):
-        if (e[3], e[4]) == LAUNCH and i % 4:
-            lp2.rec.events.remove(e)
-            lp2.rec.unstored.append(e)
-    full_r, part_r = report_of(kept), report_of(lp2.write(tmp_path / "sampled.db"))
+    kept, sampled, _ = _sampled_pair(62, tmp_path)
+    full_r, part_r = report_of(kept), report_of(sampled)
     full, part = full_r.ledger[0], part_r.ledger[0]
     moved = part.buckets["not_recorded"]
     idle_full, idle_part = full.idle_ns.get("host_code", 0), part.idle_ns.get("host_code", 0)
