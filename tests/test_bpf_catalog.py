@@ -257,11 +257,6 @@ def test_every_family_of_the_catalog_has_a_real_recording() -> None:
     assert sorted(SCENARIOS) == sorted(CATALOG)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the tracer names the task a timer interrupted as the waker (sched_wakeup runs in the hrtimer's "
-    "interrupt): on a core busy with a batch job, the trainer's timer sleeps are 'woken by another task'",
-)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_timer_sleeps_are_told_as_timer_sleeps(rec: Recording, layout: str) -> None:
     """The healthy trainer's sleeps (usleep between steps, two 250 ms pauses) all end on a timer."""

@@ -18,7 +18,7 @@ from ingero.agent.trace import discovery, probes, sysinfo
 MIN_KERNEL = (5, 8)  # BPF ring buffer
 TRACEPOINTS = [
     ("sched", "sched_switch"),
-    ("sched", "sched_wakeup"),
+    ("sched", "sched_waking"),
     ("sched", "sched_process_exec"),
     ("sched", "sched_process_exit"),
     ("sched", "sched_process_fork"),

@@ -11,7 +11,13 @@
 //                         runnable, i.e. preempted; 1 = sleeping; 2 = uninterruptible, usually I/O),
 //                         arg1 = tid of the task that ran on that CPU just before (the preemptor).
 //   sched_wakeup (op 2)   a traced, off-CPU thread is woken. duration = time since it left the CPU,
-//                         arg0 = waker tgid, arg1 = waker tid (run-queue wait = switch - wakeup).
+//                         arg0 = waker tgid, arg1 = waker tid (run-queue wait = switch - wakeup);
+//                         both 0 when no task woke it: the wakeup ran in a hard IRQ handler, a softirq
+//                         or an hrtimer callback (a sleep's timer, a packet, a disk completion), where
+//                         the current task is only the one the interrupt happened to interrupt.
+//                         Recorded at the kernel's sched_waking, on the waker's CPU: sched_wakeup
+//                         itself often runs on the wakee's CPU (a wakeup onto an idle or far CPU is
+//                         queued there), where the current task is that CPU's idle task or any other.
 //   process_exec (op 5; every process; arg1 = its previous pid), process_exit (op 6),
 //   process_fork (op 7; pid = parent, arg1 = child pid; the child is traced from then on; new threads
 //   are not forks)
@@ -36,8 +42,34 @@ BPF_PERCPU_HASH(page_allocs, u32, struct page_alloc_val, 16384);
 
 BPF_HASH(new_tasks, u32, u64, 4096);  // child tid -> clone_flags (task_newtask -> sched_process_fork)
 
+// Interrupt context, per CPU: how many hard IRQ handlers, softirqs and hrtimer callbacks are running
+// now (they nest: a hard IRQ interrupts a softirq, an hrtimer runs inside the timer interrupt or the
+// HRTIMER softirq). Raw tracepoints: no arguments are read, so none are copied (~20 ns an event). An
+// exit without its entry (attached mid-interrupt) is ignored; an entry whose exit was missed is
+// forgotten at the CPU's next context switch, which never happens inside an interrupt (no PREEMPT_RT).
+BPF_PERCPU_ARRAY(irq_depth, u32, 1);
+
+static __always_inline int irq_enter_exit(int step) {
+    int zero = 0;
+    u32 *d = irq_depth.lookup(&zero);
+    if (d && (step > 0 || *d > 0))
+        *d += step;
+    return 0;
+}
+
+RAW_TRACEPOINT_PROBE(irq_handler_entry) { return irq_enter_exit(1); }
+RAW_TRACEPOINT_PROBE(irq_handler_exit) { return irq_enter_exit(-1); }
+RAW_TRACEPOINT_PROBE(softirq_entry) { return irq_enter_exit(1); }
+RAW_TRACEPOINT_PROBE(softirq_exit) { return irq_enter_exit(-1); }
+RAW_TRACEPOINT_PROBE(hrtimer_expire_entry) { return irq_enter_exit(1); }
+RAW_TRACEPOINT_PROBE(hrtimer_expire_exit) { return irq_enter_exit(-1); }
+
 TRACEPOINT_PROBE(sched, sched_switch) {
     u64 now = bpf_ktime_get_ns();
+    int zero = 0;
+    u32 *depth = irq_depth.lookup(&zero);
+    if (depth && *depth)
+        *depth = 0;  // a switch runs in task context: an exit was missed
     u32 prev = args->prev_pid;
     u32 next = args->next_pid;
     if (prev != 0) {
@@ -61,13 +93,15 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup) {
+TRACEPOINT_PROBE(sched, sched_waking) {
     u32 wakee = args->pid;
     struct offcpu_val *o = offcpu.lookup(&wakee);
     if (!o)
         return 0;
     u64 now = bpf_ktime_get_ns();
-    u64 id = bpf_get_current_pid_tgid();
+    int zero = 0;
+    u32 *depth = irq_depth.lookup(&zero);
+    u64 id = depth && *depth ? 0 : bpf_get_current_pid_tgid();  // 0: an interrupt woke it, no task
     emit_host(SRC_HOST, OP_sched_wakeup, now, now - o->ts, o->tgid, wakee, id >> 32, (u32)id, 0);
     return 0;
 }
