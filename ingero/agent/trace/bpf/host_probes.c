@@ -44,7 +44,8 @@ BPF_HASH(new_tasks, u32, u64, 4096);  // child tid -> clone_flags (task_newtask 
 
 // Interrupt context, per CPU: how many hard IRQ handlers, softirqs and hrtimer callbacks are running
 // now (they nest: a hard IRQ interrupts a softirq, an hrtimer runs inside the timer interrupt or the
-// HRTIMER softirq). Raw tracepoints: no arguments are read, so none are copied (~20 ns an event). An
+// HRTIMER softirq). Raw tracepoints: no arguments are read, so none are copied (bpf_stats on a 2-vCPU VM:
+// 56-71 ns a run, an empty program 55 ns; a few hundred interrupts a second at rest: < 0.01 % of a core). An
 // exit without its entry (attached mid-interrupt) is ignored; an entry whose exit was missed is
 // forgotten at the CPU's next context switch, which never happens inside an interrupt (no PREEMPT_RT).
 BPF_PERCPU_ARRAY(irq_depth, u32, 1);
