@@ -181,8 +181,8 @@ def loader_inline(env: Env) -> list[int]:
 
 
 def loader_disk(env: Env) -> list[int]:
-    # 48 x 64 KiB read with O_DIRECT per step (~7 ms on this disk, slower when it is busy)
-    return [done(env.start("disk", SECS, 48, data_file(env, "dataset-disk.bin", 64)))]
+    # 4 MiB read with O_DIRECT per step (2-8 ms on this disk, slower when it is busy)
+    return [done(env.start("disk", SECS, 4, data_file(env, "dataset-disk.bin", 64)))]
 
 
 def cpu_bound_loop(env: Env) -> list[int]:
@@ -191,10 +191,10 @@ def cpu_bound_loop(env: Env) -> list[int]:
 
 
 def _overlapped(env: Env, every: int) -> list[int]:
-    # 40 ms queued; 2 ms of host code, then a 256 KiB read (under 1 ms here, 38 ms of room on a busy
-    # disk) hides under the rest; every ``every``-th step a 64 MiB read (70-140 ms here) outlasts it:
+    # 40 ms queued; 2 ms of host code, then a 1 MiB read (about 1 ms here, 38 ms of room on a busy
+    # disk) hides under the rest; every ``every``-th step a 128 MiB read (90-270 ms here) outlasts it:
     # only the excess is lost
-    return [done(env.start("overlap", SECS, 4, 1024, every, data_file(env, "dataset-disk.bin", 64)))]
+    return [done(env.start("overlap", SECS, 1, 128, every, data_file(env, "dataset-disk.bin", 64)))]
 
 
 def loader_overlap(env: Env) -> list[int]:

@@ -9,7 +9,7 @@
  *   fork WORKERS WORK_US        forked DataLoader workers spin WORK_US per batch, hand it over a pipe
  *   inline DECODE_US FILE       reads 256 KiB of FILE (page cache) and decodes it on-CPU: 2 ms, and
  *                               DECODE_US for every 5th batch (large images)
- *   disk CHUNKS FILE            reads CHUNKS x 64 KiB of FILE with O_DIRECT (the disk) before each step
+ *   disk CHUNKS FILE            reads CHUNKS x 1 MiB of FILE with O_DIRECT (the disk) before each step
  *   serve PAUSE_MS              decode steps; twice, PAUSE_MS of its own CPU work (detokenise, sample)
  *   toolcall PORT EVERY_MS      decode steps; every EVERY_MS a tool call: send, wait for the reply
  *   server PORT                 an inference server: waits for a request, prefill + decode, replies
@@ -18,7 +18,7 @@
  *   contend                     steps of 1 ms of host code + kernels (a CPU hog is put beside it)
  *   cpubound HOST_US            steps, each followed by HOST_US of its own host code (CPU-bound at every step)
  *   overlap CHUNKS LATE EVERY FILE
- *                               40 ms of kernels queued, 2 ms of host code, then CHUNKS x 64 KiB of FILE
+ *                               40 ms of kernels queued, 2 ms of host code, then CHUNKS x 1 MiB of FILE
  *                               read with O_DIRECT while the GPU runs (LATE chunks every EVERY-th step;
  *                               EVERY 0: never), then the sync
  *   kv                          serving with a KV cache of 32 MiB blocks; preempts (frees, recomputes)
@@ -225,7 +225,8 @@ static int inline_loader(double secs, long decode_us, const char *file) {
     return n;
 }
 
-/* the dataset is larger than the page cache: CHUNKS x 64 KiB from the disk itself (O_DIRECT), wrapping */
+/* the dataset is larger than the page cache: CHUNKS x 1 MiB records from the disk itself (O_DIRECT), wrapping */
+#define CHUNK (1 << 20)
 static struct {
     int fd;
     off_t size, off;
@@ -234,18 +235,18 @@ static struct {
 
 static void open_dataset(const char *file) {
     dataset.fd = open(file, O_RDONLY | O_DIRECT);
-    if (dataset.fd < 0 || posix_memalign(&dataset.buf, 4096, 64 << 10))
+    if (dataset.fd < 0 || posix_memalign(&dataset.buf, 4096, CHUNK))
         exit(3);
     dataset.size = lseek(dataset.fd, 0, SEEK_END);
 }
 
 static void read_chunks(int chunks) {
     for (int c = 0; c < chunks; c++) {
-        if (dataset.off + (64 << 10) > dataset.size)
+        if (dataset.off + (CHUNK) > dataset.size)
             dataset.off = 0;
-        if (pread(dataset.fd, dataset.buf, 64 << 10, dataset.off) != 64 << 10)
+        if (pread(dataset.fd, dataset.buf, CHUNK, dataset.off) != CHUNK)
             exit(3);
-        dataset.off += 64 << 10;
+        dataset.off += CHUNK;
     }
 }
 
