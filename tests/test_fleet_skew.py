@@ -61,7 +61,7 @@ def true_offset_at(s: TimeSample, offset_ns: float, drift_ppm: float, start: int
 
 def reference_drift(samples: list[TimeSample]) -> float | None:
     """The drift rule written out per node, with numpy.polyfit doing the regression."""
-    valid = sorted((s for s in samples if s.delay_ns >= 0), key=lambda s: s.delay_ns)
+    valid = sorted((s for s in samples if s.plausible), key=lambda s: s.delay_ns)
     if len(valid) < MIN_DRIFT_SAMPLES:
         return None
     keep = [
@@ -139,6 +139,21 @@ def test_a_node_without_samples_keeps_its_estimate_and_none_stays_none() -> None
     assert got[0] is None
     assert got[1] is not None and (got[1].offset_ns, got[1].delay_ns, got[1].drift_ppm) == (3 * MS, MS, None)
     assert fleet_estimates([]) == []
+
+
+def test_a_fast_agent_clock_stretching_its_hold_past_the_round_trip_keeps_the_sample() -> None:
+    """An agent clock 1 % fast that holds a request 5 ms (its reading: 5.05 ms) over a 30 µs network:
+    the delay comes out −20 µs — its drift, not a broken sample (kept, delay 0, in both passes). A delay
+    negative beyond 2 % of the hold is a stepped or broken clock: discarded (counted failed)."""
+    t1 = BASE
+    drifting = TimeSample(t1, t1 + 15_000, t1 + 15_000 + 5_050_000, t1 + 5_030_000)
+    stepped = TimeSample(t1 + MS * 10, t1 + MS * 10, t1 + MS * 20, t1 + MS * 15)  # hold 10 ms in 5 ms
+    assert drifting.plausible and drifting.delay_ns == 0.0
+    assert not stepped.plausible
+    one = estimate([drifting, stepped])
+    assert one is not None and (one.samples, one.failed, one.delay_ns) == (1, 1, 0.0)
+    again = fleet_estimates([one])[0]
+    assert again is not None and (again.samples, again.delay_ns, again.offset_ns) == (1, 0.0, drifting.offset_ns)
 
 
 # --- fleet median and MAD outliers ----------------------------------------------------------------

@@ -5,7 +5,7 @@
 nodes or samples:
 
 * **the lowest-delay sample** (ties: the first) — its offset ``((t2 − t1) + (t3 − t4)) / 2`` ± ``delay / 2``,
-  the causal bound :mod:`ingero.fleet.skew` explains. Samples with a negative delay are discarded.
+  the causal bound :mod:`ingero.fleet.skew` explains. Samples with a negative delay beyond the agent clock's rate error are discarded (``TimeSample.plausible``).
 * **its drift**, with ≥ :data:`MIN_DRIFT_SAMPLES` samples: how much faster the agent's clock runs than
   ours, in ppm — the slope of offset against time (this host's clock, the middle of each round trip).
   As chrony does, slow samples stay out (chrony's ``maxdelayratio``: a delay over
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ingero.fleet.outliers import Z_THRESHOLD, robust_z
-from ingero.fleet.skew import SkewEstimate, TimeSample
+from ingero.fleet.skew import HOLD_RATE_TOLERANCE, SkewEstimate, TimeSample
 from ingero.timeutil import NS_PER_S
 
 MIN_DRIFT_SAMPLES = 3  # a slope from two points has no residual to check it against
@@ -80,8 +80,10 @@ def fit(node: Ints, t: Ints, n_nodes: int) -> NodeFits:
     """Lowest-delay sample and drift of every node at once (see the module docstring)."""
     t1, t2, t3, t4 = (t[:, i] for i in range(4))
     offset = ((t2 - t1) + (t3 - t4)) / 2  # int64 differences: exact, then one rounding to float64
-    delay = ((t4 - t1) - (t3 - t2)).astype(np.float64)
-    valid = delay >= 0
+    hold = t3 - t2
+    raw = ((t4 - t1) - hold).astype(np.float64)
+    valid = raw >= -HOLD_RATE_TOLERANCE * np.maximum(hold, 0)  # TimeSample.plausible
+    delay = np.maximum(raw, 0.0)  # TimeSample.delay_ns
     n_valid = np.bincount(node[valid], minlength=n_nodes).astype(np.int64)
     nan = np.full(n_nodes, np.nan)
     if not valid.any():

@@ -51,6 +51,10 @@ TRANSMIT_HEADER = "x-ingero-transmit-ns"  # t3
 FIT_MODULE = "ingero.fleet.fleet_skew"  # the numpy estimator, imported off the wire path
 
 
+# an agent clock's rate may be off by this much (20,000 ppm: NTP allows 500) over its hold time, t3 - t2
+HOLD_RATE_TOLERANCE = 0.02
+
+
 @dataclass(frozen=True)
 class TimeSample:
     """One /time round trip (all wall-clock Unix ns)."""
@@ -66,7 +70,16 @@ class TimeSample:
 
     @property
     def delay_ns(self) -> float:
-        return float((self.t4 - self.t1) - (self.t3 - self.t2))
+        """The round trip less the agent's hold time, at least 0 (see :attr:`plausible`)."""
+        return max(0.0, float((self.t4 - self.t1) - (self.t3 - self.t2)))
+
+    @property
+    def plausible(self) -> bool:
+        """Whether the sample can be used: its delay is negative by no more than the agent's hold time
+        (``t3 − t2``, read on its own clock) can be off at :data:`HOLD_RATE_TOLERANCE` — a clock running
+        fast stretches the hold past a short round trip; beyond that the clock stepped or is broken."""
+        hold = self.t3 - self.t2
+        return (self.t4 - self.t1) - hold >= -HOLD_RATE_TOLERANCE * max(0, hold)
 
 
 @dataclass(frozen=True)
@@ -137,10 +150,11 @@ def estimate(samples: Sequence[TimeSample], failed: int = 0) -> SkewEstimate | N
     """One node's lowest-delay sample, in plain Python (the fan-out's per-node figure and the reference
     the numpy pass is tested against). ``None`` when no sample succeeded.
 
-    Samples with a negative delay (the agent claims to have spent longer than the round trip — a
-    broken agent clock or a clock step inside the sample) are discarded.
+    Samples with a negative delay beyond what the agent clock's rate error explains (it claims to
+    have spent longer than the round trip — a broken agent clock or a clock step inside the sample)
+    are discarded (:attr:`TimeSample.plausible`).
     """
-    valid = tuple(s for s in samples if s.delay_ns >= 0)
+    valid = tuple(s for s in samples if s.plausible)
     if not valid:
         return None
     best = min(valid, key=lambda s: s.delay_ns)
