@@ -128,24 +128,28 @@ def _ingero_rows(rows: list[tuple[str, int, int, int]]) -> ArgRows:
 def test_without_prev_state_a_woken_interval_was_asleep_until_its_wakeup() -> None:
     """A task that is woken was asleep (a preempted one stays runnable and is never woken): the part of
     an off-CPU interval up to its last wakeup is a sleep, with its waker; the rest — runnable, waiting
-    for a CPU — and an interval no wakeup ended stay of unknown kind, never called involuntary."""
+    for a CPU — and an interval no wakeup ended stay of unknown kind, never called involuntary. A rest
+    under WAKE_LATENCY_NS is the wakeup's own latency: asleep."""
+    u = 1000
     off = OffCpu(
         _ingero_rows(
             [
-                ("switch", 7, 1000, 800),  # off [200, 1000) ...
-                ("wakeup", 7, 300, 55),  # ... an earlier wakeup in it (spurious) ...
-                ("wakeup", 7, 900, 42),  # ... the last one, by tgid 42: asleep [200, 900), then [900, 1000)
-                ("switch", 7, 2000, 500),  # off [1500, 2000), never woken: unknown whole
-                ("switch", 8, 50, 40),  # a thread with no wakeups at all: unknown whole
+                ("switch", 7, 1000 * u, 800 * u),  # off [200, 1000) µs ...
+                ("wakeup", 7, 300 * u, 55),  # ... an earlier wakeup in it (spurious) ...
+                ("wakeup", 7, 900 * u, 42),  # ... the last one, by tgid 42: asleep [200, 900), then [900, 1000)
+                ("switch", 7, 2000 * u, 500 * u),  # off [1500, 2000), never woken: unknown whole
+                ("switch", 8, 50 * u, 40 * u),  # a thread with no wakeups at all: unknown whole
+                ("switch", 7, 3000 * u, 500 * u),  # off [2500, 3000) ...
+                ("wakeup", 7, 2960 * u, 42),  # ... woken 40 µs before the CPU: asleep whole
             ]
         )
     )
     assert not off.has_state and off.woken == frozenset({7})
-    calls = np.array([7, 7, 8]), np.array([0, 1200, 0]), np.array([1100, 2100, 100])
-    assert off.covered(VOL, *calls).tolist() == [700, 0, 0]
-    assert off.covered(UNKNOWN, *calls).tolist() == [100, 500, 40]
-    assert off.covered(INVOL, *calls).tolist() == [0, 0, 0]
-    assert off.by_who(VOL, np.array([7]), np.array([0]), np.array([3000])) == {42: 700}
+    calls = np.array([7, 7, 8, 7]), np.array([0, 1200, 0, 2400]) * u, np.array([1100, 2100, 100, 3100]) * u
+    assert off.covered(VOL, *calls).tolist() == [700 * u, 0, 0, 500 * u]
+    assert off.covered(UNKNOWN, *calls).tolist() == [100 * u, 500 * u, 40 * u, 0]
+    assert off.covered(INVOL, *calls).tolist() == [0, 0, 0, 0]
+    assert off.by_who(VOL, np.array([7]), np.array([0]), np.array([3000 * u])) == {42: 1200 * u}
     assert off.threads[UNKNOWN][7].who.tolist() == [42, NOT_WOKEN]
     assert off.threads[UNKNOWN][8].who.tolist() == [NOT_WOKEN]
 

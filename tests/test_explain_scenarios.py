@@ -123,25 +123,51 @@ def _rows(rows: list[tuple[int, int, int, int, int, int]]) -> ArgRows:
 
 
 def test_offcpu_kinds_and_overlap() -> None:
+    u = 1000  # µs: a run-queue wait under WAKE_LATENCY_NS is the wakeup's own latency
     off = OffCpu(
         _rows(
             [
-                (1, 7, 200, 100, 0, 99),  # preempted by tid 99 over [100, 200)
-                (1, 7, 600, 300, 1, 0),  # asleep over [300, 600) ...
-                (2, 7, 500, 200, 42, 42),  # ... woken at 500 by tgid 42: run queue [500, 600)
-                (1, 8, 50, 40, 0, 8),  # Ingero-style row (arg1 = itself): unknown, [10, 50)
+                (1, 7, 200 * u, 100 * u, 0, 99),  # preempted by tid 99 over [100, 200) µs
+                (1, 7, 600 * u, 300 * u, 1, 55),  # asleep over [300, 600) ...
+                (
+                    2,
+                    7,
+                    500 * u,
+                    200 * u,
+                    42,
+                    42,
+                ),  # ... woken at 500 by tgid 42: run queue [500, 600), tid 55 on the CPU
+                (1, 8, 50 * u, 40 * u, 0, 8),  # Ingero-style row (arg1 = itself): unknown, [10, 50)
             ]
         )
     )
-    calls = np.array([7, 7, 8]), np.array([150, 400, 0]), np.array([550, 700, 100])
-    assert off.covered(INVOL, *calls).tolist() == [50 + 50, 100, 0]
-    assert off.covered(VOL, *calls).tolist() == [200, 100, 0]
-    assert off.covered(UNKNOWN, *calls).tolist() == [0, 0, 40]
-    assert off.by_who(INVOL, np.array([7]), np.array([0]), np.array([1000])) == {99: 100, 0: 100}
-    assert off.by_who(VOL, np.array([7]), np.array([0]), np.array([1000])) == {42: 200}
-    edges = np.array([0, 150, 1000])
-    assert off.per_bucket(INVOL, np.array([7]), edges).tolist() == [50.0, 150.0]
+    calls = np.array([7, 7, 8]), np.array([150, 400, 0]) * u, np.array([550, 700, 100]) * u
+    assert off.covered(INVOL, *calls).tolist() == [(50 + 50) * u, 100 * u, 0]
+    assert off.covered(VOL, *calls).tolist() == [200 * u, 100 * u, 0]
+    assert off.covered(UNKNOWN, *calls).tolist() == [0, 0, 40 * u]
+    assert off.by_who(INVOL, np.array([7]), np.array([0]), np.array([1000 * u])) == {99: 100 * u, 55: 100 * u}
+    assert off.by_who(VOL, np.array([7]), np.array([0]), np.array([1000 * u])) == {42: 200 * u}
+    edges = np.array([0, 150, 1000]) * u
+    assert off.per_bucket(INVOL, np.array([7]), edges).tolist() == [50.0 * u, 150.0 * u]
     assert off.has_state
+
+
+def test_a_wakeups_own_latency_is_part_of_the_sleep() -> None:
+    """From a wakeup to the CPU: a wait under WAKE_LATENCY_NS (the IPI, an idle exit, the switch), or
+    any wait for a CPU that was idle (nobody in the way), is part of the sleep — thousands of short
+    reads must not add up to CPU contention. A longer wait behind another task is the run queue."""
+    u = 1000
+    rows = []
+    for k in range(100):  # 100 sleeps of 500 µs, each woken by tgid 42 and back on the CPU 40 µs later
+        t = k * 1000 * u
+        rows += [(1, 7, t + 540 * u, 540 * u, 1, 55), (2, 7, t + 500 * u, 500 * u, 42, 42)]
+    rows += [(1, 7, 200_000 * u, 1000 * u, 1, 0), (2, 7, 199_500 * u, 500 * u, 42, 42)]  # 500 µs, CPU idle
+    rows += [(1, 7, 300_000 * u, 1000 * u, 1, 99), (2, 7, 299_500 * u, 500 * u, 42, 42)]  # 500 µs behind 99
+    off = OffCpu(_rows(rows))
+    everything = np.array([7]), np.array([0]), np.array([400_000 * u])
+    assert off.covered(INVOL, *everything).tolist() == [500 * u]
+    assert off.by_who(INVOL, *everything) == {99: 500 * u}
+    assert off.covered(VOL, *everything).tolist() == [(100 * 540 + 1000 + 500) * u]
 
 
 def test_union_merges_overlapping_calls() -> None:

@@ -8,7 +8,9 @@ symptom. ingero's tracer writes one ``sched_switch`` row each time a traced thre
 of three kinds:
 
 * :data:`INVOL` — involuntary: it left the CPU still runnable (preempted), or it sat in the run queue
-  between its wakeup and getting a CPU back. This, and only this, is CPU contention.
+  between its wakeup and getting a CPU back while another task held it (a CPU that was idle, or a wait
+  under :data:`WAKE_LATENCY_NS`, is the wakeup's own latency: part of the sleep). This, and only this,
+  is CPU contention.
 * :data:`VOL` — voluntary: it went to sleep itself (S/D: futex, poll, usleep, I/O) until woken. That
   is waiting, not being starved of CPU; the waker says on what (a forked worker, the disk, a peer).
 * :data:`IOWAIT` — the voluntary sleeps taken in uninterruptible state (D), usually disk I/O;
@@ -34,6 +36,7 @@ import numpy.typing as npt
 
 from ingero.explain.frame import I64, ArgRows
 from ingero.store.catalog import op_id
+from ingero.timeutil import NS_PER_US
 
 F64 = npt.NDArray[np.float64]
 
@@ -42,6 +45,9 @@ IOWAIT = "iowait"  # the voluntary sleeps in uninterruptible state (D: usually d
 KINDS = (INVOL, VOL, UNKNOWN, IOWAIT)
 TASK_UNINTERRUPTIBLE = 2
 NOT_WOKEN = -1  # an UNKNOWN interval no recorded wakeup ended (its ``who``; else the waker's tgid)
+# from a wakeup to the CPU, a wait this short is the wakeup's own latency (the IPI, leaving an idle state,
+# the switch: 5-60 µs on an idle host), part of the sleep; a wait for a CPU another task holds is longer
+WAKE_LATENCY_NS = 100 * NS_PER_US
 SCHED_SWITCH, SCHED_WAKEUP = op_id("sched_switch"), op_id("sched_wakeup")
 
 
@@ -166,6 +172,9 @@ class OffCpu:
                 wake_at[hit] = ws[ok]
                 waker[hit] = w_by[w_tid == t][ok]
         woken = sleep & (wake_at >= 0) & (wake_at < end)
+        # in the run queue after the wakeup — unless the CPU was idle (nobody was in the way) or the wait
+        # was the wakeup's own latency: then it is part of the sleep
+        woken &= (prev != 0) & (end - wake_at >= WAKE_LATENCY_NS)
         inv_s = np.concatenate((start[runnable], wake_at[woken]))
         inv_e = np.concatenate((end[runnable], end[woken]))
         inv_t = np.concatenate((tid[runnable], tid[woken]))
@@ -177,6 +186,7 @@ class OffCpu:
         u_tid, u_start, u_end = tid[unknown], start[unknown], end[unknown]
         wake_u, waker_u = _last_wakeup(u_tid, u_start, u_end, w_tid, w_ts, w_by)
         slept = wake_u >= 0  # no prev_state, but woken: asleep until the wakeup (a runnable task is never woken)
+        wake_u = np.where(slept & (u_end - wake_u < WAKE_LATENCY_NS), u_end, wake_u)  # its own latency: asleep
         self._fill(
             VOL,
             np.concatenate((tid[sleep], u_tid[slept])),
