@@ -437,6 +437,25 @@ def test_cold_start_is_low_unless_it_takes_a_fifth_of_the_run(
     assert not [x for x in r.chains if x.severity != "LOW" and x.family != "cold-start"], shown(r)
 
 
+def test_a_context_creation_alone_reads_as_one(tmp_path: Path) -> None:
+    """The first call created the context and its op never ran again: no ratio to show ("0–0x ... ()"
+    was printed) — the chain says how long the context took."""
+    rec = SyntheticNode("node-c", BASE, 5)
+    rec.process(300, "python3 serve.py", 0.1)
+    rec.ev(0.1, 300, *op_id("cudaMalloc"), 300 * NS_PER_MS)
+    t = 0.5
+    for _ in range(400):
+        d = rec.jitter(2 * NS_PER_MS, 0.05)
+        rec.ev(t, 300, CUDA, SYNC[1], d)
+        t += d / NS_PER_S + 3e-3
+    path = tmp_path / "ctx.db"
+    rec.write(path)
+    c = next(c for c in report_of(path).chains if c.family == "cold-start")
+    assert c.summary == "cold start: first CUDA calls took 300ms creating the CUDA context", c.summary
+    assert "0x" not in c.root_cause + c.explanation and "()" not in c.explanation, c.explanation
+    assert c.root_cause.endswith("warm-up: its first call took 300ms creating the CUDA context"), c.root_cause
+
+
 def test_both_layouts_agree_on_the_lost_time(tmp_path: Path) -> None:
     """The Ingero-layout run of the same recording reports the same lost time (it only cannot say why)."""
     lost: list[float] = []

@@ -88,6 +88,11 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
             if r > 0:
                 per_op[name] = max(per_op.get(name, 0.0), r)
     top = ", ".join(f"{n} {r:.0f}x" for n, r in sorted(per_op.items(), key=lambda x: -x[1])[:3])
+    times = f"{lo:.0f}x" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}x"
+    # only a context creation with no later call of its op to compare with: no ratio to show
+    what = (
+        f"{times} slower than steady state ({top})" if per_op else f"took {short_ns(total)} creating the CUDA context"
+    )
     share = total / span
     sev = cz.startup_severity(total, span)  # start-up is not an incident unless it takes over a fifth of the run
     starts = len(found)
@@ -101,16 +106,20 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
             cid=ctx.chain_id("cold-start"),
             detected_at=max(f[3] for f in found),
             severity=sev,
-            summary=f"cold start: first CUDA calls {lo:.0f}–{hi:.0f}x slower than steady state ({top})"
-            + (f" — {starts} process starts" if starts > 1 else ""),
+            summary=f"cold start: first CUDA calls {what}" + (f" — {starts} process starts" if starts > 1 else ""),
             root_cause=(
                 "CUDA initialisation on process start — context creation, lazy kernel-module loading and allocator "
-                f"warm-up make each process's first calls {lo:.0f}–{hi:.0f}x slower"
+                + (
+                    f"warm-up make each process's first calls {times} slower"
+                    if per_op
+                    else f"warm-up: its first call {what}"
+                )
                 + (f"; {starts} processes started in this window and each paid it" if starts > 1 else "")
             ),
             explanation=(
-                f"{starts} process(es) made their first GPU calls in this window. Their first calls ran "
-                f"{lo:.0f}–{hi:.0f}x slower than the same calls later ({top}); together that is {short_ns(total)} "
+                f"{starts} process(es) made their first GPU calls in this window. Their first calls "
+                f"{what if not per_op else f'took {times} the time of the same calls later ({top})'}; together that is "
+                f"{short_ns(total)} "
                 f"({100 * share:.1f}% of the window) before the processes reached steady state."
             ),
             recommendations=[
