@@ -158,6 +158,24 @@ def test_late_entries_are_the_long_host_code_before_short_collectives(seed: int)
     assert rules_ranks.late_entries(rng.normal(450_000, 30_000, 200).astype(np.int64), coll.astype(np.int64)) is None
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_last_rank_pays_the_rendezvous_round_trip_and_is_still_late(seed: int) -> None:
+    """A real recording (test_bpf_catalog): the collectives after the rank's 25 ms late entries took a
+    median 140 µs against 84 µs for the others — the last rank to arrive pays the rendezvous round trip,
+    not a wait. Only a difference of the order of the lateness says it waited too."""
+    rng = np.random.default_rng(seed)
+    host = rng.normal(450_000, 30_000, 200)
+    coll = rng.normal(84_000, 5_000, 200)
+    late = np.zeros(200, dtype=bool)
+    late[rng.choice(200, 12, replace=False)] = True
+    host[late] += 25 * MS
+    coll[late] = rng.normal(140_000, 5_000, 12)
+    found = rules_ranks.late_entries(host.astype(np.int64), coll.astype(np.int64))
+    assert found is not None and (found[0] == late).all()
+    coll[late] = 12 * MS  # waited inside: half its own lateness
+    assert rules_ranks.late_entries(host.astype(np.int64), coll.astype(np.int64)) is None
+
+
 # --- explain on the generator's scenarios, both layouts ----------------------------------------
 
 FINDINGS = {  # family -> the chain family that measures its lost time
