@@ -17,7 +17,7 @@ import pytest
 
 from ingero.demo.synth import SyntheticNode
 from ingero.explain import causes as cz
-from ingero.explain import regimes
+from ingero.explain import regimes, rules_drift
 from ingero.explain.engine import ExplainReport, explain
 from ingero.explain.frame import ArgRows
 from ingero.explain.model import Chain
@@ -465,3 +465,37 @@ def test_both_layouts_agree_on_the_lost_time(tmp_path: Path) -> None:
     assert (recorded.family, ingero.family) == ("tail/cpu", "tail/offcpu")
     assert ingero.evidence["lost_ms"] == pytest.approx(recorded.evidence["lost_ms"], rel=0.01)
     assert ingero.evidence["prev_state"] == "unknown" and recorded.evidence["prev_state"] == "recorded"
+
+
+# --- a steep drift: named once ------------------------------------------------------------------
+
+
+def drifting(rate: float) -> Disturb:
+    """Every sync ``rate`` x its own time slower per second of the run (thermal throttling gone far)."""
+
+    def disturb(rec: SyntheticNode, t: float, sync: float) -> float:
+        return sync * rate * (t - 0.1)
+
+    return disturb
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("rate", [0.25, 0.75])
+def test_a_drift_that_reaches_2x_or_more_is_named_once(tmp_path: Path, seed: int, layout: str, rate: float) -> None:
+    """Kernels +25 %/s for 4 s reach 2x by the end (+75 %/s: 4x), yet the steady level drifts with them:
+    the regime finder never sees 2x of it. It is drift, one chain — not nothing, and not drift and a
+    slower regime both."""
+    r = report_of(record(tmp_path / "s.db", 4.1, drifting(rate), seed, layout))
+    drift = [c for c in r.chains if c.family == "drift/gpu"]
+    assert len(drift) == 1 and drift[0].severity == "HIGH" and not tails(r), shown(r)
+    assert drift[0].evidence["rise"] >= 0.9, drift[0].evidence
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_a_slower_regime_from_mid_run_is_no_steep_drift(seed: int) -> None:
+    _, dur = _series(seed)
+    dur[450:] *= 3  # a step, not a trend: the regime finder's
+    ts = np.cumsum(dur + 1e6).astype(np.int64)
+    assert rules_drift.fit(ts, dur.astype(np.int64)) is None
+    assert regimes.find(ts, dur.astype(np.int64)).n == 1

@@ -21,6 +21,12 @@ blocking copies — and a per-kernel split would need ``arg0`` matched to every 
    and the line explains the blocks (R² ≥ :data:`MIN_R2`: a slowdown in the middle of the run is a
    stretch, not a trend).
 
+A steeper drift (the line through every block rises :data:`MAX_RISE` or more) is still drift: the steady
+level (the blocks' lower quartile) drifts with it, so the regime finder never sees 2x of it and the
+drift would go unnamed. It is named when that line is a trend (``MIN_T``, ``MIN_R2``) that fits the
+blocks better than any single step — a slower regime that starts mid-run fits a step, and stays the
+regime finder's — and its lost time is every call's fitted excess over the early level.
+
 Time lost: each call's fitted excess over the early level, ``Σ slope x t_i`` (calls of a slower regime
 left out) — never more than the calls' own time nor the wall time. Severity from lost time over wall time like every other chain.
 """
@@ -72,6 +78,51 @@ def _block_medians(t: F64, d: F64, k: int) -> tuple[F64, F64]:
     return np.median(t[idx].reshape(shape), axis=1), np.median(d[idx].reshape(shape), axis=1)
 
 
+def _line(bt: F64, bd: F64) -> tuple[float, float, float, float, float] | None:
+    """Least squares ``bd = early + slope x bt``: (early, slope, t statistic, R², residual sum of squares)."""
+    k = int(bt.size)
+    x = bt - bt.mean()
+    sxx = float(x @ x)
+    if k < 3 or sxx <= 0:
+        return None
+    slope = float(x @ (bd - bd.mean())) / sxx
+    early = float(bd.mean()) - slope * float(bt.mean())
+    resid = bd - (early + slope * bt)
+    ss_res, ss_tot = float(resid @ resid), float(((bd - bd.mean()) ** 2).sum())
+    se = np.sqrt(ss_res / (k - 2) / sxx) if ss_res > 0 else 0.0
+    t_stat = slope / se if se > 0 else (np.inf if slope > 0 else 0.0)
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    return early, slope, float(t_stat), r2, ss_res
+
+
+def _step_ss(bd: F64) -> float:
+    """The residual sum of squares of the best single step through the block medians (two flat levels)."""
+    k = int(bd.size)
+    c1, c2 = np.cumsum(bd), np.cumsum(bd * bd)
+    n_l = np.arange(1, k, dtype=np.float64)
+    s_l, q_l = c1[:-1], c2[:-1]
+    s_r, q_r = c1[-1] - s_l, c2[-1] - q_l
+    ss = (q_l - s_l * s_l / n_l) + (q_r - s_r * s_r / (k - n_l))
+    return float(ss.min())
+
+
+def _steep(t: F64, d: F64, bt: F64, bd: F64) -> Drift | None:
+    """A drift that rises :data:`MAX_RISE` or more over the run: the steady level drifts with it, so the
+    regime finder never sees 2x of it (a trend is not a regime). Named when the line through every block
+    is a trend (``MIN_T``, ``MIN_R2``) that fits better than any single step (a slower regime that starts
+    mid-run fits a step, a drift a line); its lost time is every call's fitted excess over the early level."""
+    if bt.size < 8:
+        return None
+    line = _line(bt, bd)
+    if line is None:
+        return None
+    early, slope, t_stat, r2, ss_res = line
+    if early <= 0 or slope / early < MAX_RISE or t_stat < MIN_T or r2 < MIN_R2 or ss_res >= _step_ss(bd):
+        return None
+    lost = float(np.minimum(slope * t, d).sum())
+    return Drift(early, early + slope, t_stat, r2, int(d.size), lost)
+
+
 def fit(ts_ns: I64, dur: I64) -> Drift | None:
     """The drift of one op's calls (any order), or None when they show no trend (see the module
     docstring)."""
@@ -85,23 +136,16 @@ def fit(ts_ns: I64, dur: I64) -> Drift | None:
         return None
     t, d = (ts_ns - ts_ns[0]) / span, dur.astype(np.float64)
     bt, bd = _block_medians(t, d, min(BLOCKS, t.size // MIN_BLOCK))
+    steep = _steep(t, d, bt, bd)
+    if steep is not None:
+        return steep
     steady = max(float(np.quantile(bd, STEADY_QUANTILE)), 1.0)  # as regimes.steady_level
     fast = bd < SLOW_FACTOR * steady  # blocks inside a slower regime are the regime finder's
     bt, bd = bt[fast], bd[fast]
-    k = int(bt.size)
-    if k < 8:
+    line = _line(bt, bd) if bt.size >= 8 else None
+    if line is None:
         return None
-    x = bt - bt.mean()
-    sxx = float(x @ x)
-    if sxx <= 0:
-        return None
-    slope = float(x @ (bd - bd.mean())) / sxx
-    early = float(bd.mean()) - slope * float(bt.mean())
-    resid = bd - (early + slope * bt)
-    ss_res, ss_tot = float(resid @ resid), float(((bd - bd.mean()) ** 2).sum())
-    se = np.sqrt(ss_res / (k - 2) / sxx) if ss_res > 0 else 0.0
-    t_stat = slope / se if se > 0 else (np.inf if slope > 0 else 0.0)
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    early, slope, t_stat, r2, _ = line
     if early <= 0 or slope <= 0 or t_stat < MIN_T or r2 < MIN_R2 or not MIN_RISE <= slope / early < MAX_RISE:
         return None
     kept = d < SLOW_FACTOR * steady  # a slower regime's calls: their excess is the regime finder's
