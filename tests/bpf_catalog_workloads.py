@@ -307,11 +307,21 @@ class ToolServer:
 
 
 def tool_call(env: Env) -> list[int]:
-    # every 250 ms of decoding, a tool call answered 200 ms later
+    """An agent server busy with user requests (the next sent as soon as one is answered): each is 250 ms
+    of decoding, then a tool call answered 200 ms later, then the answer — the GPU idles inside requests."""
     server = ToolServer(0.2)
     try:
-        p = env.start("toolcall", SECS, server.port, 250)
+        port = free_port()
+        p = env.start("toolcall", SECS, port, server.port, 250)
         env.when_probed(p)
+        with socket.create_connection(("127.0.0.1", port)) as user:
+            try:
+                while True:
+                    user.sendall(b"what makes my GPU idle?\n")
+                    if not user.recv(64):
+                        break
+            except OSError:
+                pass  # the agent closed the connection after its last answer
         return [done(p)]
     finally:
         server.close()

@@ -101,12 +101,7 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 # (family, layout) -> what explain said instead (strict: the mark goes with the fix)
-NOT_YET: dict[tuple[str, str], str] = {
-    (family, lay): "idle/asleep_network stays LOW (41 % of wall): a tool call's wait is not yet told from a "
-    "server idle between requests"
-    for family in ("tool-call",)
-    for lay in LAYOUTS
-}
+NOT_YET: dict[tuple[str, str], str] = {}
 
 
 @dataclass

@@ -11,7 +11,9 @@
  *                               DECODE_US for every 5th batch (large images)
  *   disk CHUNKS FILE            reads CHUNKS x 1 MiB of FILE with O_DIRECT (the disk) before each step
  *   serve PAUSE_MS              decode steps; twice, PAUSE_MS of its own CPU work (detokenise, sample)
- *   toolcall PORT EVERY_MS      decode steps; every EVERY_MS a tool call: send, wait for the reply
+ *   toolcall PORT TOOL_PORT EVERY_MS
+ *                               an agent server: per user request on PORT, EVERY_MS of decode steps, a
+ *                               tool call to TOOL_PORT (send, wait for the reply), a step, the answer
  *   server PORT                 an inference server: waits for a request, prefill + decode, replies
  *                               (both: one decode step, "warm", then a line on stdin before the rest)
  *   checkpoint FILE MB EVERY_MS every EVERY_MS: weights device->host, written to FILE (O_DIRECT), fsync
@@ -305,31 +307,48 @@ static void warm_then_wait(void) {
         exit(3);
 }
 
-static int toolcall(double secs, int port, double every_ms) {
-    warm_then_wait();
-    int fd = connect_to(port), n = 0;
-    double t0 = now_s(), last = t0;
-    char reply[256];
-    for (; now_s() - t0 < secs; n++) {
-        decode();
-        if ((now_s() - last) * 1000 >= every_ms) { /* the agent calls a tool and waits for its answer */
-            const char req[] = "{\"tool\": \"search\", \"q\": \"gpu idle\"}\n";
-            if (send(fd, req, sizeof req - 1, 0) != (ssize_t)(sizeof req - 1) || recv(fd, reply, sizeof reply, 0) <= 0)
-                exit(3);
-            last = now_s();
-        }
-    }
-    close(fd);
-    return n;
-}
-
-static int server(double secs, int port) {
+/* a listening socket on loopback PORT */
+static int listen_on(int port) {
     int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (bind(ls, (struct sockaddr *)&a, sizeof a) || listen(ls, 4))
         exit(3);
+    return ls;
+}
+
+/* an agent server: each user request (received on its connection) is decoded for EVERY_MS, then a tool
+ * call goes out on the tool's connection and the thread waits for its reply, a last decode step, and
+ * the answer goes back on the user's connection */
+static int toolcall(double secs, int port, int tool_port, double every_ms) {
+    int ls = listen_on(port), one = 1;
+    warm_then_wait();
+    int user = accept(ls, NULL, NULL), tool = connect_to(tool_port), n = 0;
+    setsockopt(user, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    char req[256], reply[256];
+    double t0 = now_s();
+    while (now_s() - t0 < secs) {
+        if (recv(user, req, sizeof req, 0) <= 0) /* the next user request */
+            break;
+        for (double at = now_s(); (now_s() - at) * 1000 < every_ms; n++)
+            decode();
+        const char call[] = "{\"tool\": \"search\", \"q\": \"gpu idle\"}\n"; /* the agent calls a tool */
+        if (send(tool, call, sizeof call - 1, 0) != (ssize_t)(sizeof call - 1) || recv(tool, reply, sizeof reply, 0) <= 0)
+            exit(3);
+        decode();
+        n++;
+        if (send(user, "answer\n", 7, 0) != 7)
+            break;
+    }
+    close(tool);
+    close(user);
+    close(ls);
+    return n;
+}
+
+static int server(double secs, int port) {
+    int ls = listen_on(port), one = 1;
     warm_then_wait();
     int fd = accept(ls, NULL, NULL), n = 0;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -533,7 +552,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(mode, "inline")) { ARGS(2); n = inline_loader(secs, atol(argv[4]), argv[5]); }
     else if (!strcmp(mode, "disk")) { ARGS(2); n = disk_loader(secs, atoi(argv[4]), argv[5]); }
     else if (!strcmp(mode, "serve")) { ARGS(1); n = serve(secs, atof(argv[4])); }
-    else if (!strcmp(mode, "toolcall")) { ARGS(2); n = toolcall(secs, atoi(argv[4]), atof(argv[5])); }
+    else if (!strcmp(mode, "toolcall")) { ARGS(3); n = toolcall(secs, atoi(argv[4]), atoi(argv[5]), atof(argv[6])); }
     else if (!strcmp(mode, "server")) { ARGS(1); n = server(secs, atoi(argv[4])); }
     else if (!strcmp(mode, "checkpoint")) { ARGS(3); n = checkpoint(secs, argv[4], atol(argv[5]), atof(argv[6])); }
     else if (!strcmp(mode, "contend")) { ARGS(0); n = contend(secs); }
