@@ -499,3 +499,52 @@ def test_a_slower_regime_from_mid_run_is_no_steep_drift(seed: int) -> None:
     ts = np.cumsum(dur + 1e6).astype(np.int64)
     assert rules_drift.fit(ts, dur.astype(np.int64)) is None
     assert regimes.find(ts, dur.astype(np.int64)).n == 1
+
+
+# --- lazy loading of a few kernels: start-up, not a slower regime -------------------------------
+
+
+def lazy_kernels(path: Path, seed: int, module_ms: float, layout: str, *, stall_ms: float = 0.0) -> Path:
+    """Steps of four kernels (arg0) and a sync for 4 s; each kernel's first launch loads its module
+    (``module_ms``); ``stall_ms``: instead, one sync among the first calls of a healthy job is that slow."""
+    rec = SyntheticNode("node-l", BASE, seed)
+    rec.process(TRAINER, "python3 train.py", 0.0, exec_event=False)
+    seen: set[int] = set()
+    t, step = 0.1, 0
+    while t < 4.0:
+        for k in range(4):
+            fn = 0x7F00_0000_1000 + 0x40 * k
+            d = module_ms * NS_PER_MS if module_ms and fn not in seen else rec.jitter(8000, 0.1)
+            seen.add(fn)
+            rec.ev(t, TRAINER, CUDA, LAUNCH[1], d, arg0=fn)
+            t += d / NS_PER_S + 3e-5
+        sync = stall_ms * NS_PER_MS if stall_ms and step == 2 else rec.jitter(5 * NS_PER_MS, 0.05)
+        rec.ev(t, TRAINER, CUDA, SYNC[1], sync)
+        t += sync / NS_PER_S + 1e-3
+        step += 1
+    rec.write(path)
+    return ingero_layout.rewrite(path, path.with_suffix(".ingero.db")) if layout == "ingero" else path
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_lazy_loading_of_a_few_kernels_is_cold_start(tmp_path: Path, seed: int, layout: str) -> None:
+    """4 kernels, each loaded on its first launch (30 ms, ~3 % of the run): 4 slow launches of the first
+    20 leave their median normal, yet they are the process's start-up — a LOW cold start naming the
+    launches, never a slower GPU regime (a real recording had them as a MEDIUM slow/gpu)."""
+    r = report_of(lazy_kernels(tmp_path / "s.db", seed, 30.0, layout))
+    cold = [c for c in r.chains if c.family == "cold-start"]
+    assert len(cold) == 1 and "cudaLaunchKernel" in cold[0].evidence["ops"], shown(r)
+    assert cold[0].evidence["excess_ms"] == pytest.approx(120, rel=0.01)
+    assert not [c for c in r.chains if c.severity != "LOW"] and not tails(r), shown(r)
+    assert not [c for c in r.chains if c.family.startswith("slow/")], shown(r)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seed", SEEDS[:3])
+@pytest.mark.parametrize("stall_ms", [20.0, 200.0])
+def test_a_random_slow_first_call_of_a_healthy_job_is_no_incident(
+    tmp_path: Path, seed: int, layout: str, stall_ms: float
+) -> None:
+    r = report_of(lazy_kernels(tmp_path / "s.db", seed, 0.0, layout, stall_ms=stall_ms))
+    assert not [c for c in r.chains if c.severity != "LOW"], shown(r)

@@ -3,7 +3,9 @@ call, lazy kernel-module loading and allocator warm-up in each op's first calls.
 
 Per process: each op's first calls (1 %, 3 to 20) against the same op's steady median, named when they
 are :data:`COLD_RATIO` x slower and :data:`COLD_GATE` x the steady p95 (an op with big and small calls
-must not look cold because its first calls are the big ones); and the process's very first call when it
+must not look cold because its first calls are the big ones) — in median, or each of the first calls
+that is, when no later call of the op is as slow (lazy loading of a few kernels leaves the median of
+the first calls normal: without this their time went to a slower GPU regime); and the process's very first call when it
 created the context (at least :data:`CONTEXT_MIN_NS`). Time lost: their excess over steady. One-off
 start-up costs are at most LOW unless they exceed a fifth of the run (:func:`causes.startup_severity`).
 """
@@ -17,6 +19,7 @@ from ingero.explain.context import Context, short_ns
 from ingero.explain.frame import I64
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.rules_events import MIN_CALLS
+from ingero.explain.rules_launch import first_launches_chained
 from ingero.store.catalog import op_name
 from ingero.timeutil import NS_PER_MS, fmt_ts
 
@@ -43,8 +46,40 @@ def _context_creation(src: I64, op: I64, dur: I64, ts: I64, counted: set[str]) -
     return name, d / base if base > 0 else 0.0, d - base  # 0: no later call to compare with
 
 
+def _told_as_first_launches(ctx: Context, s: int, o: int) -> bool:
+    """The op's slow calls are kernels' first launches with a first-launch chain of their own (over a fifth
+    of the run): told there, not counted twice."""
+    st = next((x for x in ctx.ops if (x.source, x.op) == (s, o)), None)
+    return st is not None and first_launches_chained(ctx, st)
+
+
+def _cold_calls(d: I64, wall: int) -> tuple[float, float] | None:
+    """(x steady, excess ns) of one op's first calls (durations in time order) when they are cold: their
+    median COLD_RATIO x the steady median and COLD_GATE x the steady p95 (an op with two kinds of calls,
+    big and small copies, must not look cold because its first calls happen to be the big ones); else
+    the first calls that are each that slow, when no later call is (lazy loading of a few kernels: 4
+    slow launches in 20 leave the median normal), when their excess is worth a chain of the ``wall`` time
+    (a few ordinary first launches are no finding). None when neither."""
+    n_cold = int(min(20, max(3, np.ceil(d.size * 0.01))))
+    first, rest = d[:n_cold], d[max(n_cold, d.size // 10) :]
+    steady = float(np.median(rest))
+    if steady <= 0:
+        return None
+    gate = float(np.percentile(rest, 95))
+    cold = float(np.median(first))
+    if cold >= COLD_RATIO * steady and cold >= COLD_GATE * gate:
+        return cold / steady, float(np.clip(first - steady, 0, None).sum())
+    bar = max(COLD_RATIO * steady, COLD_GATE * gate)
+    out = first >= bar
+    if not out.any() or bool((d[n_cold:] >= bar).any()):  # one as slow later: not start-up
+        return None
+    excess = float((first[out] - steady).sum())
+    return (float(np.median(first[out])) / steady, excess) if cz.worth_a_chain(excess, wall) else None
+
+
 def cold_start_chains(ctx: Context) -> list[Chain]:
     gpu = ctx.gpu
+    wall = max(1, gpu.last_ns - gpu.first_ns)
     found: list[tuple[int, list[tuple[str, float, float]], float, int]] = []  # pid, [(op, ratio, excess)], total, t
     for pid in gpu.pids:
         m = gpu.pid == pid if gpu.pids.size > 1 else slice(None)  # one GPU process: no copies
@@ -60,15 +95,9 @@ def cold_start_chains(ctx: Context) -> list[Chain]:
                 ts_k, dur_k = ctx.op_calls(s, o)[:2]
             if dur_k.size < 2 * MIN_CALLS:
                 continue
-            d = dur_k[np.argsort(ts_k, kind="stable")]
-            n_cold = int(min(20, max(3, np.ceil(d.size * 0.01))))
-            cold, rest = float(np.median(d[:n_cold])), d[max(n_cold, d.size // 10) :]
-            steady = float(np.median(rest))
-            ratio = cold / steady if steady > 0 else 0.0
-            # compare with the steady state's p95 too: an op with two kinds of calls (big and small copies)
-            # must not look cold because its first calls happen to be the big ones
-            if ratio >= COLD_RATIO and cold >= COLD_GATE * float(np.percentile(rest, 95)):
-                ops.append((op_name(s, o), ratio, float(np.clip(d[:n_cold] - steady, 0, None).sum())))
+            cold_op = _cold_calls(dur_k[np.argsort(ts_k, kind="stable")], wall)
+            if cold_op is not None and not _told_as_first_launches(ctx, s, o):
+                ops.append((op_name(s, o), *cold_op))
         ctx_op = _context_creation(src, op, dur, ts, {n for n, _, _ in ops})
         if ctx_op is not None:
             ops.append(ctx_op)

@@ -24,6 +24,7 @@ from ingero.explain.stats import OpStats
 from ingero.store.catalog import op_ids
 from ingero.timeutil import NS_PER_S, fmt_duration, fmt_ts
 
+Bool = npt.NDArray[np.bool_]
 LAUNCH_OPS = op_ids("cudaLaunchKernel", "cuLaunchKernel")
 WARMUP_SHARE = 0.2  # kernels first launched after this share of the process's GPU span are "mid-run"
 WARMUP_MIN_NS = 5 * NS_PER_S
@@ -44,21 +45,35 @@ def first_launch_mask(ctx: Context, rows: OpRows) -> npt.NDArray[np.bool_] | Non
     return out
 
 
+def _slow_first(ctx: Context, st: OpStats) -> tuple[OpRows, float, npt.NDArray[np.float64], Bool] | None:
+    """(rows, steady launch, each call's excess over it, the slow first launches) of a launch op, or None."""
+    if (st.source, st.op) not in LAUNCH_OPS or st.count < 10:
+        return None
+    rows = ctx.rows(st)
+    first = first_launch_mask(ctx, rows)
+    if first is None or first.all():
+        return None
+    steady = float(np.median(rows.dur[~first]))
+    slow_first = first & (rows.dur >= 10 * steady)
+    return (rows, steady, np.clip(rows.dur - steady, 0, None), slow_first) if slow_first.any() else None
+
+
+def first_launches_chained(ctx: Context, st: OpStats) -> bool:
+    """Whether the op's slow first launches take a fifth of the run or more (a first-launch chain of their
+    own, beyond start-up): the cold-start rule then leaves them out rather than count them twice."""
+    found = _slow_first(ctx, st)
+    wall = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
+    return found is not None and cz.startup_severity(float(found[2][found[3]].sum()), wall) != "LOW"
+
+
 def first_launch_chains(ctx: Context, notes: list[str]) -> list[Chain]:
     chains: list[Chain] = []
     wall = max(1, ctx.gpu.last_ns - ctx.gpu.first_ns)
     for st in ctx.ops:
-        if (st.source, st.op) not in LAUNCH_OPS or st.count < 10:
+        found = _slow_first(ctx, st)
+        if found is None:
             continue
-        rows = ctx.rows(st)
-        first = first_launch_mask(ctx, rows)
-        if first is None or first.all():
-            continue
-        steady = float(np.median(rows.dur[~first]))
-        excess = np.clip(rows.dur - steady, 0, None)
-        slow_first = first & (rows.dur >= 10 * steady)
-        if not slow_first.any():
-            continue
+        rows, steady, excess, slow_first = found
         start = {int(p): int(rows.ts_ns[rows.pid == p].min()) for p in np.unique(rows.pid).tolist()}
         span = {int(p): int(rows.ts_ns[rows.pid == p].max()) - start[int(p)] for p in start}
         t0 = np.asarray([start[int(p)] for p in rows.pid.tolist()], dtype=np.int64)
