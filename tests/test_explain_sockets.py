@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from ingero.explain import causes as cz
+from ingero.explain.evidence import Grid, HostSeries, Snapshots
 from ingero.explain.frame import load_frames
 from ingero.explain.sockets import Sockets, requests, socket_calls
 from ingero.store.catalog import NET
 from ingero.store.db import open_readonly
 from ingero.store.window import Window
+from ingero.timeutil import NS_PER_S
 from tests.scenarios.base import PID, Params
 from tests.scenarios.expectations import INGERO, LAYOUTS, RECORDED, TOLERANCE
 from tests.scenarios.idle import TOOL_FD, USER_FD
@@ -93,6 +95,24 @@ def test_socket_rows_read_alike_in_both_layouts(tool_call_dbs: dict[str, Path]) 
     for x, y in ((ours.start, theirs.start), (ours.end, theirs.end)):  # the frame keeps µs-ish timestamps
         assert np.abs(x - y).max() <= 2_000
     assert set(ours.fd.tolist()) == {USER_FD, TOOL_FD}
+
+
+def test_host_series_counts_socket_bytes_alike_in_both_layouts(tool_call_dbs: dict[str, Path]) -> None:
+    """The host evidence's "N socket ops (X MB)" reads each layout's own columns (Ingero's arg0 is the
+    fd): the same ops and bytes from both."""
+    got = {}
+    for layout in LAYOUTS:
+        conn = open_readonly(tool_call_dbs[layout])
+        try:
+            fr = load_frames(conn, Window())["gpu-node-01"]
+        finally:
+            conn.close()
+        grid = Grid.for_span(int(fr.ts_ns.min()) - NS_PER_S, int(fr.ts_ns.max()) + NS_PER_S)
+        pids = np.asarray([PID], dtype=np.int64)
+        h = HostSeries(fr, grid, pids, Snapshots.empty(grid), tree=pids)
+        got[layout] = (int(h.net_n.sum()), int(h.net_bytes.sum()))
+    sent = socket_calls(fr.args).of(PID)
+    assert got[RECORDED] == got[INGERO] == (sent.nbytes.size, int(np.abs(sent.nbytes).sum())), got
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

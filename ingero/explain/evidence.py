@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from ingero.explain.frame import I64, Frame, distinct, member
 from ingero.explain.offcpu import INVOL, SCHED_SWITCH, UNKNOWN, VOL, OffCpu, is_runnable
+from ingero.explain.sockets import socket_calls
 from ingero.store.catalog import IO, NET, TCP, op_id
 from ingero.timeutil import NS_PER_MS, NS_PER_S
 
@@ -309,10 +310,11 @@ class HostSeries:
         self.page_n = _sum(grid, pidx)
         self.page_bytes = _sum(grid, pidx, args.arg0[page].astype(np.float64))
         self.tcp_n = _sum(grid, grid.index(frame.ts_ns[(frame.source == TCP) & mine]))
-        net = (args.source == NET) & amine
-        nidx = grid.index(args.ts_ns[net])
+        sock = socket_calls(args)  # either layout: Ingero's rows hold the fd in arg0, the bytes in arg1
+        mine_net = amine[args.source == NET]
+        nidx = grid.index(sock.start[mine_net])
         self.net_n = _sum(grid, nidx)
-        self.net_bytes = _sum(grid, nidx, np.abs(args.arg0[net]).astype(np.float64))
+        self.net_bytes = _sum(grid, nidx, np.abs(sock.nbytes[mine_net]).astype(np.float64))
         self._cum2d = np.stack([_cum(getattr(self, name)) for name in _SUMMED], axis=1)  # a row per bucket edge
         snap = self.snap
         # cpu, mem, swap, -avail (its minimum is the peak of its negation), load, io_max
