@@ -24,9 +24,18 @@ pytestmark = pytest.mark.bpf
 
 BUSY_CPU, OTHER_CPU = 0, 1
 SLEEPS, WRITES = 300, 200
-SLEEPER = f"import sys, time\nsys.stdin.readline()\nfor _ in range({SLEEPS}): time.sleep(0.002)"
+# Each child says when its interpreter has started: two Pythons starting together on one CPU really wake
+# each other (a page of libpython locked by the one faulting it in), and those wakeups are not the test's.
+READY = "print('ready', flush=True)\n"
+SLEEPER = f"import sys, time\n{READY}sys.stdin.readline()\nfor _ in range({SLEEPS}): time.sleep(0.002)"
 READER = "import os\nwhile os.read(0, 1): pass"
-HOG = "while True: pass"
+HOG = f"{READY}while True: pass"
+
+
+def started(child: subprocess.Popen[str]) -> None:
+    """Wait until ``child`` printed that its interpreter is up."""
+    assert child.stdout is not None
+    assert child.stdout.readline() == "ready\n"
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +54,16 @@ def wakers(probes: BpfProbes, pid: int) -> np.ndarray:
 
 
 def test_a_timer_wakeup_on_a_busy_core_has_no_waker(probes: BpfProbes) -> None:
-    hog = subprocess.Popen([sys.executable, "-c", HOG])
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
     try:
         os.sched_setaffinity(hog.pid, {BUSY_CPU})
-        sleeper = subprocess.Popen([sys.executable, "-c", SLEEPER], stdin=subprocess.PIPE, text=True)
+        started(hog)
+        sleeper = subprocess.Popen(
+            [sys.executable, "-c", SLEEPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert sleeper.stdin is not None
         os.sched_setaffinity(sleeper.pid, {BUSY_CPU})
+        started(sleeper)
         probes.add_targets([sleeper.pid])
         wakers(probes, sleeper.pid)  # forget what came before
         sleeper.stdin.write("go\n")
