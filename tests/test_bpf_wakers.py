@@ -28,14 +28,14 @@ SLEEPS, WRITES = 300, 200
 # each other (a page of libpython locked by the one faulting it in), and those wakeups are not the test's.
 READY = "print('ready', flush=True)\n"
 SLEEPER = f"import sys, time\n{READY}sys.stdin.readline()\nfor _ in range({SLEEPS}): time.sleep(0.002)"
-READER = "import os\nwhile os.read(0, 1): pass"
+READER = f"import os\n{READY}while os.read(0, 1): pass"
 HOG = f"{READY}while True: pass"
 
 
-def started(child: subprocess.Popen[str]) -> None:
+def started(child: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
     """Wait until ``child`` printed that its interpreter is up."""
     assert child.stdout is not None
-    assert child.stdout.readline() == "ready\n"
+    assert child.stdout.readline().strip() in ("ready", b"ready")
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +81,12 @@ def test_a_timer_wakeup_on_a_busy_core_has_no_waker(probes: BpfProbes) -> None:
 
 def test_a_task_waking_a_thread_on_another_core_is_its_waker(probes: BpfProbes) -> None:
     mine = os.sched_getaffinity(0)
-    reader = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE)
+    reader = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert reader.stdin is not None
     try:
         os.sched_setaffinity(reader.pid, {OTHER_CPU})
         os.sched_setaffinity(0, {BUSY_CPU})
+        started(reader)
         probes.add_targets([reader.pid])
         time.sleep(0.1)  # the reader is blocked on its pipe, known to the tracer as off the CPU
         wakers(probes, reader.pid)
