@@ -112,3 +112,55 @@ def test_a_summary_and_a_histogram_render_as_valid_exposition() -> None:
         ("ingero_engine_tgi_request_duration_count", None): 100.0,
     }
     assert parsed["ingero_engine_tgi_request_count"].type == "counter"  # a TGI counter: no _total published
+
+
+def test_rank_labels_agree_with_the_event_totals_in_prometheus_and_otlp(tmp_path: Path) -> None:
+    """A merged recording (three nodes' event totals) with engines on two of its nodes, served by one of
+    them with rank 1: every node's engine series carry the rank its event totals carry — the agent's on its
+    own node, empty on the others (the recording does not say their rank) — in the Prometheus text and in
+    the OTLP data points alike."""
+    import shutil
+    import sqlite3
+
+    from ingero.metrics.dbfeed import DatabaseFeed, attach_database
+    from ingero.metrics.otlp import metrics_data, resource_for
+    from ingero.metrics.state import MetricState
+    from tests.test_metrics_dbfeed import CLUSTER
+    from tests.test_metrics_state import series
+
+    db = tmp_path / "cluster.db"
+    shutil.copy(CLUSTER, db)
+    conn = sqlite3.connect(db)
+    with conn:
+        for k, node in enumerate(("gpu-node-01", "gpu-node-02")):
+            conn.execute(
+                "INSERT INTO engine_metrics (ts, node, pid, engine, metric, labels, value) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (T, node, 100 + k, "vllm", "vllm:num_requests_waiting", '{"model_name":"m"}', 3.0 + k),
+            )
+    conn.close()
+    st = MetricState(Identity("gpu-node-02", rank=1), "serve")
+    DatabaseFeed(st, db).refresh(force=True)
+    attach_database(st, db)
+
+    events: dict[str, set[str]] = {}
+    engines: dict[str, set[str]] = {}
+    for (name, labels), _ in series(st).items():
+        d = dict(labels)
+        if name == "ingero_events_total":
+            events.setdefault(d["node"], set()).add(d["rank"])
+        elif name.startswith("ingero_engine_"):
+            engines.setdefault(d["node"], set()).add(d["rank"])
+    assert events == {"gpu-node-01": {""}, "gpu-node-02": {"1"}, "gpu-node-03": {""}}
+    assert engines == {"gpu-node-01": {""}, "gpu-node-02": {"1"}}
+
+    otlp: dict[str, set[str]] = {}
+    (rm,) = metrics_data(st.snapshot(), resource_for(st)).resource_metrics
+    for m in rm.scope_metrics[0].metrics:
+        if m.name in ("ingero_events", "ingero_engine_vllm_num_requests_waiting"):
+            for dp in m.data.data_points:
+                a = dict(dp.attributes or {})
+                otlp.setdefault(f"{m.name}@{a['node']}", set()).add(str(a["rank"]))
+    assert otlp == {
+        **{f"ingero_events@{n}": r for n, r in events.items()},
+        **{f"ingero_engine_vllm_num_requests_waiting@{n}": r for n, r in engines.items()},
+    }

@@ -9,8 +9,9 @@ scraped straight from the engine (no double counting in a ``sum``) and from inge
 the underscore keeps the name valid without the colon Prometheus reserves for recording rules (and
 that OpenTelemetry instrument names do not allow). The published name is in the help text.
 
-**Labels.** ``node`` (the row's node: a merged recording re-exports every node's engines), ``rank``,
-``engine`` and ``engine_pid`` (a restarted engine is a new series, as in the engine's own ``/metrics``),
+**Labels.** ``node`` (the row's node: a merged recording re-exports every node's engines), ``rank``
+(the agent's for its own node's rows and for rows without a node; empty for another node's rows, whose
+rank the recording does not say — as :mod:`ingero.metrics.dbfeed` labels the event totals), ``engine`` and ``engine_pid`` (a restarted engine is a new series, as in the engine's own ``/metrics``),
 then the engine's own labels; one that clashes with these is renamed ``exported_<name>``, as Prometheus
 does with ``honor_labels: false``.
 
@@ -136,7 +137,8 @@ def _shape(metric: str, labels: dict[str, str]) -> tuple[str, str, str]:
 
 
 def families(rows: list[LatestRow], node: str, rank: str) -> list[EngineFamily]:
-    """The exported families of :func:`latest`'s rows; ``node`` where a row has none."""
+    """The exported families of :func:`latest`'s rows; ``node`` where a row has none, ``rank`` on ``node``'s rows
+    only (another node's rank is not in the recording: empty, as on that node's event totals)."""
     shapes = [_shape(metric, labels) for _, _, _, metric, labels, _ in rows]
     kinds: dict[tuple[str, str], str] = {}  # (engine, published) -> kind, from the samples that say it
     for (_, _, engine, _, _, _), (kind, published, _) in zip(rows, shapes, strict=True):
@@ -165,7 +167,8 @@ def families(rows: list[LatestRow], node: str, rank: str) -> list[EngineFamily]:
         elif (fam.kind, fam.engine, fam.published) != (kind, engine, published):  # two names that sanitise alike
             continue
         own = {k: v for k, v in labels.items() if k not in ("le", "quantile") and not k.startswith("__")}
-        lab = {"node": nd or node, "rank": rank, "engine": engine, "engine_pid": str(pid)}
+        owner = nd or node
+        lab = {"node": owner, "rank": rank if owner == node else "", "engine": engine, "engine_pid": str(pid)}
         lab |= {(f"exported_{k}" if k in OWN_LABELS else k): v for k, v in own.items()}
         key = (name, tuple(sorted(lab.items())))
         s = series.get(key)
