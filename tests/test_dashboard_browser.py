@@ -398,12 +398,20 @@ def test_dashboard_of_one_database_in_chromium(tmp_path: Path, demo_dbs: Path, p
         assert driver.find_element(By.ID, "status").get_attribute("class") == "muted"  # no tool failed
         rows = driver.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")
         assert [r.get_attribute("data-node") for r in rows] == list(NODE_NAMES)
-        assert "one database (sample-cluster.db)" in driver.find_element(By.ID, "verdict").text
+        stats = local_answer(get_trace_stats, db)
+        assert (
+            f"one database (sample-cluster.db): {stats['events']:,} events"
+            in driver.find_element(By.ID, "verdict").text
+        )
+        by = stats["events_in_window_by_node"]  # the nodes table: events per source, with separators
+        sources = sorted({s for m in by.values() for s in m})
+        assert table_cells(driver, "#nodes tbody tr") == [
+            [n, *(f"{by.get(n, {}).get(s, 0):,}" for s in sources)] for n in stats["nodes"]
+        ]
         assert not driver.find_element(By.ID, "logout").is_displayed()  # nothing to log out of
         chains = driver.find_elements(By.CSS_SELECTOR, "#chains .chain")
         assert chains and chains[0].get_attribute("data-chain").split(":")[0] in NODE_NAMES
         # the per-op table, the ledger and the engine: what the local tools answer, worded as the CLI does
-        stats = local_answer(get_trace_stats, db)
         assert sorted(table_cells(driver, "#ops tbody tr")) == sorted(
             op_cells(o) for o in stats["top_ops_by_total_time"]
         )
@@ -422,3 +430,56 @@ def test_dashboard_of_one_database_in_chromium(tmp_path: Path, demo_dbs: Path, p
         heads = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#sql-result thead th")]
         assert heads == ["node", "source", "cnt", "avg_us"]
         driver.save_screenshot(str(shots / "04-one-database.png"))
+
+
+def test_fleet_engine_panel_without_the_table_and_with_a_dead_node(tmp_path: Path, demo_dbs: Path, pki: Pki) -> None:
+    """gpu-node-01's recording predates engine_metrics (the table dropped), gpu-node-02 serves its vLLM, and a
+    fourth configured node is down: the engine panel shows gpu-node-02's engine and lists the dead node in one
+    line, and gpu-node-01 not at all (no table is no engine, not an error). The nodes table prints each node's
+    events with thousands separators, as fleet_status answers them."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.engine_standin import free_port
+
+    dbs = tmp_path / "dbs"
+    dbs.mkdir()
+    for db in NODE_DBS:
+        shutil.copy(demo_dbs / db, dbs / db)
+    conn = sqlite3.connect(dbs / NODE_DBS[0])
+    with conn:
+        conn.execute("DROP TABLE engine_metrics")
+    conn.close()
+    dead = NodeSpec("127.0.0.1", free_port(), name="gpu-node-09")
+    with agents_in_thread(pki, node_agents(dbs)) as servers:
+        live = tuple(NodeSpec("127.0.0.1", s.port, name=n) for n, s in zip(NODE_NAMES, servers, strict=True))
+        env = ToolEnv(nodes=(*live, dead), fleet=client_settings(pki, timeout_s=10.0))
+        listen = Listen(tls_cert=pki.node_cert, tls_key=pki.node_key, token=TOKEN)
+        with (
+            dashboard_in_thread(DashboardSettings(env=env, token=TOKEN), listen) as bound,
+            chromium_trusting(pki.ca, tmp_path / "home") as driver,
+        ):
+            driver.get(bound.url)
+            wait = WebDriverWait(driver, 60)
+            wait.until(lambda d: d.find_elements(By.ID, "token"))
+            driver.find_element(By.ID, "token").send_keys(TOKEN)
+            driver.find_element(By.ID, "login").click()
+            wait.until(lambda d: d.execute_script("return document.body.dataset.loaded") == "1")
+
+            status = tool_answer(bound.url, pki, "fleet_status", {})
+            at = status["columns"].index("events")
+            counts = {r[status["columns"].index("node")]: r[at] for r in status["rows"]}
+            heads = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#nodes thead th")]
+            shown = {r[heads.index("node")]: r[heads.index("events")] for r in table_cells(driver, "#nodes tbody tr")}
+            assert {n: shown[n] for n in NODE_NAMES} == {n: f"{counts[n]:,}" for n in NODE_NAMES}
+            assert any("," in shown[n] for n in NODE_NAMES)  # the sample nodes hold thousands of events
+
+            (box,) = driver.find_elements(By.CSS_SELECTOR, "#engines .engine")
+            assert box.get_attribute("data-node") == ENGINE_NODE
+            notes = [p.text for p in driver.find_elements(By.CSS_SELECTOR, "#engines > p")]
+            assert len(notes) == 1, notes
+            lines = notes[0].split(" · ")
+            assert len(lines) == 1 and lines[0].startswith("gpu-node-09") and "\n" not in notes[0], notes
+            assert "engine_metrics" not in notes[0] and NODE_NAMES[0] not in notes[0]
+            driver.execute_script("document.getElementById('engines').scrollIntoView()")
+            driver.save_screenshot(str(artifacts() / "05-fleet-engines-old-node.png"))

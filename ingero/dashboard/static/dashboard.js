@@ -97,7 +97,8 @@ async function loadNodes() {
   if (config.mode === "fleet") {
     const [status, outliers] = await Promise.all([tool("fleet_status"), tool("find_outlier_nodes")]);
     const cols = status.columns;
-    fillTable(table, cols, status.rows, (r) => ({
+    const heads = cols.map((c) => (c === "events" ? [c, fmtCount] : c));
+    fillTable(table, heads, status.rows, (r) => ({
       "data-node": fmt(r[cols.indexOf("node")]),
       class: String(r[0]).startsWith("yes") ? "up" : "down",
     }));
@@ -111,8 +112,9 @@ async function loadNodes() {
   const byNode = stats.events_in_window_by_node;
   const sources = [...new Set(Object.values(byNode).flatMap((m) => Object.keys(m)))].sort();
   const rows = stats.nodes.map((n) => [n, ...sources.map((s) => (byNode[n] || {})[s] || 0)]);
-  fillTable(table, ["node", ...sources], rows, (r) => ({ "data-node": r[0], class: "up" }));
-  verdict.textContent = `one database (${config.database}): ${stats.events} events, ${stats.first_event} → ${stats.last_event}`;
+  fillTable(table, ["node", ...sources.map((s) => [s, fmtCount])], rows, (r) => ({ "data-node": r[0], class: "up" }));
+  verdict.textContent =
+    `one database (${config.database}): ${fmtCount(stats.events)} events, ${stats.first_event} → ${stats.last_event}`;
 }
 
 // --- per-op latency -------------------------------------------------------------------------------
@@ -217,12 +219,26 @@ function showLedger(rows) {
 // --- serving engines' own metrics (ingero trace --inference) -----------------------------------------
 
 // per engine process and series: the last value, summed over its label sets (as get_engine_metrics does);
-// a fleet node without the table (a recording older than schema 5) answers with an error, listed
+// a fleet node without the table (a recording older than schema 5) has no engine: not an error (asked
+// through ENGINE_TABLE_SQL when a node failed, as `ingero export --nodes` does); other failures, one line each
+const ENGINE_TABLE_SQL = "SELECT 1 AS has FROM sqlite_master WHERE type = 'table' AND name = 'engine_metrics'";
 const ENGINE_SQL =
   "SELECT pid, engine, metric, sum(value) AS value, max(ts) AS last_ns FROM (" +
   "SELECT node, pid, engine, metric, labels, value, max(ts) AS ts FROM engine_metrics " +
   "WHERE substr(metric, -7) <> '_bucket' GROUP BY node, pid, engine, metric, labels) " +
   "GROUP BY node, pid, engine, metric ORDER BY pid, engine, metric";
+
+// the fan-out's failed nodes, one line each (doc.unreachable lists them in doc.nodes' order), less the
+// nodes that answer that their recording has no engine_metrics table
+async function engineFailures(doc) {
+  const lines = doc.unreachable || [];
+  const label = (n) => n.node || n.name || n.addr;
+  const failed = doc.nodes.filter((n) => !n.answered).map((n, k) => [n, String(lines[k] ?? `${label(n)}: ${n.outcome}`)]);
+  if (!failed.length) return [];
+  const has = await tool("query_fleet", { action: "sql", sql: ENGINE_TABLE_SQL, limit: 1 });
+  const tableless = new Set(has.nodes.filter((n) => n.answered && !has.rows_by_node[label(n)]).map((n) => n.addr));
+  return failed.filter(([n]) => !tableless.has(n.addr)).map(([, line]) => line.split("\n")[0]);
+}
 
 async function loadEngines() {
   const box = document.getElementById("engines");
@@ -242,7 +258,7 @@ async function loadEngines() {
       e.last_ns = Math.max(e.last_ns, r[c("last_ns")]);
     }
     engines = [...byEngine.values()];
-    missing = [...(doc.unreachable || []), ...(doc.truncated_nodes || []).map((n) => `${n}: more series than shown`)];
+    missing = [...(await engineFailures(doc)), ...(doc.truncated_nodes || []).map((n) => `${n}: more series than shown`)];
   } else {
     engines = (await tool("get_engine_metrics")).engines;
   }
