@@ -215,6 +215,8 @@ def run_explain(args: argparse.Namespace) -> int:
             f"{len(fleet.chains)} chain(s) from {len(fleet.answered)} node(s) in {fleet.elapsed_ms:.0f} ms"
             + (f" (window: {window})" if window else "")
         )
+    for line in fleet.notes:  # what the fleet's own judgement left out (the late rank across nodes)
+        note(line)
     return report(fleet.outcomes, settings, strict=bool(getattr(args, "strict", False)))
 
 

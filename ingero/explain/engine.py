@@ -68,6 +68,7 @@ class ExplainReport:
     last_ns: int | None = None
     elapsed_ms: float = 0.0
     ledger: list[LedgerRow] = field(default_factory=list)  # per GPU thread (ingero.explain.ledger)
+    steps: list[rules_ranks_fleet.NodeSteps] = field(default_factory=list)  # per node, when asked
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -96,11 +97,14 @@ def explain(
     per_process: bool = False,
     node: str | None = None,
     threads: int = 1,
+    steps: bool = False,
 ) -> ExplainReport:
     """Statistics and causal chains for ``window`` (every node, or ``node``; one process with ``pid``).
 
     ``threads`` > 1 reads a large database's events over that many connections at once (see
-    :func:`~ingero.explain.frame.load_frames`: not for a connection with per-connection limits)."""
+    :func:`~ingero.explain.frame.load_frames`: not for a connection with per-connection limits).
+    ``steps``: the report carries each node's step-gap summary (what an agent sends a fleet explain to
+    tell a late rank across nodes: :mod:`~ingero.explain.rules_ranks_fleet`)."""
     t_start = time.perf_counter()
     window = window or Window()
     try:
@@ -138,7 +142,8 @@ def explain(
         ops += o
         hosts[name] = h
         notes += n
-    chains = rules_ranks_fleet.fleet_late_ranks(frames, names, chains)
+    summaries = [rules_ranks_fleet.node_steps(fr, names) for fr in frames.values()] if steps or len(frames) > 1 else []
+    chains = rules_ranks_fleet.late_ranks(summaries, chains)
     try:
         rules_leak.add_stacks(conn, chains, window)
         chains += rules_serving.serving_chains(conn, window, list(frames), node)
@@ -159,6 +164,7 @@ def explain(
         first_ns=min((f.first_ns for f in frames.values()), default=None),
         last_ns=max((f.last_ns for f in frames.values()), default=None),
         ledger=ledger,
+        steps=summaries if steps else [],
     )
     report.elapsed_ms = (time.perf_counter() - t_start) * 1000
     return report

@@ -121,10 +121,12 @@ class FleetChains(Outcomes):
     windows: dict[str, Any] = field(default_factory=dict)  # node -> the window it used
     elapsed_ms: float = 0.0
     ledger: list[dict[str, Any]] = field(default_factory=list)  # every node's GPU-thread ledger rows
+    notes: list[str] = field(default_factory=list)  # one line each, about the fleet's judgement (not a node's)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "chains": [c.as_dict() for c in self.chains],
+            "notes": list(self.notes),
             "ledger": list(self.ledger),
             "straggler": self.verdict.as_dict(),
             "answered": len(self.answered),

@@ -134,6 +134,11 @@ async def fleet_explain(
         outcomes = await refine(await fc.fan_out(job, on_outcome=on_outcome))
     check_some_span(annotation, missing, outcomes)
     fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000, op=op, node=node, stored=stored)
+    if annotation is None and op is None and not stored:  # every node's whole window: its step summary
+        from ingero.fleet.late_ranks import with_late_ranks
+
+        told, fleet.notes = with_late_ranks(outcomes, fleet.chains)  # judged on every node; shown as --node says
+        fleet.chains = [c for c in told if node is None or c.node == node]
     calls = node_calls(outcomes)  # where nodes recorded collectives, their verdict replaces the host one
     if any(len(c) for c in calls):
         fleet.verdict = with_collectives(fleet.verdict, collective_verdict(calls))

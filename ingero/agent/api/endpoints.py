@@ -226,7 +226,7 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
                 return encode(ok(ctx, window=window.as_dict(), label=label, **extra))
             window, pid = label["window_of"], label["pid"]
             extra["label"] = {k: v for k, v in label.items() if k != "window_of"}
-        computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"), pid=pid)
+        computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"), pid=pid, steps=True)
         stored = stored_chains(conn, window)
     return encode(
         ok(
@@ -238,6 +238,8 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
             ops=[o.as_dict() for o in computed.ops],
             host=computed.host.as_dict(),
             ledger=[r.as_dict() for r in computed.ledger],  # where each GPU thread's wall time went
+            # each node's step-gap summary: the client tells a late rank across nodes without NCCL rows
+            steps=[s.as_dict() for s in computed.steps],
             **extra,
         )
     )
@@ -283,12 +285,12 @@ def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Eve
 
 
 def _explain(
-    conn: sqlite3.Connection, window: Window, *, per_process: bool = False, pid: int | None = None
+    conn: sqlite3.Connection, window: Window, *, per_process: bool = False, pid: int | None = None, steps: bool = False
 ) -> ExplainReport:
     """Every node in this database (a merged cluster database served by one agent has several)."""
     from ingero.explain.engine import explain
 
-    return explain(conn, window, per_process=per_process, pid=pid)
+    return explain(conn, window, per_process=per_process, pid=pid, steps=steps)
 
 
 # --- request validation (runs on the loop: cheap) ----------------------------------------------

@@ -1,0 +1,77 @@
+"""``ingero explain --nodes``: the late rank told across nodes where no node recorded NCCL calls.
+
+Each agent analyses only its own node, and on the late rank's node its extra host code is just host
+code; only beside the other nodes' sleeps is it a late rank. So every agent sends, with its
+``/api/v1/chains`` answer, its step-gap summary (``steps``: per GPU thread, the usual off-CPU time and
+the few gaps that can matter, bounded — :class:`ingero.explain.rules_ranks_fleet.NodeSteps`), on its own
+clock. Here each node's summary is moved onto this host's clock by the offset the fan-out measured
+(:mod:`ingero.fleet.skew`) and judged by the same :func:`~ingero.explain.rules_ranks_fleet.late_ranks`
+a database holding several nodes is judged by.
+
+A node whose answer has no summary (an agent older than this), or whose clock could not be measured,
+takes no part: the others are judged without it and one line says so; every node's own chains stand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ingero.fleet.outcome import NodeOutcome
+
+if TYPE_CHECKING:
+    from ingero.explain.model import Chain
+    from ingero.explain.rules_ranks_fleet import NodeSteps
+
+STEPS = "steps"  # the /chains answer's field
+
+
+def node_summaries(outcomes: Sequence[NodeOutcome]) -> tuple[list[NodeSteps], list[str], list[str]]:
+    """Every answered node's summaries on this host's clock, the nodes that sent none (older agents,
+    or malformed summaries), and those whose clock offset is unknown."""
+    from ingero.explain.rules_ranks_fleet import NodeSteps
+
+    out: list[NodeSteps] = []
+    older: list[str] = []
+    unclocked: list[str] = []
+    for o in sorted(outcomes, key=lambda o: o.label):
+        body = o.data.get("chains") if o.answered and isinstance(o.data, dict) else None
+        if not isinstance(body, dict):
+            continue
+        raw = body.get(STEPS)
+        if not isinstance(raw, list):
+            older.append(o.label)
+            continue
+        if o.skew is None or not math.isfinite(o.skew.offset_ns):
+            unclocked.append(o.label)
+            continue
+        try:
+            # a node's summary takes the fleet's label for it (a twin's is name@host:port), as its chains do
+            parts = [NodeSteps.from_dict(d, o.label if d.get("node") in (o.node, None) else None) for d in raw]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            older.append(o.label)
+            continue
+        out += [p.on_clock(o.skew.offset_ns) for p in parts]
+    return out, older, unclocked
+
+
+def with_late_ranks(outcomes: Sequence[NodeOutcome], chains: list[Chain]) -> tuple[list[Chain], list[str]]:
+    """``chains`` with the late ranks told across the nodes' summaries, and the one-line notes (nodes
+    left out of that judgement, and why)."""
+    from ingero.explain.model import sort_chains
+    from ingero.explain.rules_ranks_fleet import late_ranks
+
+    summaries, older, unclocked = node_summaries(outcomes)
+    notes = []
+    if older:
+        notes.append(
+            f"late rank across nodes: no step summary from {', '.join(older)} (an older agent: upgrade it); "
+            "judged without it, each node's own chains stand"
+        )
+    if unclocked:
+        notes.append(
+            f"late rank across nodes: {', '.join(unclocked)} left out (its clock offset could not be measured)"
+        )
+    # (an agent serving a database of several nodes may have told the same late rank: the same chain id, replaced)
+    return sort_chains(late_ranks(summaries, list(chains))), notes
