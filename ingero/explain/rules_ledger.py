@@ -33,6 +33,7 @@ their cause first; one chain per lost time), and never for NCCL (waiting for pee
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -86,9 +87,26 @@ def severity(lost: int, wall: int) -> str | None:
     return cz.severity_of_loss(lost, wall)  # the one ladder (causes.py)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What the chain builders of one ``ledger_chains`` call share beyond their row (built once per node
+    per explain run): the ledger, the ops other rules already explain, and the traced process tree."""
+
+    ledger: Ledger
+    explained: set[tuple[str, Any, str]]
+    tree: frozenset[int]  # ctx.tree: the GPU processes and what they forked
+
+    def waker(self, ctx: Context, w: int, pid: int) -> str:
+        """A waker as the chain may name it: only the traced process tree is named; anything else — the
+        agent itself included — is context, never a cause."""
+        if w == pid:
+            return "its own process"
+        return ctx.proc(w) if w in self.tree else "a process outside the traced tree"
+
+
 def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chain]:
     """One chain per bucket of lost time of each GPU thread in ``ctx`` (its process with ``ctx.pid``)."""
-    explained = _explained_ops(prior)
+    run = _Run(ledger, _explained_ops(prior), frozenset(ctx.tree.tolist()))
     cold = any(c.family in STARTUP_FAMILIES and c.node == ctx.node for c in prior)
     out: list[Chain] = []
     for row in ledger.rows:
@@ -123,7 +141,7 @@ def ledger_chains(ctx: Context, ledger: Ledger, prior: list[Chain]) -> list[Chai
             if bucket == ASLEEP_NETWORK:
                 chain: Chain | None = network_chain(ctx, row, sev, base, net)
             else:
-                chain = _BUILDERS[bucket](ctx, row, "LOW" if bucket == ASLEEP_TIMER else sev, base, ledger, explained)
+                chain = _BUILDERS[bucket](ctx, row, "LOW" if bucket == ASLEEP_TIMER else sev, base, run)
             if chain is not None:
                 out.append(chain)
     return out
@@ -294,20 +312,12 @@ def _sleep(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any
     )
 
 
-def _waker(ctx: Context, w: int, pid: int) -> str:
-    """A waker as the chain may name it: only the traced process tree is named (the GPU processes and
-    what they forked); anything else — the agent itself included — is context, never a cause."""
-    if w == pid:
-        return "its own process"
-    return ctx.proc(w) if w in set(ctx.tree.tolist()) else "a process outside the traced tree"
-
-
-def _asleep(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any) -> Chain:
+def _asleep(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], run: _Run) -> Chain:
     lost, pid = row.idle_ns[ASLEEP_UNKNOWN], int(row.pid or 0)
     tids = np.full(row.gap_start.size, int(row.tid or 0), dtype=np.int64)
     by = ctx.off.by_who(VOL, tids, row.gap_start, row.gap_end)
     top = [(w, ns) for w, ns in sorted(by.items(), key=lambda x: -x[1]) if w][:3]
-    shown = ", ".join(f"{_waker(ctx, w, pid)} ({ms(ns)})" for w, ns in top)
+    shown = ", ".join(f"{run.waker(ctx, w, pid)} ({ms(ns)})" for w, ns in top)
     return ledger_chain(
         ctx,
         row,
@@ -321,12 +331,12 @@ def _asleep(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: An
                 "HOST", "sched_wakeup", f"asleep {ms(lost)}, woken by {shown or 'no recorded wakeup'}", lost // 1000
             )
         ],
-        {**base, "wakers": {str(w): round(ns / 1e6, 1) for w, ns in top if w in set(ctx.tree.tolist())}},
+        {**base, "wakers": {str(w): round(ns / 1e6, 1) for w, ns in top if w in run.tree}},
         sev,
     )
 
 
-def _offcpu(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: Any) -> Chain:
+def _offcpu(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], run: _Run) -> Chain:
     lost, pid, tid = row.idle_ns[OFFCPU_UNKNOWN], int(row.pid or 0), int(row.tid or 0)
     pct = 100 * lost / row.wall_ns
     kids = np.asarray(sorted(children(ctx.frame.args, pid)), dtype=np.int64)
@@ -349,7 +359,7 @@ def _offcpu(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: An
         + (": if they feed the GPU thread (DataLoader workers), this may be input starvation" if active.size else ""),
         (
             "wakeups in those gaps: "
-            + ", ".join(f"{_waker(ctx, int(w), pid)} x{int(n)}" for w, n in zip(wakers, counts, strict=True))
+            + ", ".join(f"{run.waker(ctx, int(w), pid)} x{int(n)}" for w, n in zip(wakers, counts, strict=True))
             if wakers.size
             else "no sched_wakeup rows: what ended each wait was not recorded"
         ),
@@ -380,20 +390,18 @@ def _offcpu(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], *_: An
     )
 
 
-def _slow(
-    ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], ledger: Ledger, explained: set[tuple[str, Any, str]]
-) -> Chain | None:
+def _slow(ctx: Context, row: LedgerRow, sev: str, base: dict[str, Any], run: _Run) -> Chain | None:
     ops = row.slow_ops()
     lost = row.buckets[GPU_SLOW]
     if not ops or lost <= 0:
         return None
     name, op_ns = ops[0]
-    if op_ns < DOMINANT * lost or (ctx.node, row.pid, name) in explained or (ctx.node, None, name) in explained:
+    if op_ns < DOMINANT * lost or (ctx.node, row.pid, name) in run.explained or (ctx.node, None, name) in run.explained:
         return None  # no op dominates, or another rule already names this op's cause
     key = next(k for k in row.slow_by_op if op_name(*k) == name)
     g = ctx.gpu
     m = (g.tid == row.tid) & (g.pid == row.pid) & (g.source == key[0]) & (g.op == key[1])
-    level = ledger.steady.get(key, 0)
+    level = run.ledger.steady.get(key, 0)
     s, e = g.ts_ns[m] + level, g.ts_ns[m] + g.dur[m]
     slow = e > s
     s, e = s[slow], e[slow]
