@@ -36,6 +36,7 @@ from ingero.explain import (
     rules_ranks,
     rules_ranks_fleet,
     rules_serving,
+    serving_host,
 )
 from ingero.explain.cgroups import pid_cgroups, with_cgroups
 from ingero.explain.context import Context
@@ -147,6 +148,8 @@ def explain(
     try:
         rules_leak.add_stacks(conn, chains, window)
         chains += rules_serving.serving_chains(conn, window, list(frames), node)
+        chains, serving_notes = serving_host.serving_host_chains(conn, window, frames, ledger, chains, names)
+        notes += serving_notes
         chains += rules_hang.hang_chains(conn, window, frames)
     except sqlite3.Error as e:
         raise StoreError(f"cannot read the trace database: {e}") from None

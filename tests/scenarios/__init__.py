@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ingero.demo.synth import SyntheticNode
-from tests.scenarios import host, idle, memory, ranks, slow
+from tests.scenarios import host, idle, memory, ranks, serving, slow
 from tests.scenarios.base import Params
 
 Builder = Callable[[Params], list[SyntheticNode]]
 FAMILIES: dict[str, Builder] = {**idle.FAMILIES, **host.FAMILIES, **slow.FAMILIES, **memory.FAMILIES, **ranks.FAMILIES}
+FAMILIES |= serving.FAMILIES
 
 __all__ = ["FAMILIES", "Builder", "Params"]

@@ -37,6 +37,7 @@ DISK = ("idle/io", "idle/asleep_disk")
 NETWORK_WAIT = ("idle/net", "idle/asleep_network")
 HOST_CODE = ("idle/host_code",)
 HOST_BOUND = ("idle/host_bound",)  # own host code at every step: the loop is CPU-bound
+SERVING_CPU = ("serving/cpu-bottleneck",)  # a serving engine's loop: the same host code, told as serving's
 HANG = ("hang", "hung", "straggler", "stall")
 SLOWER_REGIME = ("drift", "regime", "slow/", "tail/gpu", "tail/slow", "tail/unknown")
 MISSING_PREV_STATE = "prev_state"  # what a chain of off-CPU time of unknown kind must say is missing
@@ -177,6 +178,16 @@ CATALOG: dict[str, dict[str, Expect]] = {
     "healthy-collective": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-idle-server": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-overlap": {layout: HEALTHY for layout in LAYOUTS},
+    # a serving engine's loop CPU-bound at every step while requests wait: serving's chain, not the training one
+    "serving-engine-cpu-bound": {
+        layout: lost(SERVING_CPU, must_not=HOST_CODE + HOST_BOUND + WORKERS + DISK) for layout in LAYOUTS
+    },
+    # an engine polling for work at low load: no CPU bottleneck at any severity where its metrics say no
+    # request was there; without them (Ingero's layout keeps no engine_metrics) at most LOW, never the training chain
+    "healthy-engine-low-load": {
+        RECORDED: Expect((), nothing, low, HEALTHY_MUST_NOT + HOST_CODE + SERVING_CPU, healthy=True),
+        INGERO: Expect((), nothing, low, HEALTHY_MUST_NOT + HOST_CODE, healthy=True),
+    },
 }
 HEALTHY_FAMILIES = tuple(f for f, e in CATALOG.items() if e[RECORDED].healthy)
 CPU_FAMILIES = ("cpu-contention", "cpu-bimodal")
