@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from ingero.agent.api import endpoints
 from ingero.cli.main import main
 from ingero.explain import rules_ranks
 from ingero.explain.rules_ranks_fleet import MAX_GAPS, late_ranks
@@ -31,7 +32,6 @@ from tests.fleet_agents import (
     client_settings,
     make_pki,
     node_specs,
-    rewrite_json,
     shift_clock,
 )
 from tests.scenarios import FAMILIES
@@ -79,28 +79,11 @@ def build(tmp: Path, family: str, p: Params, skewed: int) -> Fleet:
     return Fleet(p, rewrite(tmp / "merged.db", tmp / "merged-ingero.db"), dbs, skewed)
 
 
-def _agents(f: Fleet, pki: Pki, *, old: int | None = None) -> list[AgentSpec]:
-    """One agent per node; the skewed node's agent reads the same clock its recording was made on;
-    ``old``: that node's agent answers as an agent older than the step summary (no ``steps``)."""
-    specs = []
-    for i, db in enumerate(f.dbs):
-        wraps = [shift_clock(SKEW_NS)] if i == f.skewed else []
-        if i == old:
-            wraps.append(rewrite_json("/api/v1/chains", lambda b: {k: v for k, v in b.items() if k != STEPS}))
-        specs.append(AgentSpec(db, f.p.node_name(i), wrapper=_compose(wraps)))
-    return specs
-
-
-def _compose(wraps: list[Any]) -> Any:
-    if not wraps:
-        return None
-    return lambda app: _apply(wraps, app)
-
-
-def _apply(wraps: list[Any], app: Any) -> Any:
-    for w in reversed(wraps):
-        app = w(app)
-    return app
+def _agents(f: Fleet, nodes: range | list[int]) -> list[AgentSpec]:
+    """An agent for each of ``nodes``; the skewed node's agent reads the clock its recording was made on."""
+    return [
+        AgentSpec(f.dbs[i], f.p.node_name(i), wrapper=shift_clock(SKEW_NS) if i == f.skewed else None) for i in nodes
+    ]
 
 
 def _tls(pki: Pki) -> list[str]:
@@ -142,7 +125,7 @@ def test_nodes_name_the_late_rank_the_merged_database_names(
     f = build(tmp_path, "late-rank", p, skewed)
     merged = _late([c.as_dict() for c in explain_file(f.merged).chains])
     assert [c["node"] for c in merged] == [p.outlier_node]
-    with agents_in_thread(pki, _agents(f, pki)) as servers:
+    with agents_in_thread(pki, _agents(f, range(f.p.n_nodes))) as servers:
         doc, err = _explain_nodes(servers, pki, capsys, tmp_path)
         fleet = explain_sync(node_specs(servers), client_settings(pki))
     assert doc["answered"] == n and "late rank across nodes" not in err, err
@@ -176,7 +159,7 @@ def test_a_healthy_fleet_gets_no_late_rank_nor_high_or_medium(
     p = Params(seed=seed, magnitude=0.065, n_nodes=3, outlier=1)
     f = build(tmp_path, "healthy-collective", p, skewed=1)
     assert not [c for c in explain_file(f.merged).chains if c.severity in ("HIGH", "MEDIUM") or c.family == "late-rank"]
-    with agents_in_thread(pki, _agents(f, pki)) as servers:
+    with agents_in_thread(pki, _agents(f, range(f.p.n_nodes))) as servers:
         doc, err = _explain_nodes(servers, pki, capsys, tmp_path)
     assert doc["answered"] == 3 and "late rank across nodes" not in err
     said = [(c["node"], c["family"], c["severity"]) for c in doc["chains"]]
@@ -185,12 +168,21 @@ def test_a_healthy_fleet_gets_no_late_rank_nor_high_or_medium(
 
 @pytest.mark.parametrize("old", [0, 2])  # a peer's agent, then the late rank's own
 def test_an_agent_without_the_summary_is_one_line_and_every_answer_stands(
-    tmp_path: Path, pki: Pki, capsys: pytest.CaptureFixture[str], old: int
+    tmp_path: Path, pki: Pki, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, old: int
 ) -> None:
+    """Node ``old``'s agent predates the summary: it refuses ``steps`` (400, an unknown parameter) and is
+    asked again without it; the others are judged without it, and one line says so."""
     p = Params(seed=11, magnitude=0.16, n_nodes=3, outlier=2)
     f = build(tmp_path, "late-rank", p, skewed=2)
-    with agents_in_thread(pki, _agents(f, pki, old=old)) as servers:
-        doc, err = _explain_nodes(servers, pki, capsys, tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(endpoints, "CHAINS_PARAMS", tuple(k for k in endpoints.CHAINS_PARAMS if k != STEPS))
+        older = agents_in_thread(pki, _agents(f, [old]))
+        old_server = older.__enter__()
+    try:
+        with agents_in_thread(pki, _agents(f, [i for i in range(3) if i != old])) as servers:
+            doc, err = _explain_nodes([*servers, *old_server], pki, capsys, tmp_path)
+    finally:
+        older.__exit__(None, None, None)
     lines = [x for x in err.splitlines() if "late rank across nodes" in x]
     assert len(lines) == 1 and p.node_name(old) in lines[0] and "older agent" in lines[0], err
     assert doc["answered"] == 3 and len(doc["notes"]) == 1 and doc["notes"][0] in lines[0]

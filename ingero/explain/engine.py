@@ -124,6 +124,7 @@ def explain(
     ops: list[OpStats] = []
     hosts: dict[str, HostSummary] = {}
     ledger: list[LedgerRow] = []
+    summaries: list[rules_ranks_fleet.NodeSteps] | None = [] if steps or len(frames) > 1 else None
     for name, fr in frames.items():
         rows, snap_note = snap_rows.get(name, ([], None))
         if snap_note:
@@ -137,14 +138,14 @@ def explain(
             cores=_cores_of(cores, name),
             storage=storage.get(name),
             unstored=unstored.get(name),
+            summaries=summaries,
         )
         ledger += led
         chains += c
         ops += o
         hosts[name] = h
         notes += n
-    summaries = [rules_ranks_fleet.node_steps(fr, names) for fr in frames.values()] if steps or len(frames) > 1 else []
-    chains = rules_ranks_fleet.late_ranks(summaries, chains)
+    chains = rules_ranks_fleet.late_ranks(summaries or [], chains)
     try:
         rules_leak.add_stacks(conn, chains, window)
         chains += rules_serving.serving_chains(conn, window, list(frames), node)
@@ -167,7 +168,7 @@ def explain(
         first_ns=min((f.first_ns for f in frames.values()), default=None),
         last_ns=max((f.last_ns for f in frames.values()), default=None),
         ledger=ledger,
-        steps=summaries if steps else [],
+        steps=summaries if steps and summaries else [],
     )
     report.elapsed_ms = (time.perf_counter() - t_start) * 1000
     return report
@@ -183,7 +184,10 @@ def _explain_node(
     cores: int | None = None,
     storage: Storage | None = None,
     unstored: Unstored | None = None,
+    summaries: list[rules_ranks_fleet.NodeSteps] | None = None,
 ) -> tuple[list[Chain], list[OpStats], HostSummary, list[str], list[LedgerRow]]:
+    """One node's chains, ops, host summary, notes and ledger rows (its step-gap summary appended to
+    ``summaries``, where given)."""
     storage = storage or Storage()
     grid = Grid.for_span(fr.first_ns, fr.last_ns)
     snaps = Snapshots.from_rows(grid, snap_rows)
@@ -203,6 +207,8 @@ def _explain_node(
         notes.append(f"{fr.node}: no CUDA/driver/NCCL events in the window — nothing to explain on the GPU side")
     traced = np.asarray([pid], dtype=np.int64) if pid is not None else gpu_pids
     off = OffCpu(fr.args)
+    if summaries is not None:
+        summaries.append(rules_ranks_fleet.node_steps(fr, names, gpu=gpu, off=off))
     tree = process_tree(fr, traced)
     ledger = build_ledger(fr, gpu, off, holes=storage.holes, unstored=unstored, names=names)
     node_ctx = Context(

@@ -171,10 +171,9 @@ class NodeSteps:
         )
 
 
-def _gaps(fr: Frame, off: OffCpu, g: Frame, pid: int, tid: int) -> tuple[I64, I64, I64, I64, int] | None:
-    """A thread's step gaps [a, b), host code and off-CPU time in each, and its wall time."""
-    m = np.flatnonzero((g.tid == tid) & (g.pid == pid))
-    m = m[np.argsort(g.ts_ns[m], kind="stable")]
+def _gaps(off: OffCpu, g: Frame, m: I64, tid: int) -> tuple[I64, I64, I64, I64, int] | None:
+    """A thread's step gaps [a, b), host code and off-CPU time in each, and its wall time (``m``: its
+    GPU calls' rows in ``g``, in time order)."""
     s, e = g.ts_ns[m], g.ts_ns[m] + np.maximum(g.dur[m], 0)
     drain = np.flatnonzero(np.isin(g.source[m] * 256 + g.op[m], _DRAIN_KEYS)[:-1])
     if drain.size < MIN_COLLECTIVES:
@@ -182,8 +181,11 @@ def _gaps(fr: Frame, off: OffCpu, g: Frame, pid: int, tid: int) -> tuple[I64, I6
     a, b = np.maximum.accumulate(e)[drain], s[drain + 1]
     keep = b > a
     a, b = a[keep], b[keep]
-    tids = np.full(a.size, tid, dtype=np.int64)
-    asleep = np.asarray(sum(off.covered(kind, tids, a, b) for kind in (INVOL, VOL, UNKNOWN)), dtype=np.int64)
+    asleep = np.zeros(a.size, dtype=np.int64)
+    for kind in (INVOL, VOL, UNKNOWN):  # off-CPU of any kind
+        th = off.threads[kind].get(tid)
+        if th is not None:
+            asleep += th.covered(a, b)
     return a, b, np.clip(b - a - asleep, 0, None), asleep, int(e.max() - s[0])
 
 
@@ -207,17 +209,24 @@ def _summary(node: str, pid: int, tid: int, name: str | None, gaps: tuple[I64, I
     )  # fmt: skip
 
 
-def node_steps(fr: Frame, names: Mapping[int, str]) -> NodeSteps:
+def node_steps(
+    fr: Frame, names: Mapping[int, str], *, gpu: Frame | None = None, off: OffCpu | None = None
+) -> NodeSteps:
     """A node's step-gap summary (every GPU thread with enough draining calls; the longest-running
-    MAX_THREADS of them)."""
+    MAX_THREADS of them). ``gpu`` (its GPU calls) and ``off`` (its off-CPU intervals): where the caller
+    already has them."""
     nccl = bool((fr.source == NCCL).any())
-    g = fr.select(fr.gpu_mask())
+    g = gpu if gpu is not None else fr.select(fr.gpu_mask())
     if g.size == 0:
         return NodeSteps(fr.node, nccl, [])
-    off = OffCpu(fr.args)
+    off = off if off is not None else OffCpu(fr.args)
+    thread = g.pid.astype(np.int64) << 32 | g.tid.astype(np.int64)  # one key a thread (ids are < 2^22)
+    order = np.lexsort((g.ts_ns, thread))
+    cuts = np.flatnonzero(np.diff(thread[order])) + 1
     threads = []
-    for pid, tid in sorted({(int(p), int(t)) for p, t in zip(g.pid.tolist(), g.tid.tolist(), strict=True)}):
-        gaps = _gaps(fr, off, g, pid, tid)
+    for m in np.split(order, cuts):
+        pid, tid = int(g.pid[m[0]]), int(g.tid[m[0]])
+        gaps = _gaps(off, g, m, tid)
         if gaps is not None:
             threads.append(_summary(fr.node, pid, tid, names.get(pid), gaps))
     threads.sort(key=lambda t: -t.wall_ns)

@@ -15,16 +15,37 @@ takes no part: the others are judged without it and one line says so; every node
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from ingero.fleet.outcome import NodeOutcome
+from ingero.fleet.outcome import NodeFailure, NodeOutcome
 
 if TYPE_CHECKING:
     from ingero.explain.model import Chain
     from ingero.explain.rules_ranks_fleet import NodeSteps
 
-STEPS = "steps"  # the /chains answer's field
+STEPS = "steps"  # the /chains parameter (steps=1) and its answer's field
+_REFUSED = 400  # what an agent answers to a parameter it does not know
+
+
+def steps_params(params: dict[str, str] | None) -> dict[str, str]:
+    """``/chains`` parameters that also ask for the node's step-gap summary (the agent computes it only
+    when asked: 3-5 % of an explain on a 1 M-event node)."""
+    return {**(params or {}), STEPS: "1"}
+
+
+async def ask_with_steps(
+    ask: Callable[[dict[str, str] | None], Awaitable[dict[str, Any]]],
+    params: dict[str, str] | None,
+) -> dict[str, Any]:
+    """``ask`` (a ``/chains`` request) with ``steps=1``; an agent older than the summary refuses the
+    parameter (400) and is asked again without it (its answer then has no ``steps``: told in one line)."""
+    try:
+        return await ask(steps_params(params))
+    except NodeFailure as e:
+        if e.status != _REFUSED:
+            raise
+    return await ask(params)
 
 
 def node_summaries(outcomes: Sequence[NodeOutcome]) -> tuple[list[NodeSteps], list[str], list[str]]:

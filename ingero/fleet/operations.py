@@ -14,7 +14,7 @@ outlier column.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -117,9 +117,16 @@ async def fleet_explain(
     chain_params = {**(params or {}), "per_process": "1"} if per_process else params
     chain_params = label_params(chain_params, annotation=annotation, annotations=annotations)
     missing: list[NodeSpec] = []  # nodes without a span of ``annotation``
+    # the late rank across nodes (no NCCL rows): judged on every node's whole window, from its step summary
+    judged = annotation is None and op is None and not stored and len(nodes) != 1
 
     async def job(conn: NodeClient) -> dict[str, Any]:
-        chains = await label_job(conn, chain_params, annotation=annotation, annotations=annotations, missing=missing)
+        from ingero.fleet.late_ranks import ask_with_steps
+
+        def ask(p: dict[str, str] | None) -> Awaitable[dict[str, Any]]:
+            return label_job(conn, p, annotation=annotation, annotations=annotations, missing=missing)
+
+        chains = await (ask_with_steps(ask, chain_params) if judged else ask(chain_params))
         if isinstance(chains.get("ops"), list) and isinstance(chains.get("host"), dict) and not per_process:
             ops = {"ops": chains["ops"], "host": chains["host"]}  # the agent computed them with the chains
         else:  # an older agent, or per-process chains (whose op tables are per process): ask /ops
@@ -134,7 +141,7 @@ async def fleet_explain(
         outcomes = await refine(await fc.fan_out(job, on_outcome=on_outcome))
     check_some_span(annotation, missing, outcomes)
     fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000, op=op, node=node, stored=stored)
-    if annotation is None and op is None and not stored:  # every node's whole window: its step summary
+    if judged:
         from ingero.fleet.late_ranks import with_late_ranks
 
         told, fleet.notes = with_late_ranks(outcomes, fleet.chains)  # judged on every node; shown as --node says

@@ -36,8 +36,9 @@ WINDOW_PARAMS = ("since", "from", "to")
 # per_process=1: chains for each GPU process, as explain --per-process. explain --by / --annotation /
 # --annotations over the fleet: by=KEY answers the by-label ledger alone; annotation=KEY=VALUE explains
 # that value's span(s) (with its ledger line, "label"); annotations=1 adds the window's label summary
-# ("labels"). An agent older than these answers 400 (unknown parameter).
-CHAINS_PARAMS = (*WINDOW_PARAMS, "per_process", "by", "annotation", "annotations")
+# ("labels"). steps=1 adds each node's step-gap summary ("steps": a fleet explain tells a late rank across
+# nodes with it; computed only when asked). An agent older than these answers 400 (unknown parameter).
+CHAINS_PARAMS = (*WINDOW_PARAMS, "per_process", "by", "annotation", "annotations", "steps")
 
 
 @dataclass
@@ -226,8 +227,11 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
                 return encode(ok(ctx, window=window.as_dict(), label=label, **extra))
             window, pid = label["window_of"], label["pid"]
             extra["label"] = {k: v for k, v in label.items() if k != "window_of"}
-        computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"), pid=pid, steps=True)
+        steps = params.get("steps") in ("1", "true")
+        computed = _explain(conn, window, per_process=params.get("per_process") in ("1", "true"), pid=pid, steps=steps)
         stored = stored_chains(conn, window)
+    if steps:  # each node's step-gap summary: the client tells a late rank across nodes without NCCL rows
+        extra["steps"] = [s.as_dict() for s in computed.steps]
     return encode(
         ok(
             ctx,
@@ -238,8 +242,6 @@ def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event
             ops=[o.as_dict() for o in computed.ops],
             host=computed.host.as_dict(),
             ledger=[r.as_dict() for r in computed.ledger],  # where each GPU thread's wall time went
-            # each node's step-gap summary: the client tells a late rank across nodes without NCCL rows
-            steps=[s.as_dict() for s in computed.steps],
             **extra,
         )
     )
