@@ -5,7 +5,7 @@ Each builder writes a realistic recording of one family of GPU trouble (or of a 
 must and must not name for it, :mod:`tests.scenarios.ingero_layout` rewrites it to Ingero's layout,
 :mod:`tests.scenarios.judge` runs and judges it. Families by module: :mod:`.idle` (the GPU waits on
 its thread), :mod:`.slow` (GPU calls slower than steady), :mod:`.memory`, :mod:`.ranks` (multi-rank
-and healthy shapes).
+and healthy shapes), :mod:`.serving` (serving engines, with their own metrics).
 """
 
 from __future__ import annotations

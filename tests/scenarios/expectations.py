@@ -179,12 +179,12 @@ CATALOG: dict[str, dict[str, Expect]] = {
     "healthy-idle-server": {layout: HEALTHY for layout in LAYOUTS},
     "healthy-overlap": {layout: HEALTHY for layout in LAYOUTS},
     # a serving engine's loop CPU-bound at every step while requests wait: serving's chain, not the training one
-    "serving-engine-cpu-bound": {
+    "engine-cpu-bound": {
         layout: lost(SERVING_CPU, must_not=HOST_CODE + HOST_BOUND + WORKERS + DISK) for layout in LAYOUTS
     },
     # an engine polling for work at low load: no CPU bottleneck at any severity where its metrics say no
     # request was there; without them (Ingero's layout keeps no engine_metrics) at most LOW, never the training chain
-    "healthy-engine-low-load": {
+    "healthy-engine-idle": {
         RECORDED: Expect((), nothing, low, HEALTHY_MUST_NOT + HOST_CODE + SERVING_CPU, healthy=True),
         INGERO: Expect((), nothing, low, HEALTHY_MUST_NOT + HOST_CODE, healthy=True),
     },

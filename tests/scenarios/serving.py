@@ -1,11 +1,11 @@
 """Serving engines: the GPU thread is a vLLM or SGLang engine loop, and the recording holds the engine's
 own metrics (``engine_metrics``, scraped every second as ``ingero trace --inference`` does).
 
-* ``serving-engine-cpu-bound`` — serving's CPU bottleneck: a busy engine (24-32 requests running, a
+* ``engine-cpu-bound`` — serving's CPU bottleneck: a busy engine (24-32 requests running, a
   queue of 2-12 waiting at every scrape) whose loop runs its own host code after every GPU step
   (scheduling, sampling, detokenising) for the magnitude's share of the step: the GPU waits for the host
   while requests wait for the GPU.
-* ``healthy-engine-low-load`` — the same engine at low load: a request now and then (none waiting,
+* ``healthy-engine-idle`` — the same engine at low load: a request now and then (none waiting,
   at most one running), and between requests the loop polls for work on-CPU. The GPU idles because there
   is no work — not a CPU bottleneck.
 
@@ -142,6 +142,6 @@ def healthy_engine_low_load(p: Params) -> list[SyntheticNode]:
 
 
 FAMILIES = {
-    "serving-engine-cpu-bound": serving_engine_cpu_bound,
-    "healthy-engine-low-load": healthy_engine_low_load,
+    "engine-cpu-bound": serving_engine_cpu_bound,
+    "healthy-engine-idle": healthy_engine_low_load,
 }
