@@ -136,6 +136,7 @@ def test_nodes_name_the_late_rank_the_merged_database_names(
     assert abs(got["evidence"]["late_entries"] - want["evidence"]["late_entries"]) <= 1
     assert got["evidence"]["late_entries"] >= rules_ranks.MIN_LATE and got["evidence"]["peers"] == n - 1
     assert 0 < got["evidence"]["lost_share"] <= 1 and got["evidence"]["missing_signal"] == "nccl_calls"
+    assert doc["straggler"]["outlier"] == p.outlier_node and "is the late rank" in doc["straggler"]["line"]
     # one chain per lost time: the late rank's own host-code chain is folded into it, as on the merged database
     assert not [c for c in doc["chains"] if c["node"] == p.outlier_node and c["family"] == "idle/host_code"]
     # the chain's time is on the late rank's own clock (its recording's), as every chain its agent sends
@@ -164,6 +165,7 @@ def test_a_healthy_fleet_gets_no_late_rank_nor_high_or_medium(
     assert doc["answered"] == 3 and "late rank across nodes" not in err
     said = [(c["node"], c["family"], c["severity"]) for c in doc["chains"]]
     assert not [s for s in said if s[2] in ("HIGH", "MEDIUM") or s[1] == "late-rank"], said
+    assert "late rank" not in doc["straggler"]["line"]
 
 
 @pytest.mark.parametrize("old", [0, 2])  # a peer's agent, then the late rank's own
@@ -214,3 +216,43 @@ def test_the_summary_is_bounded_and_keeps_the_long_host_code_first(tmp_path: Pat
     assert int(kept_waits.min()) >= int(np.sort(off - t.usual_off)[-(MAX_GAPS - 300) - 300 :].min())
     back = type(t).from_dict(t.node, json.loads(json.dumps(t.as_dict())))
     assert all(np.array_equal(getattr(back, k), getattr(t, k)) for k in ("start", "end", "host", "off", "late"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["late-rank", "healthy-collective"])
+def test_per_node_summaries_judge_as_the_merged_database_over_seeds(tmp_path: Path, family: str) -> None:
+    """Many seeds, the late rank anywhere but first, magnitudes both sides of each severity threshold, a
+    clock anywhere ahead by up to a second and measured within ±1 ms: the nodes' own summaries (what each
+    agent sends) judged on one clock name what the merged database names, with the same lost time."""
+    import numpy as np
+
+    from ingero.explain.engine import explain
+    from ingero.store.db import open_readonly
+
+    rng = np.random.default_rng(20)
+    for seed in range(12):
+        n = 2 + seed % 3
+        magnitude = [0.3, 0.16, 0.065, 0.04, 0.015][seed % 5]
+        p = Params(seed=100 + seed, magnitude=magnitude, n_nodes=n, outlier=1 + seed % (n - 1))
+        skewed, skew = int(rng.integers(n)), int(rng.integers(-1000, 1000)) * MS
+        (tmp_path / str(seed)).mkdir()
+        f = build(tmp_path / str(seed), family, p, skewed)
+        _shift(f.dbs[skewed], skew - SKEW_NS)  # this seed's own clock error
+        merged = [c for c in explain_file(f.merged).chains if c.family == "late-rank"]
+        summaries = []
+        for i, db in enumerate(f.dbs):
+            conn = open_readonly(db)
+            try:
+                (mine,) = explain(conn, steps=True).steps
+            finally:
+                conn.close()
+            measured = (skew if i == skewed else 0) + int(rng.integers(-MS, MS))  # the offset, measured within 1 ms
+            summaries.append(mine.on_clock(measured))
+        told = [c for c in late_ranks(summaries, []) if c.family == "late-rank"]
+        said = [(c.node, c.severity) for c in told]
+        assert said == [(c.node, c.severity) for c in merged], (seed, said)
+        if family != "late-rank":
+            assert not said, seed
+            continue
+        assert [c.node for c in told] == [p.outlier_node], (seed, said)
+        assert told[0].evidence["lost_ms"] == pytest.approx(merged[0].evidence["lost_ms"], rel=LOST_REL), seed

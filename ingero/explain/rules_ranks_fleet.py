@@ -59,7 +59,7 @@ from ingero.store.catalog import NCCL
 PEERS_WAITED = 0.5  # the peers waited when their off-CPU beyond their usual is, on average, this share of the extra
 WAIT_FLOOR_NS = int(PEERS_WAITED * MIN_LATE_NS) // 2  # a kept wait: beyond the usual by a quarter of the least lateness
 MAX_GAPS = 1024  # kept gaps per thread: the long host-code ones first, then the longest waits
-MAX_THREADS = 64  # GPU threads per node, the longest-running first
+MAX_THREADS = 32  # GPU threads per node, the longest-running first (a worst case of ~1.5 MB a node)
 _DRAIN_KEYS = np.asarray([s * 256 + o for s, o in DRAINING], dtype=np.int64)
 _GAP_FIELDS = ("start", "len", "host", "off", "late")
 

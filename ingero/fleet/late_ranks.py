@@ -23,6 +23,7 @@ from ingero.fleet.outcome import NodeFailure, NodeOutcome
 if TYPE_CHECKING:
     from ingero.explain.model import Chain
     from ingero.explain.rules_ranks_fleet import NodeSteps
+    from ingero.fleet.straggler import StragglerVerdict
 
 STEPS = "steps"  # the /chains parameter (steps=1) and its answer's field
 _REFUSED = 400  # what an agent answers to a parameter it does not know
@@ -96,3 +97,15 @@ def with_late_ranks(outcomes: Sequence[NodeOutcome], chains: list[Chain]) -> tup
         )
     # (an agent serving a database of several nodes may have told the same late rank: the same chain id, replaced)
     return sort_chains(late_ranks(summaries, list(chains))), notes
+
+
+def with_late_rank(v: StragglerVerdict, chains: Sequence[Chain]) -> StragglerVerdict:
+    """The late rank told across nodes (its lost time, the most where several) is the fleet's straggler:
+    it replaces the host-figures verdict, which compares event counts and cannot see a rank others wait for."""
+    late = [c for c in chains if c.family == "late-rank" and c.evidence.get("rule") == "late-rank-across-nodes"]
+    if not late:
+        return v
+    top = max(late, key=lambda c: float(c.evidence.get("lost_ms") or 0.0))
+    v.outlier = top.node
+    v.line = f"{top.node} is the late rank: {top.summary.removeprefix('late rank: ')}"
+    return v

@@ -142,10 +142,11 @@ async def fleet_explain(
     check_some_span(annotation, missing, outcomes)
     fleet = merge_chains(outcomes, (time.perf_counter() - started) * 1000, op=op, node=node, stored=stored)
     if judged:
-        from ingero.fleet.late_ranks import with_late_ranks
+        from ingero.fleet.late_ranks import with_late_rank, with_late_ranks
 
         told, fleet.notes = with_late_ranks(outcomes, fleet.chains)  # judged on every node; shown as --node says
         fleet.chains = [c for c in told if node is None or c.node == node]
+        fleet.verdict = with_late_rank(fleet.verdict, told)
     calls = node_calls(outcomes)  # where nodes recorded collectives, their verdict replaces the host one
     if any(len(c) for c in calls):
         fleet.verdict = with_collectives(fleet.verdict, collective_verdict(calls))
