@@ -188,3 +188,22 @@ def test_low_load_requests_are_served_between_the_polls() -> None:
 )
 def test_engine_process_names(name: str, engine: str | None) -> None:
     assert engine_of_name(name) == engine
+
+
+def test_a_window_after_the_gauges_last_change_is_judged_by_the_values_in_force(tmp_path: Path) -> None:
+    """The scraper stores a gauge when it changes: an idle engine's 0s are written at the first scrape only.
+    A window opened seconds later still sees them (the last row before it), so it is still no bottleneck."""
+    from ingero.explain.engine import explain
+    from ingero.store.db import open_readonly
+    from ingero.store.window import Window
+
+    nodes = cpu_bound_engine(0.26, seed=3, state="idle")
+    db = write(nodes, tmp_path / "r.db")
+    conn = open_readonly(db)
+    try:
+        (first,) = conn.execute("SELECT min(ts) FROM engine_metrics").fetchone()
+        assert conn.execute("SELECT count(DISTINCT ts) FROM engine_metrics").fetchone() == (1,)  # stored once
+        r = explain(conn, Window(first + 1_500_000_000, None))
+    finally:
+        conn.close()
+    assert not serving(r) and not [c for c in r.chains if c.family.startswith(TRAINING)], r.chains
