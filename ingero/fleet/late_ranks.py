@@ -1,12 +1,14 @@
 """``ingero explain --nodes``: the late rank told across nodes where no node recorded NCCL calls.
 
 Each agent analyses only its own node, and on the late rank's node its extra host code is just host
-code; only beside the other nodes' sleeps is it a late rank. So every agent sends, with its
-``/api/v1/chains`` answer, its step-gap summary (``steps``: per GPU thread, the usual off-CPU time and
-the few gaps that can matter, bounded — :class:`ingero.explain.rules_ranks_fleet.NodeSteps`), on its own
-clock. Here each node's summary is moved onto this host's clock by the offset the fan-out measured
-(:mod:`ingero.fleet.skew`) and judged by the same :func:`~ingero.explain.rules_ranks_fleet.late_ranks`
-a database holding several nodes is judged by.
+code; only beside the other nodes' sleeps is it a late rank. So a fleet explain over several nodes asks
+every agent for its step-gap summary with its ``/api/v1/chains`` answer (``steps=1``; answered as
+``steps``: per GPU thread, the usual off-CPU time and the few gaps that can matter, bounded —
+:class:`ingero.explain.rules_ranks_fleet.NodeSteps`), on the node's own clock. Here each summary is moved
+onto this host's clock by the offset the fan-out measured (:mod:`ingero.fleet.skew`: the offset now;
+a clock's drift since an old recording is not taken off) and judged by the same
+:func:`~ingero.explain.rules_ranks_fleet.late_ranks` a database holding several nodes is judged by. A
+late rank found so is the fleet's straggler verdict (:func:`with_late_rank`).
 
 A node whose answer has no summary (an agent older than this), or whose clock could not be measured,
 takes no part: the others are judged without it and one line says so; every node's own chains stand.
@@ -31,7 +33,7 @@ _REFUSED = 400  # what an agent answers to a parameter it does not know
 
 def steps_params(params: dict[str, str] | None) -> dict[str, str]:
     """``/chains`` parameters that also ask for the node's step-gap summary (the agent computes it only
-    when asked: 3-5 % of an explain on a 1 M-event node)."""
+    when asked: 2-3 % of an explain's CPU on a 1 M-event node)."""
     return {**(params or {}), STEPS: "1"}
 
 
