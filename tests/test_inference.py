@@ -587,3 +587,20 @@ def test_phases_are_kept_apart_only_beyond_their_gap(burst_x: float, split: bool
         assert phases.split is split
         if split:
             assert ((phases.of == PREFILL) == burst).all()
+
+
+def test_a_later_window_sees_the_gauges_in_force_when_it_opens(tmp_path: Path) -> None:
+    """The scraper stores a series when it changes: a cache steady at 97 % is one row at the first scrape.
+    A window opened 10 s later still knows the cache is full while preemptions rise in it."""
+    from ingero.store.window import Window
+
+    m = '{"model_name":"m"}'
+    rows: list[EngineMetricRow] = [(T0, 7, "vllm", "vllm:kv_cache_usage_perc", m, 0.97)]
+    rows += [(T0 + k * S, 7, "vllm", "vllm:num_preemptions_total", m, float(2 * k)) for k in range(SCRAPES)]
+    path = record(tmp_path / "kv.db", rows)
+    conn = open_readonly(path)
+    try:
+        got = {c.family for c in explain(conn, Window(T0 + 10 * S, None)).chains}
+    finally:
+        conn.close()
+    assert "serving/kv-cache" in got, got

@@ -46,7 +46,7 @@ from ingero.explain import causes as cz
 from ingero.explain.model import Chain, TimelineEntry
 from ingero.explain.serving_phases import DECODE, Judgement, Phases, by_launches, by_tokens, judge, one_phase, worst
 from ingero.store.catalog import LAUNCH_GRID_SHIFT, op_ids
-from ingero.store.engine_metrics import Series, load_rows, series
+from ingero.store.engine_metrics import TABLE, Series, has_engine_metrics, load_rows, series
 from ingero.store.window import Window
 
 KV_FULL = 0.95
@@ -121,9 +121,33 @@ def _wanted() -> tuple[str, ...]:
     return tuple(out)
 
 
+EngineRow = tuple[int, str, int, str, str, str, float]  # ts, node, pid, engine, metric, labels, value
+
+
+def window_rows(
+    conn: sqlite3.Connection, window: Window, metrics: tuple[str, ...], node: str | None = None
+) -> list[EngineRow]:
+    """The rows of ``metrics`` in ``window`` (of ``node`` only, when given), oldest first, after each series' value in force when the window
+    opens (its last row before, stamped at the window's start): the scraper stores a series when it
+    changes, so a steady gauge may have no row inside a later window."""
+    rows = load_rows(conn, window.start_ns, window.end_ns, node=node, metrics=metrics)
+    if window.start_ns is None or not has_engine_metrics(conn):
+        return rows
+    where = f"ts < ? AND metric IN ({', '.join('?' * len(metrics))})" + (" AND node = ?" if node is not None else "")
+    sql = f"SELECT max(ts), node, pid, engine, metric, labels, value FROM {TABLE} WHERE {where} "
+    sql += "GROUP BY node, pid, engine, metric, labels"
+    start = window.start_ns
+    params = (start, *metrics, *([node] if node is not None else []))
+    before = [
+        (start, str(nd), int(pid), str(e), str(m), str(lb), float(v))
+        for _, nd, pid, e, m, lb, v in conn.execute(sql, params)
+    ]
+    return before + rows
+
+
 def serving_chains(conn: sqlite3.Connection, window: Window, nodes: list[str], node: str | None = None) -> list[Chain]:
     """The serving chains of every engine recorded in ``window`` (of ``node`` only, when given)."""
-    rows = load_rows(conn, window.start_ns, window.end_ns, node=node, metrics=_wanted())
+    rows = window_rows(conn, window, _wanted(), node)
     by_engine: dict[tuple[str, int, str], dict[str, Series]] = {}
     for (nd, pid, engine, metric), s in series(rows).items():
         by_engine.setdefault((nd, pid, engine), {})[metric] = s

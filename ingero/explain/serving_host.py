@@ -42,12 +42,11 @@ from ingero.explain.model import SEVERITY_RANK, Chain, TimelineEntry
 from ingero.explain.offcpu import INVOL, UNKNOWN, VOL, OffCpu
 from ingero.explain.rules_idle import ms
 from ingero.explain.rules_ledger import severity
-from ingero.explain.rules_serving import NAMES
-from ingero.store.engine_metrics import TABLE, Series, has_engine_metrics, load_rows, series
+from ingero.explain.rules_serving import NAMES, window_rows
+from ingero.store.engine_metrics import Series, series
 from ingero.store.window import Window
 
 FAMILY = "serving/cpu-bottleneck"
-EngineRow = tuple[int, str, int, str, str, str, float]  # ts, node, pid, engine, metric, labels, value
 HOST_FAMILIES = ("idle/host_code", "idle/host_bound")  # the ledger's chains of a thread's own host code
 LOAD_ROLES = ("running", "waiting")  # the engine gauges that say whether there was work
 # Process names (``comm``, as the tracer records them) of each engine's processes: vLLM's CLI and its
@@ -146,7 +145,7 @@ def serving_host_chains(
 def _engines(conn: sqlite3.Connection, window: Window, nodes: list[str]) -> dict[tuple[str, int], EngineOf]:
     """Every engine process with series in the window: (node, pid) -> its engine and load gauges."""
     wanted = tuple(n for kinds in NAMES.values() for role in LOAD_ROLES for n in kinds[role])
-    rows = _in_force(conn, window.start_ns, wanted) + load_rows(conn, window.start_ns, window.end_ns, metrics=wanted)
+    rows = window_rows(conn, window, wanted)
     found: dict[tuple[str, int], EngineOf] = {}
     for (nd, pid, engine, metric), s in series(rows).items():
         if engine not in NAMES:
@@ -157,21 +156,6 @@ def _engines(conn: sqlite3.Connection, window: Window, nodes: list[str]) -> dict
             if metric in NAMES[engine][role] and role not in e.load:
                 e.load[role] = s
     return found
-
-
-def _in_force(conn: sqlite3.Connection, start_ns: int | None, metrics: tuple[str, ...]) -> list[EngineRow]:
-    """Each series' last row before ``start_ns``: its value in force when the window opens (the scraper
-    stores a series when it changes, so a steady gauge may have no row inside the window)."""
-    if start_ns is None or not has_engine_metrics(conn):
-        return []
-    sql = (
-        f"SELECT max(ts), node, pid, engine, metric, labels, value FROM {TABLE} WHERE ts < ? AND metric IN "
-        f"({', '.join('?' * len(metrics))}) GROUP BY node, pid, engine, metric, labels ORDER BY 1"
-    )
-    return [
-        (int(t), str(nd), int(pid), str(e), str(m), str(lb), float(v))
-        for t, nd, pid, e, m, lb, v in conn.execute(sql, (start_ns, *metrics))
-    ]
 
 
 def _which(
