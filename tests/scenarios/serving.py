@@ -62,10 +62,6 @@ def _store(db: Path, node: Node, rows: list[EngineMetricRow]) -> None:
         w.write_batch(engine_metrics=rows)
 
 
-def _engine_loop(p: Params, i: int) -> Loop:
-    return trainer(p, i, PROCESS[engine_of(p)])
-
-
 def scraped(loop: Loop, engine: str, state_at: Callable[[float], State], pid: int | None = None) -> None:
     """Scrape the engine (process ``pid``, default the loop's) every SCRAPE_S over the loop's run;
     ``state_at(t)`` says what it published at ``t`` seconds."""
@@ -93,16 +89,27 @@ def busy(seed: int, *, waiting: tuple[int, int] = (2, 13)) -> Callable[[float], 
     return at
 
 
-def serving_engine_cpu_bound(p: Params) -> list[SyntheticNode]:
-    """Every node a busy engine; node ``p.outlier``'s loop is CPU-bound at every step."""
-    engine = engine_of(p)
+Run = Callable[[Loop, int], Callable[[float], State]]  # (loop, node index) -> its gauges at t seconds
+
+
+def engines(p: Params, run: Run) -> list[SyntheticNode]:
+    """``p.n_nodes`` engine nodes: ``run`` drives each loop and says what its engine published."""
     out = []
     for i in range(p.n_nodes):
-        loop = _engine_loop(p, i)
-        _cpu_bound(loop, p.magnitude if i == p.outlier else 0.0)
-        scraped(loop, engine, busy(p.seed * 7919 + i))
+        loop = trainer(p, i, PROCESS[engine_of(p)])
+        scraped(loop, engine_of(p), run(loop, i))
         out.append(finish(loop))
     return out
+
+
+def serving_engine_cpu_bound(p: Params) -> list[SyntheticNode]:
+    """Every node a busy engine; node ``p.outlier``'s loop is CPU-bound at every step."""
+
+    def run(loop: Loop, i: int) -> Callable[[float], State]:
+        _cpu_bound(loop, p.magnitude if i == p.outlier else 0.0)
+        return busy(p.seed * 7919 + i)
+
+    return engines(p, run)
 
 
 def low_load(loop: Loop) -> list[tuple[float, float]]:
@@ -122,23 +129,16 @@ def low_load(loop: Loop) -> list[tuple[float, float]]:
 
 
 def healthy_engine_low_load(p: Params) -> list[SyntheticNode]:
-    engine = engine_of(p)
-    out = []
-    for i in range(p.n_nodes):
-        loop = _engine_loop(p, i)
+    def run(loop: Loop, i: int) -> Callable[[float], State]:
         served = low_load(loop)
 
-        def idle(t: float, served: list[tuple[float, float]] = served) -> State:
-            return {
-                "running": float(sum(a <= t < b for a, b in served)),
-                "waiting": 0.0,
-                "kv": 0.02 if any(a <= t < b for a, b in served) else 0.0,
-                "done": float(sum(b <= t for _, b in served)),
-            }
+        def idle(t: float) -> State:
+            now = float(sum(a <= t < b for a, b in served))
+            return {"running": now, "waiting": 0.0, "kv": 0.02 * now, "done": float(sum(b <= t for _, b in served))}
 
-        scraped(loop, engine, idle)
-        out.append(finish(loop))
-    return out
+        return idle
+
+    return engines(p, run)
 
 
 FAMILIES = {
