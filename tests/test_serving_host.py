@@ -24,6 +24,7 @@ from tests.scenarios.judge import conservation, explain_file
 from tests.scenarios.serving import PROCESS, busy, healthy_engine_low_load, low_load, scraped, serving_engine_cpu_bound
 
 TRAINING = ("idle/host_code", "idle/host_bound")
+HALF_S = 2.7  # about half of a CPU-bound loop's run at 26 % (4 s of its own work, 5.4 s in all)
 TRAINING_FIXES = ("DataLoader", "non_blocking", "torch.compile")  # the training chain's wording
 
 
@@ -66,6 +67,10 @@ def cpu_bound_engine(
         "busy": busy(seed),
         "running only": busy(seed, waiting=(0, 1)),
         "idle": lambda t: {"running": 0.0, "waiting": 0.0, "kv": 0.0, "done": 0.0},
+        # busy with a queue for the first half of the run (the loop starts at 0.2 s), then no request at all
+        "half": lambda t: (
+            busy(seed)(t) if t < 0.2 + HALF_S else {"running": 0.0, "waiting": 0.0, "kv": 0.0, "done": 0.0}
+        ),
     }
     if state in gauges:
         scraped(loop, engine, gauges[state], pid=parent if child else None)
@@ -207,3 +212,15 @@ def test_a_window_after_the_gauges_last_change_is_judged_by_the_values_in_force(
     finally:
         conn.close()
     assert not serving(r) and not [c for c in r.chains if c.family.startswith(TRAINING)], r.chains
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_only_the_host_code_under_load_is_lost(tmp_path: Path, seed: int) -> None:
+    """Busy with a queue for half the run, no request after: about half of the host code is lost, the rest
+    is low load; lost + low load = the ledger's host code ≤ wall."""
+    (c,) = serving(report(cpu_bound_engine(0.26, seed=seed, state="half"), tmp_path))
+    ev = c.evidence
+    assert abs(ev["lost_ms"] + ev["low_load_ms"] - ev["host_code_ms"]) <= 0.2 <= ev["host_code_ms"] <= ev["wall_ms"]
+    assert 0.35 <= ev["lost_ms"] / ev["host_code_ms"] <= 0.65, ev
+    assert c.severity == "MEDIUM"  # ~13 % of the wall time: not the 26 % the whole host code is
+    assert "low load: not counted" in c.root_cause

@@ -186,18 +186,17 @@ def _on_cpu(row: LedgerRow, off: OffCpu) -> np.ndarray:
     return out
 
 
-def _levels(s: Series, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The lowest and highest value ``s`` held over each interval [a, b]: the value in force at ``a``
-    (carried forward from the last scrape row; the first row's before it) and every row up to ``b``
-    (the scraper stores a series when it changes, so the rows between are its changes)."""
+def _highest(s: Series, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The highest value ``s`` held over each interval [a, b]: the value in force at ``a`` (carried forward
+    from the last scrape row; the first row's before it) and every row up to ``b`` (the scraper stores a
+    series when it changes, so the rows between are its changes)."""
     ts, v = np.asarray(s.ts, dtype=np.int64), np.asarray(s.values, dtype=np.float64)
     k0 = np.clip(np.searchsorted(ts, a, side="right") - 1, 0, None)
     k1 = np.clip(np.searchsorted(ts, b, side="right") - 1, 0, None)
-    lo, hi = v[k0].copy(), v[k0].copy()
+    hi: np.ndarray = v[k0].copy()
     for i in np.flatnonzero(k1 > k0):  # a change inside the gap (rare: gaps are short against 1 s scrapes)
-        seg = v[k0[i] : k1[i] + 1]
-        lo[i], hi[i] = seg.min(), seg.max()
-    return lo, hi
+        hi[i] = v[k0[i] : k1[i] + 1].max()
+    return hi
 
 
 @dataclass(frozen=True)
@@ -227,14 +226,13 @@ def _load(row: LedgerRow, which: EngineOf, off: OffCpu) -> Load | None:
     total = float(on.sum())
     if total <= 0:
         return Load(host, 0, 0, 0, 0, tuple(s.metric for s in which.load.values()))
-    levels = {role: _levels(s, row.gap_start, row.gap_end) for role, s in which.load.items()}
-    zero = np.zeros(on.size)
-    queued = levels.get("waiting", (zero, zero))[1] > 0
+    levels = {role: _highest(s, row.gap_start, row.gap_end) for role, s in which.load.items()}
+    queued = levels.get("waiting", np.zeros(on.size)) > 0
     none = np.ones(on.size, dtype=bool)
-    for _, hi in levels.values():
+    for hi in levels.values():
         none &= hi <= 0
     loaded, idle = round(host * float(on[queued].sum()) / total), round(host * float(on[none].sum()) / total)
-    peak = {r: int(hi[queued].max()) if queued.any() else 0 for r, (_, hi) in levels.items()}
+    peak = {r: int(hi[queued].max()) if queued.any() else 0 for r, hi in levels.items()}
     metrics = tuple(s.metric for s in which.load.values())
     return Load(host, loaded, min(idle, host - loaded), peak.get("running", 0), peak.get("waiting", 0), metrics)
 
