@@ -360,6 +360,51 @@ def oom(env: Env) -> list[int]:
         return [p.pid]
 
 
+# --- serving engines (trace --inference): a stand-in vLLM whose serving loop is catalog_job -----------
+
+
+def _engine(env: Env, engine: str, scenario: str, mode: str, *args: object) -> list[int]:
+    """A stand-in vLLM or SGLang server (``vllm serve`` / ``python3 -m sglang.launch_server``: found by its
+    command line, its metrics scraped by the tracer) publishing ``scenario``'s gauges
+    (tests/engine_standin.py); once scraped, it starts its serving loop as its child — ``catalog_job MODE``
+    (SCHED_FIFO) through a link named as the engine's loop process is (``vllm``; SGLang's
+    ``sglang::scheduler``), the name the tracer records. The scenario's window opens with the server."""
+    from tests.engine_standin import launcher
+
+    bindir = env.work / f"engine-{engine}"
+    (bindir / "loop").mkdir(parents=True, exist_ok=True)
+    link = bindir / "loop" / {"vllm": "vllm", "sglang": "sglang::scheduler"}[engine]
+    if not link.exists():
+        link.symlink_to(env.exe)
+    loop = ["chrt", "-f", str(RT_PRIORITY), str(link), mode, str(env.lib), str(SECS), *map(str, args)]
+    port = ["--port", str(free_port()), "--engine", engine, "--scenario", scenario]
+    if engine == "vllm":
+        cmd = [str(launcher(bindir, "vllm")), "serve", "m", *port]
+    else:
+        cmd = [str(launcher(bindir, "python3")), "-m", "sglang.launch_server", *port]
+    p = subprocess.Popen([*cmd, "--run", *loop], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    env.procs.append(p)
+    assert p.stdout is not None
+    p.stdout.readline()  # its port
+    env.started_ns = time.time_ns()
+    child = p.stdout.readline().split()  # once the tracer's detection (every 5 s) has found and scraped it
+    assert child[:1] == ["child"], (p.args, child)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and out.split()[:1] == ["done"], (p.args, p.returncode, out)
+    return [int(child[1])]
+
+
+def engine_cpu_bound(env: Env) -> list[int]:
+    # a busy vLLM (64 running, a queue that comes and goes) whose loop runs 4 ms of host code after each
+    # ~5.6 ms GPU step (as cpu_bound_loop): the GPU waits ~30 % of every step while requests wait
+    return _engine(env, "vllm", "healthy_busy", "cpubound", 4000)
+
+
+def healthy_engine_idle(env: Env) -> list[int]:
+    # an SGLang whose gauges say no request is there while its loop spins on-CPU (as serving_host_bound's)
+    return _engine(env, "sglang", "idle", "serve", 700)
+
+
 # --- ranks: one job of three processes on the fake NCCL (every all-reduce waits for all ranks) -----
 
 RANKS = 2  # one core each (pinned): ranks of a real job do not share cores

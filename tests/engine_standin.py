@@ -81,9 +81,14 @@ def decode_regression(k: int) -> State:
     return (64.0, 1.0, 0.8, 0, 0.08, 4 * PROMPT_LEN, 64 / tpot, tpot)
 
 
+def idle(k: int) -> State:
+    """Low load: no request running or waiting (nothing observed: no first token, no decode step)."""
+    return (0.0, 0.0, 0.0, 0, 0.0)
+
+
 SCENARIOS: dict[str, Callable[[int], State]] = {
     f.__name__: f
-    for f in (healthy_busy, full_cache_no_preemption, kv_pressure, queue_growth, mixed_phases, decode_regression)
+    for f in (healthy_busy, full_cache_no_preemption, kv_pressure, queue_growth, mixed_phases, decode_regression, idle)
 }
 NAMES = {  # engine: (running, waiting, kv usage, preemptions counter, TTFT histogram, finished counter,
     # prompt and generated token counters, time-per-output-token histogram), as each publishes them
@@ -136,6 +141,7 @@ class Engine:
         self.scenario = SCENARIOS[scenario]
         self.k = 0
         self.lock = threading.Lock()
+        self.scraped = threading.Event()  # set by the first scrape
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         run, wait, kv, pre, ttft, finished, prompt, gen, tpot = NAMES[engine]
@@ -170,17 +176,19 @@ class Engine:
             self.kv.labels(m).set(kv)
             self.pre.labels(m).inc(pre)
             self.finished.labels(m).inc(running // 8)  # a moving batch finishes requests
-            for _ in range(4):
+            busy = bool(running or waiting)  # an idle engine observes no first token and no decode step
+            for _ in range(4 if busy else 0):
                 self.ttft.labels(m).observe(ttft)
             self.prompt.labels(m).inc(prompt)
             self.gen.labels(m).inc(gen)
-            for _ in range(8):
+            for _ in range(8 if busy else 0):
                 self.tpot.labels(m).observe(tpot)
             for i, h in enumerate(self.extra):
                 h.labels(m).observe(0.01 * (1 + (self.k + i) % 50))
             for c in self.counters:
                 c.labels(m).inc(running)
             self.k += 1
+            self.scraped.set()
             return generate_latest(self.registry)
 
 
@@ -287,8 +295,13 @@ def launcher(directory: Path, name: str) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    """``<launcher> ... --port N [--scenario NAME] [--engine vllm|sglang] [--full-page] [--cuda-lib PATH]``:
-    serve until killed (with ``--cuda-lib``, calling its cudaMalloc every 10 ms meanwhile)."""
+    """``<launcher> ... --port N [--scenario NAME] [--engine vllm|sglang] [--full-page] [--cuda-lib PATH]
+    [--run CMD ...]``: serve until killed (with ``--cuda-lib``, calling its cudaMalloc every 10 ms meanwhile).
+    With ``--run`` (the rest of the line), once the engine has been scraped (a tracer found it), start CMD as
+    this process's child — the engine's serving loop in a worker process, as vLLM's engine core runs — print
+    ``child PID``, pass its output through and exit with its status."""
+    child = argv[argv.index("--run") + 1 :] if "--run" in argv else []
+    argv = argv[: argv.index("--run")] if child else argv
 
     def arg(name: str, default: str) -> str:
         return argv[argv.index(name) + 1] if name in argv else default
@@ -296,6 +309,14 @@ def main(argv: list[str]) -> None:
     engine = Engine(arg("--engine", "vllm"), arg("--scenario", "healthy_busy"), full="--full-page" in argv)
     server = serve(engine, int(arg("--port", "0")))
     print(server.server_address[1], flush=True)
+    if child:
+        import subprocess
+
+        if not engine.scraped.wait(timeout=120):
+            sys.exit("never scraped")
+        loop = subprocess.Popen(child, stdin=subprocess.DEVNULL)
+        print(f"child {loop.pid}", flush=True)
+        sys.exit(loop.wait())
     if "--cuda-lib" in argv:  # the engine's GPU side: the CUDA-shaped library, called as a serving loop would
         import ctypes
         import time

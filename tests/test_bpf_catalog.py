@@ -14,7 +14,9 @@ preempts and recomputes, a caching allocator that releases its cache when a larg
 leak, a pinned pool that grows until a memory cgroup's OOM killer takes the trainer, pageable
 batches, a cold start, kernel-duration drift, another tenant's kernels on the same device, two ranks
 on the fake NCCL where one is late or stopped, and healthy shapes (voluntary sleeps, ranks waiting in
-collectives, a server idle between requests). They run one after another (CPU contention needs
+collectives, a server idle between requests), and serving engines recorded with ``--inference`` (a
+stand-in vLLM whose loop is CPU-bound while requests wait; a stand-in SGLang whose loop spins while no
+request is there). They run one after another (CPU contention needs
 quiet) in one recording, each judged on its own time window (in Ingero's layout, on that window cut
 out first: Ingero's layout depends on when its tracer started). The GPU programs run SCHED_FIFO so
 the machine's other load adds no cause of its own (see :mod:`tests.bpf_catalog_workloads`); the
@@ -92,6 +94,8 @@ SCENARIOS: dict[str, Scenario] = {
     "kernel-drift": Scenario(wl.kernel_drift, 0.24),
     "noisy-neighbour": Scenario(wl.noisy_neighbour, 0.24),
     "healthy-idle-server": Scenario(wl.healthy_idle_server, 0.0),
+    "engine-cpu-bound": Scenario(wl.engine_cpu_bound, 0.3),
+    "healthy-engine-idle": Scenario(wl.healthy_engine_idle, 0.0),
     "late-rank": Scenario(wl.late_rank, 0.5),
     "healthy-collective": Scenario(wl.healthy_collective, 0.0),
     "hung-rank": Scenario(wl.hung_rank, 0.4),  # 1.5 s stopped after 2 s
@@ -163,7 +167,7 @@ def rec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
     env = wl.build_device(tmp_path_factory.mktemp("bpf-catalog-build"), work)
     db = work / "trace.db"
     overrides = {"cudart": [str(env.lib / "libcudart.so.12")], "nccl": [str(env.lib / "libnccl.so.2")]}
-    opts = trace_options(db, Identity(NODE), overrides)
+    opts = trace_options(db, Identity(NODE), overrides, inference=True)  # the serving engines' own metrics
     try:
         _summary, ran = record(opts, lambda ready: _run_all(env, ready))
         yield Recording(db, ran)
