@@ -18,12 +18,14 @@ import pytest
 
 from ingero.annotate import AnnotationLine
 from ingero.cli.main import main
+from ingero.demo.synth import LAUNCH, STREAM_SYNC
 from ingero.explain.by_label import ByLabel, ValueLedger, by_label, render, render_value
+from ingero.explain.engine import explain
 from ingero.explain.ledger import BUCKETS
 from ingero.store.annotations import write_lines
 from ingero.store.db import open_readonly
-from ingero.timeutil import NS_PER_MS, NS_PER_S
-from tests.test_explain_ledger import PID, Loop, disk, host_code, ingero_layout, preempted, workers
+from ingero.timeutil import NS_PER_MS, NS_PER_S, NS_PER_US
+from tests.test_explain_ledger import HOG, PID, Loop, disk, host_code, ingero_layout, preempted, workers
 
 STEPS = 20
 
@@ -199,3 +201,63 @@ def test_integer_values_read_with_thousands_separators() -> None:
     v = ValueLedger("4812", 0, 3_100_000_000, 1, 1, 3_100_000_000, median_ratio=3.0)
     assert render_value("step", v).startswith("step 4,812: 3.10 s (3.0x the median)")
     assert render_value("run", ValueLedger("007", 0, 1)).startswith("run 007: ")
+
+
+# --- lost time is the ledger's: idle after asynchronous launches (sync shrinkage) ------------------
+
+
+def async_run(path: Path, seed: int, preempted_ms: float) -> tuple[int, float]:
+    """20 steps of a loop that queues 20 ms of GPU work, runs 5 ms of its own host code, then syncs (the
+    sync waits out the rest: ~15 ms). In one step a CPU hog takes ``preempted_ms`` of the host code: the
+    GPU worked through the first part of it (the sync returns sooner), then idled. Returns the step and
+    the GPU's true idle time in it."""
+    lp = Loop(seed)
+    rec = lp.rec
+    rec.process(HOG, "stress-ng --cpu 16", 0.0, exec_event=False)
+    bad = int(np.random.default_rng(seed).integers(1, STEPS - 1))
+    queued, truth, lines = 20 * NS_PER_MS, 0.0, []
+    for i in range(STEPS):
+        t0 = lp.t
+        for _ in range(4):  # the launches queue the step's GPU work
+            dur = rec.jitter(8 * NS_PER_US, 0.1)
+            rec.ev(lp.t, PID, *LAUNCH, dur)
+            lp.t += dur / 1e9 + 20e-6
+        gap = rec.jitter(5 * NS_PER_MS, 0.04)
+        if i == bad:  # the hog runs in the thread's place in the middle of its host code
+            rec.sched(lp.t + 1e-3, PID, preempted_ms * NS_PER_MS, by=HOG)
+            gap += preempted_ms * NS_PER_MS
+            truth = max(0.0, gap - queued)
+        lp.t += gap / 1e9
+        left = max(30_000.0, queued - gap)  # the sync waits out what the GPU has left
+        rec.ev(lp.t, PID, *STREAM_SYNC, left)
+        lp.t += left / 1e9 + 50e-6
+        lines.append(AnnotationLine(rec.ts(t0), {"step": str(i)}, PID, 0, rec.ts(t0), rec.ts(lp.t)))
+    lp.write(path)
+    write_lines(path, lines, node=rec.node)
+    return bad, truth
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_idle_after_async_launches_is_lost_and_adds_up_to_the_ledger(tmp_path: Path, seed: int) -> None:
+    """A step's loss is idle after asynchronous launches: measured as the ledger measures it (what the
+    next sync did not shrink by), and the steps' lost times add up to the whole-run ledger's, bucket by
+    bucket, over the same spans (the steps tile the thread's wall)."""
+    path = tmp_path / "run.db"
+    bad, truth = async_run(path, seed, 40.0)
+    r = result_of(path)
+    assert_conserved(r)
+    conn = open_readonly(path)
+    try:
+        (row,) = explain(conn).ledger
+    finally:
+        conn.close()
+    whole = {b: row.idle_ns.get(b, 0) for b in BUCKETS if b not in ("gpu_steady", "gpu_slow", "not_recorded")}
+    whole["gpu_slow"] = row.buckets["gpu_slow"]
+    steps = {b: sum(v.lost.get(b, 0) for v in r.values) for b in whole}
+    assert steps == whole
+    assert sum(v.wall_ns for v in r.values) == row.wall_ns
+    slow = r.values[bad]
+    assert slow.cause == "preempted" and slow.lost["preempted"] >= 0.5 * slow.lost_ns
+    # the GPU worked through the first 15 ms of the 40 ms preemption: only the rest is lost
+    assert truth - 2 * NS_PER_MS <= slow.lost["preempted"] <= truth + NS_PER_MS, (slow.lost, truth)
+    assert all(v.cause is None for v in r.values if v is not slow), [(v.value, v.lost) for v in r.values]

@@ -7,19 +7,24 @@ until the next instant of the same key in the same scope (node, pid), or the end
 pid-scoped span covers that process's GPU threads; an unscoped one every GPU thread of its node.
 
 Each GPU thread's ledger (:mod:`ingero.explain.ledger`: every nanosecond of its wall time in one bucket)
-is cut at the spans' edges: the frame is loaded once, the thread's calls, busy stretches and off-CPU
-classes are computed once, and one painting of its gaps at every span edge gives each span's buckets
-(cumulative sums: a span costs O(log n) whatever the count). A span's wall time for a thread is the
-part of the span inside the thread's wall (first GPU call to last); its buckets add up to it exactly.
-Steady levels are the node's over the whole loaded window, so a step whose calls are all slow shows
-as ``gpu_slow``.
+is cut at the spans' edges with the ledger's own machinery: the frame is loaded once, the thread's calls
+are cut into busy stretches, slow time and judged gaps once (:func:`~ingero.explain.ledger_calls.thread_calls`),
+and one painting and judging of its gaps (:func:`~ingero.explain.ledger_gaps.paint`) gives each span's
+buckets (cumulative sums at every span edge: a span costs O(log n) whatever the count). A span's wall
+time for a thread is the part of the span inside the thread's wall (first GPU call to last); its buckets
+add up to it exactly. Steady levels are the node's over the whole loaded window, so a step whose calls
+are all slow shows as ``gpu_slow``.
 
-Lost time of a value is measured against the typical value: ``gpu_slow`` (time beyond the op's steady
-level), plus each gap bucket's time beyond the median value's time in that bucket (a step's usual
-host code, its usual sleep on the timer are the loop's own pace). ``not_recorded`` is never lost. The
-top cause is the bucket holding most of the lost time; it is named only when the lost time reaches the
-ledger chains' MEDIUM share of the value's wall time (and their absolute floor) — a healthy step has
-none — and called the root cause when it holds the dominant share (at least half).
+Lost time of a value is the ledger's: ``gpu_slow`` (time beyond the op's steady level) and each gap
+bucket's GPU idle as :func:`~ingero.explain.ledger_gaps.judge_idle` judges it for the whole run — after a
+sync, the time beyond the loop's turnaround and pace; after asynchronous launches, the part the next
+sync says the queued work did not cover (sync shrinkage). A judged gap's idle time is spread evenly over
+the gap (where in it the turnaround fell cannot be told), so the values' lost times add up to the
+whole-run ledger's over the same spans. ``not_recorded`` is never lost; unstored calls (selective
+storage) are not taken out of the gaps here. The top cause is the bucket holding most of the lost time; it
+is named only when the lost time reaches the ledger chains' MEDIUM share of the value's wall time (and
+their absolute floor) — a healthy step has none — and called the root cause when it holds the dominant
+share (at least half).
 """
 
 from __future__ import annotations
@@ -36,11 +41,11 @@ import numpy.typing as npt
 from ingero.errors import StoreError, UsageError
 from ingero.explain import causes as cz
 from ingero.explain.frame import I64, Frame, load_frames
-from ingero.explain.ledger import DRAINING, children, steady_ns, thread_evidence
+from ingero.explain.ledger import children, thread_evidence
+from ingero.explain.ledger_calls import op_keys, steady_ns, thread_calls
 from ingero.explain.ledger_gaps import (
     BUCKETS,
     GAP_BUCKETS,
-    GAP_NS,
     GPU_SLOW,
     GPU_STEADY,
     HOST_CODE,
@@ -50,7 +55,7 @@ from ingero.explain.ledger_gaps import (
     gap_classes,
     paint,
 )
-from ingero.explain.offcpu import Intervals, OffCpu, union
+from ingero.explain.offcpu import Intervals, OffCpu
 from ingero.explain.rules_ledger import DOMINANT, MIN_LOST_NS
 from ingero.explain.storage import aggregate_scopes, load_storage
 from ingero.store.annotation_join import MAX_ANNOTATIONS
@@ -72,7 +77,6 @@ CAUSES = {
     "offcpu_unknown": "off-CPU (kind unknown: no prev_state)",
 }
 LOSABLE = tuple(b for b in GAP_BUCKETS if b != NOT_RECORDED)
-_DRAIN_KEYS = np.asarray([(s & 0xF) << 8 | (o & 0xFF) for s, o in DRAINING], dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -275,25 +279,28 @@ def by_label(
     np.minimum.at(first, of, s0)
     np.maximum.at(last, of, s1)
     acc = np.zeros((len(index), len(BUCKETS)), dtype=np.int64)
+    lost = np.zeros_like(acc)
     threads_in = np.zeros(len(index), dtype=np.int64)
     scope = np.asarray([s.pid for s in spans], dtype=np.int64)
     for fr in frames.values():
         here = np.asarray([not s.node or s.node == fr.node for s in spans], dtype=bool)
-        for k, part in _node_parts(fr, s0, s1, scope, here, holes.get(fr.node, [])):
+        for k, part, gone in _node_parts(fr, s0, s1, scope, here, holes.get(fr.node, [])):
             np.add.at(acc, of[k], part)
+            np.add.at(lost, of[k], gone)
             np.add.at(threads_in, of[k], 1)
     counts = np.bincount(of, minlength=len(index))
     out = [ValueLedger(v, int(first[i]), int(last[i]), int(counts[i]), int(threads_in[i])) for v, i in index.items()]
     median = int(np.median(last - first))
-    _judge(out, acc, median)
+    _judge(out, acc, lost, median)
     notes = [] if frames else ["no events around the labelled spans"]
     return ByLabel(key, out, median, notes)
 
 
 def _node_parts(
     fr: Frame, s0: I64, s1: I64, scope: I64, here: npt.NDArray[np.bool_], holes: list[Any]
-) -> Iterator[tuple[I64, I64]]:
-    """Per GPU thread of the node: the spans it has a part in (indices) and their buckets (rows)."""
+) -> Iterator[tuple[I64, I64, I64]]:
+    """Per GPU thread of the node: the spans it has a part in (indices), their buckets and their lost
+    time per bucket (rows)."""
     gpu = fr.select(fr.gpu_mask())
     if gpu.size == 0 or not here.any():
         return
@@ -302,7 +309,7 @@ def _node_parts(
     order = np.lexsort((gpu.ts_ns, gpu.tid, gpu.pid))
     pid, tid, ts = gpu.pid[order], gpu.tid[order], gpu.ts_ns[order]
     end, st = ts + gpu.dur[order], ts + steady[order]
-    key = (((gpu.source & 0xF) << 8) | (gpu.op & 0xFF))[order]
+    key = op_keys(gpu.source, gpu.op)[order]
     cut = np.flatnonzero((np.diff(pid) != 0) | (np.diff(tid) != 0)) + 1
     for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [ts.size])), strict=True):
         p, t = int(pid[lo]), int(tid[lo])
@@ -310,12 +317,14 @@ def _node_parts(
         if mine.size:
             sl = slice(lo, hi)
             th = _ThreadCut(ts[sl], end[sl], st[sl], key[sl], ev, t, set(children(fr.args, p)), s0[mine], s1[mine])
-            rows, inside = th.parts()
-            yield mine[inside], rows[inside]
+            rows, lost, inside = th.parts()
+            yield mine[inside], rows[inside], lost[inside]
 
 
 class _ThreadCut:
-    """One GPU thread's ledger, cut at the edges of the spans [s0, s1)."""
+    """One GPU thread's ledger, cut at the edges of the spans [s0, s1): the ledger's own cut of the calls
+    (:func:`~ingero.explain.ledger_calls.thread_calls`) and painting and judging of the gaps
+    (:func:`~ingero.explain.ledger_gaps.paint`), so a span's lost time is the whole-run ledger's over it."""
 
     def __init__(
         self,
@@ -329,32 +338,38 @@ class _ThreadCut:
         s0: I64,
         s1: I64,
     ) -> None:
-        reach = np.maximum.accumulate(end)
-        w0, w1 = int(ts[0]), int(reach[-1])
-        new = np.concatenate(([True], ts[1:] > reach[:-1]))
-        b0 = ts[new]
-        b1 = reach[np.concatenate((np.flatnonzero(new)[1:] - 1, [ts.size - 1]))]
-        busy_of = np.cumsum(new) - 1
-        drained = np.bincount(busy_of[np.isin(key, _DRAIN_KEYS) & (end == b1[busy_of])], minlength=b0.size) > 0
-        slow = steady_end < end
-        ss, se = union(np.maximum(steady_end[slow], ts[slow]), end[slow])
-        self.busy, self.slow = _cumulative(b0, b1), _cumulative(ss, se)
+        tc = thread_calls(ts, end, steady_end, key)
+        w0, w1 = (tc.w0, tc.w1) if tc is not None else (0, 0)
         self.c0, self.c1 = np.clip(s0, w0, w1), np.clip(s1, w0, w1)
-        g0, g1 = b1[:-1], b0[1:]
         self.gaps = np.zeros((s0.size, len(BUCKETS)), dtype=np.int64)
-        if g0.size:
-            edges = np.unique(np.clip(np.concatenate((self.c0, self.c1)), g0[0], g1[-1]))
-            idle = ((g1 - g0) >= GAP_NS) & drained[:-1]
-            per_edge = paint(g0, g1, idle, gap_classes(ev, tid, kids), edges)[2]
-            assert per_edge is not None
-            before = np.cumsum(per_edge, axis=0)  # row i: gap time of each bucket before edges[i]
-            i0 = np.searchsorted(edges, np.clip(self.c0, g0[0], g1[-1]))
-            i1 = np.searchsorted(edges, np.clip(self.c1, g0[0], g1[-1]))
-            self.gaps = np.rint(before[i1] - before[i0]).astype(np.int64)
+        self.idle = np.zeros((s0.size, len(BUCKETS)), dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int64)
+        self.busy, self.slow = _cumulative(empty, empty), _cumulative(empty, empty)
+        if tc is None:
+            return
+        self.busy, self.slow = _cumulative(tc.b_start, tc.b_end), _cumulative(tc.ss, tc.se)
+        g0, g1 = tc.g0, tc.g1
+        if g0.size == 0:
+            return
+        edges = np.unique(np.clip(np.concatenate((self.c0, self.c1)), g0[0], g1[-1]))
+        classes = gap_classes(ev, tid, kids)
+        painted = paint(
+            g0, g1, tc.idle, classes, edges, drained=tc.drained[:-1], sync=tc.sync, short=tc.short, detail=True
+        )
+        assert painted.per_minute is not None and painted.judged.per_gap is not None
+        before = np.cumsum(painted.per_minute, axis=0)  # row i: gap time of each bucket before edges[i]
+        i0 = np.searchsorted(edges, np.clip(self.c0, g0[0], g1[-1]))
+        i1 = np.searchsorted(edges, np.clip(self.c1, g0[0], g1[-1]))
+        self.gaps = np.rint(before[i1] - before[i0]).astype(np.int64)
+        # each judged gap's idle time, spread evenly over the gap: where in the gap the turnaround fell
+        # cannot be told; rounded at each edge, so spans that tile the wall add up to the ledger's figure
+        spread = _Spread(g0[tc.idle], g1[tc.idle], painted.judged.per_gap)
+        self.idle = spread.before(self.c1) - spread.before(self.c0)
 
-    def parts(self) -> tuple[I64, npt.NDArray[np.bool_]]:
+    def parts(self) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
         """Per span, its buckets for this thread (rows, in BUCKETS order; they add up to the span's part
-        of the thread's wall exactly), and which spans have a part (inside the thread's wall)."""
+        of the thread's wall exactly), its lost time per bucket (rows: ``gpu_slow`` and the gap buckets'
+        GPU idle), and which spans have a part (inside the thread's wall)."""
         wall = self.c1 - self.c0
         busy = self.busy.covered(self.c0, self.c1)
         slow = self.slow.covered(self.c0, self.c1)
@@ -363,7 +378,29 @@ class _ThreadCut:
         rows[:, IDX[GPU_STEADY]] = busy - slow
         host = IDX[HOST_CODE]
         rows[:, host] += wall - rows.sum(axis=1)  # what no class covers (and rounding) is own host code
-        return rows, wall > 0
+        lost = np.zeros_like(rows)
+        losable = [IDX[b] for b in LOSABLE]
+        lost[:, losable] = self.idle[:, losable]
+        lost[:, IDX[GPU_SLOW]] = slow
+        return rows, lost, wall > 0
+
+
+class _Spread:
+    """The idle time of judged gaps [a, z) (per bucket: ``per_gap`` rows), each spread evenly over its gap."""
+
+    def __init__(self, a: I64, z: I64, per_gap: npt.NDArray[np.float64]) -> None:
+        self.a, self.z, self.per_gap = a, z, per_gap
+        self.cum = np.concatenate((np.zeros((1, per_gap.shape[0])), np.cumsum(per_gap.T, axis=0)))
+
+    def before(self, x: I64) -> I64:
+        """Per instant of ``x`` (rows), each bucket's idle time before it (rounded to the ns)."""
+        k = np.searchsorted(self.a, x, side="right") - 1
+        kk = np.maximum(k, 0)
+        if self.a.size == 0:
+            return np.zeros((x.size, self.cum.shape[1]), dtype=np.int64)
+        share = np.where(k >= 0, np.clip((x - self.a[kk]) / np.maximum(self.z[kk] - self.a[kk], 1), 0.0, 1.0), 0.0)
+        out = np.where((k >= 0)[:, None], self.cum[kk] + share[:, None] * self.per_gap[:, kk].T, 0.0)
+        return np.rint(out).astype(np.int64)
 
 
 def _cumulative(start: I64, end: I64) -> Intervals:
@@ -373,14 +410,9 @@ def _cumulative(start: I64, end: I64) -> Intervals:
     return Intervals(start, end, np.concatenate(([0], np.cumsum(end - start))), start)
 
 
-def _judge(values: list[ValueLedger], acc: I64, median: int) -> None:
-    """Each value's buckets (``acc``, rows in ``values`` order); its lost time against the median value,
-    and the top cause where the lost time is worth naming."""
-    losable = [IDX[b] for b in LOSABLE]
-    lost = np.zeros_like(acc)
-    lost[:, IDX[GPU_SLOW]] = acc[:, IDX[GPU_SLOW]]
-    typical = np.median(acc[:, losable], axis=0)
-    lost[:, losable] = np.maximum(0, np.rint(acc[:, losable] - typical)).astype(np.int64)
+def _judge(values: list[ValueLedger], acc: I64, lost: I64, median: int) -> None:
+    """Each value's buckets and lost time (``acc``, ``lost``: rows in ``values`` order), and the top cause
+    where the lost time is worth naming."""
     wall = acc.sum(axis=1)
     total = lost.sum(axis=1)
     named = (wall > 0) & (total >= np.maximum(MIN_LOST_NS, NAMED_SHARE * wall))

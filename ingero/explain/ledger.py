@@ -46,8 +46,10 @@ launches the GPU may still run queued work: only the gap's unusual time can be i
 ends the gap says how much was (it returns sooner by what the GPU did in the gap: sync shrinkage); a
 gap with no sync after it is never called idle.
 
-``steady_ns`` is the one definition of an op's steady level (the median of the op's calls on the node
-plus their noise band); a regime-aware level can replace it there.
+A thread's calls are cut into busy stretches, slow time and judged gaps by
+:func:`~ingero.explain.ledger_calls.thread_calls`, with each op's steady level from
+:func:`~ingero.explain.ledger_calls.steady_ns` (the median of the op's calls on the node plus their noise
+band) — one definition, which the ledger per label (:mod:`ingero.explain.by_label`) cuts by too.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ingero.explain.frame import I64, ArgRows, Frame
+from ingero.explain.ledger_calls import DRAINING, op_keys, steady_levels, steady_ns, thread_calls
 from ingero.explain.ledger_gaps import (
     ASLEEP_DISK,
     ASLEEP_NETWORK,
@@ -67,7 +70,6 @@ from ingero.explain.ledger_gaps import (
     ASLEEP_WORKERS,
     BUCKETS,
     GAP_BUCKETS,
-    GAP_NS,
     GPU_SLOW,
     GPU_STEADY,
     HOST_CODE,
@@ -77,15 +79,14 @@ from ingero.explain.ledger_gaps import (
     PREEMPTED,
     TAKE_ORDER,
     ThreadEvidence,
-    ends_a_step,
     gap_classes,
     paint,
 )
-from ingero.explain.offcpu import OffCpu, union, wakeups
+from ingero.explain.offcpu import OffCpu, wakeups
 from ingero.explain.sockets import socket_calls
 from ingero.explain.storage import MINUTE_NS
 from ingero.explain.unstored import Unstored, less_stored, unstored_owner
-from ingero.store.catalog import IO, NCCL, op_id, op_ids, op_name
+from ingero.store.catalog import IO, op_id, op_name
 from ingero.timeutil import NS_PER_MS, fmt_duration
 
 __all__ = [  # the ledger's public names (the bucket names are declared in ledger_gaps)
@@ -95,6 +96,7 @@ __all__ = [  # the ledger's public names (the bucket names are declared in ledge
     "ASLEEP_UNKNOWN",
     "ASLEEP_WORKERS",
     "BUCKETS",
+    "DRAINING",
     "GAP_BUCKETS",
     "GPU_SLOW",
     "GPU_STEADY",
@@ -109,55 +111,10 @@ __all__ = [  # the ledger's public names (the bucket names are declared in ledge
     "children",
     "describe",
     "steady_ns",
+    "thread_evidence",
 ]
 
-NOISE_SIGMAS = 3.0  # a call is slow beyond its op's median plus this many robust sigmas (1.4826 MAD)
 PROCESS_FORK = op_id("process_fork")  # pid = parent, arg1 = child
-# calls that return only once the GPU's queue (a stream, the device) is drained: after them, a gap is GPU idle
-DRAINING = op_ids(
-    "cudaStreamSync",
-    "cudaDeviceSync",
-    "cudaEventSynchronize",
-    "cuCtxSynchronize",
-    "cudaMemcpy",
-    "cuMemcpy",
-    "cudaMemcpy2D",
-    "cudaMemcpyPeer",
-    "cudaMemset",
-    "cudaFree",
-    "cuMemFree",
-)
-_DRAINS = np.zeros(1 << 12, dtype=bool)  # by (source & 0xF) << 8 | (op & 0xFF), like frame's GPU table
-_DRAINS[[(s & 0xF) << 8 | (o & 0xFF) for s, o in DRAINING]] = True
-
-
-def steady_ns(source: I64, op: I64, dur: I64) -> I64:
-    """Per call, the steady level of its op on this node: the median of the op's calls plus their
-    noise band (``NOISE_SIGMAS`` robust sigmas); an NCCL collective's own duration (its excess is
-    waiting for the other ranks, judged across nodes)."""
-    return _steady(source, op, dur)[0]
-
-
-def _steady(source: I64, op: I64, dur: I64) -> tuple[I64, dict[tuple[int, int], int]]:
-    """steady_ns, and each op's level."""
-    levels: dict[tuple[int, int], int] = {}
-    if dur.size == 0:
-        return dur.copy(), levels
-    key = (((source & 0xFF) << 8) | (op & 0xFF)).astype(np.uint16)  # catalog ids are small
-    order = np.argsort(key, kind="stable")  # one radix sort groups the ops' calls
-    sk, sd = key[order], dur[order]
-    cut = np.flatnonzero(sk[1:] != sk[:-1]) + 1
-    level = np.full(1 << 16, -1, dtype=np.int64)  # per op key; -1: the call's own duration (NCCL)
-    for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), sk.size], strict=True):
-        k = int(sk[lo])
-        if k >> 8 == NCCL:
-            continue
-        d = sd[lo:hi]
-        med = float(np.median(d))
-        mad = float(np.median(np.abs(d - med)))
-        levels[(k >> 8, k & 0xFF)] = level[k] = round(med + NOISE_SIGMAS * 1.4826 * mad)
-    per_call = level[key]
-    return np.where(per_call >= 0, per_call, dur), levels
 
 
 def children(args: ArgRows, pid: int) -> dict[int, int]:
@@ -323,7 +280,7 @@ def build_ledger(
     if gpu.size == 0:
         return Ledger([])
     ev = thread_evidence(fr, off, holes)
-    steady, levels = _steady(gpu.source, gpu.op, gpu.dur)
+    steady, levels = steady_levels(gpu.source, gpu.op, gpu.dur)
     pid, tid, ts, dur, src, op = gpu.pid, gpu.tid, gpu.ts_ns, gpu.dur, gpu.source, gpu.op
     if (pid == pid[0]).all() and (tid == tid[0]).all():  # one thread, the common case: time order only
         cut = np.zeros(0, dtype=np.int64)
@@ -335,6 +292,7 @@ def build_ledger(
         pid, tid, ts, dur, src, op, steady = (x[order] for x in (pid, tid, ts, dur, src, op, steady))
         cut = np.flatnonzero((np.diff(pid) != 0) | (np.diff(tid) != 0)) + 1
     end, st = ts + dur, ts + steady
+    key = op_keys(src, op)
     kids_of: dict[int, set[int]] = {}
     un = less_stored(unstored or Unstored(), gpu)
     owner = unstored_owner(pid, tid, src, op, un)
@@ -354,6 +312,7 @@ def build_ledger(
             st[lo:hi],
             src[lo:hi],
             op[lo:hi],
+            key[lo:hi],
             ev,
             kids_of[p],
             un.minute[mine],
@@ -389,65 +348,46 @@ def _thread_row(
     steady_end: I64,
     src: I64,
     op: I64,
+    key: I64,
     ev: ThreadEvidence,
     kids: set[int],
     un_minute: I64,
     un_ns: I64 | None,
 ) -> LedgerRow | tuple[LedgerRow, int] | None:
-    reach = np.maximum.accumulate(end)
-    w0, w1 = int(ts[0]), int(reach[-1])
-    if w1 <= w0:
+    tc = thread_calls(ts, end, steady_end, key)
+    if tc is None:
         return None
-    new = np.concatenate(([True], ts[1:] > reach[:-1]))
-    b_start = ts[new]
-    b_end = reach[np.concatenate((np.flatnonzero(new)[1:] - 1, [ts.size - 1]))]
-    busy = int((b_end - b_start).sum())
-    # the draining calls (few: syncs, blocking copies) that end their busy stretch
-    cand = np.flatnonzero(_DRAINS[((src & 0xF) << 8) | (op & 0xFF)])
-    busy_of = np.searchsorted(b_start, ts[cand], side="right") - 1
-    drained = np.zeros(b_start.size, dtype=bool)
-    drained[busy_of[end[cand] == b_end[busy_of]]] = True
-    slow = steady_end < end
-    slow_from, slow_end = np.maximum(steady_end[slow], ts[slow]), end[slow]
-    ss, se = union(slow_from, slow_end)
-    slow_ns = int((se - ss).sum())
+    w0, w1 = tc.w0, tc.w1
+    busy = int((tc.b_end - tc.b_start).sum())
+    slow_ns = int((tc.se - tc.ss).sum())
     buckets = dict.fromkeys(BUCKETS, 0)
     buckets[GPU_STEADY], buckets[GPU_SLOW] = busy - slow_ns, slow_ns
-    excess = slow_end - slow_from
-    key = (src[slow] << 16) | op[slow]
+    excess = tc.slow_end - tc.slow_from
+    slow_key = (src[tc.slow] << 16) | op[tc.slow]
     by_op: dict[tuple[int, int], int] = {}
-    if key.size:
-        uk, inv = np.unique(key, return_inverse=True)
+    if slow_key.size:
+        uk, inv = np.unique(slow_key, return_inverse=True)
         sums = np.bincount(inv, weights=excess.astype(np.float64))
         excess_ns = float(sums.sum())
         for k, v in zip(uk.tolist(), sums.tolist(), strict=True):  # scaled to the merged slow time
             by_op[(k >> 16, k & 0xFFFF)] = round(v / excess_ns * slow_ns) if excess_ns > 0 else 0
     row = LedgerRow(node, pid, tid, w0, w1, buckets, int(ts.size), dict.fromkeys(GAP_BUCKETS, 0), by_op)
-    g0, g1 = b_end[:-1], b_start[1:]
+    g0, g1, idle = tc.g0, tc.g1, tc.idle
     if g0.size == 0:
         return row
     minutes = None
     if un_ns is not None:
         first = (w0 // MINUTE_NS + 1) * MINUTE_NS
         minutes = np.arange(first, w1, MINUTE_NS, dtype=np.int64)
-    long = (g1 - g0) >= GAP_NS
-    nxt = np.flatnonzero(new)[1:]  # the call that ends each gap: a sync tells what the GPU did in it
-    after = np.flatnonzero(long & ~drained[:-1])  # gaps after launches: judged where a draining call ends them
-    idle = long & drained[:-1]  # the gaps judged (ledger_gaps.judge_idle)
-    idle[after[_DRAINS[((src[nxt[after]] & 0xF) << 8) | (op[nxt[after]] & 0xFF)]]] = True
-    at = nxt[idle]  # per judged gap, the call that ends it (ledger_gaps.paint's ``sync``)
-    at_key = ((src[at] & 0xF) << 8) | (op[at] & 0xFF)
-    sync = (np.where(_DRAINS[at_key], end[at] - ts[at], -1), at_key)
-    short = np.flatnonzero(drained[:-1] & ~long)  # the loop's pace counts its short gaps after syncs too
-    short = short[ends_a_step(((src[nxt[short] - 1] & 0xF) << 8) | (op[nxt[short] - 1] & 0xFF))]
-    classes = gap_classes(ev, tid, kids)
-    total, in_idle, per_minute, gap_idle, row.paced_ns = paint(
-        g0, g1, idle, classes, minutes, drained=drained[:-1], sync=sync, short=g1[short] - g0[short]
+    painted = paint(
+        g0, g1, idle, gap_classes(ev, tid, kids), minutes, drained=tc.drained[:-1], sync=tc.sync, short=tc.short
     )
+    total, per_minute, judged = painted.total, painted.per_minute, painted.judged
+    in_idle, gap_idle, row.paced_ns = judged.in_idle, judged.gap_idle, judged.paced
     for b in GAP_BUCKETS:
         row.buckets[b] = int(total[IDX[b]])
         row.idle_ns[b] = int(in_idle[IDX[b]])
-    keep = drained[:-1][idle] | (gap_idle > 0)  # the gaps the GPU idled in
+    keep = tc.drained[:-1][idle] | (gap_idle > 0)  # the gaps the GPU idled in
     row.gap_start, row.gap_end, row.gap_idle = g0[idle][keep], g1[idle][keep], gap_idle[keep]
     if un_ns is None or per_minute is None or minutes is None:
         return row

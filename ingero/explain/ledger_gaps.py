@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ingero.explain.frame import I64
+from ingero.explain.frame import I64, distinct
 from ingero.explain.offcpu import INVOL, IOWAIT, NOT_WOKEN, UNKNOWN, VOL, Intervals, OffCpu, union
 from ingero.store.catalog import op_ids
 from ingero.timeutil import NS_PER_MS
@@ -92,6 +92,7 @@ class Judged:
     in_idle: I64
     gap_idle: npt.NDArray[np.float64]
     paced: int
+    per_gap: npt.NDArray[np.float64] | None = None  # with ``detail``: per bucket (rows), each gap's idle
 
 
 def judge_idle(
@@ -101,6 +102,7 @@ def judge_idle(
     sync_key: I64,
     sleeps: bool = True,
     short: I64 | None = None,
+    detail: bool = False,
 ) -> Judged:
     """How much of each judged gap the GPU idled, per bucket (``per``: rows BUCKETS, a column per gap).
 
@@ -121,6 +123,9 @@ def judge_idle(
       same thread returns in ``W`` (their median; ``MIN_REF`` of them at least, else unknown: not idle).
       The GPU worked ``W - S`` into the gap, the rest ``H - (W - S)`` idled (clamped to [0, H]), taken
       from the off-CPU buckets first, then own host code. Gaps with no sync after them stay unknown.
+
+    With ``detail``, each gap's idle time per bucket too (:attr:`Judged.per_gap`: what the ledger per
+    label cuts at its spans' edges).
     """
     n, host = per.shape[0], IDX[HOST_CODE]
     h = per[host]
@@ -132,35 +137,62 @@ def judge_idle(
     # the off-CPU buckets present (few), strongest first, then own host code: a compact matrix of them
     rows = [IDX[b] for b in _GAP_ORDER if per[IDX[b]].any()] + [host]
     k = len(rows) - 1  # own host code's row in it
-    beyond = per[rows]
-    beyond[:k] = np.maximum(beyond[:k] - GAP_NS, 0)
-    beyond[k] = np.maximum(h - allow, 0)
-    sleep_rows = [i for i, r in enumerate(rows) if BUCKETS[r] in SLEEPS]
-    asleep = per[[rows[i] for i in sleep_rows]].sum(axis=0) if sleep_rows else np.zeros(h.size)
-    cpu_bound = drained & (asleep < SLEEP_FREE_NS) & sleeps  # gaps the thread never waited in: on-CPU throughout
-    paced = np.where(cpu_bound, np.maximum(np.minimum(h, allow) - GAP_NS, 0), 0)
+    beyond = np.zeros((k + 1, h.size))  # per row and gap, its idle time
+    sure = np.flatnonzero(drained)  # after a draining call: each bucket beyond the turnaround
+    if sure.size:
+        b = per[np.ix_(np.asarray(rows, dtype=np.int64), sure)]
+        b[:k] = np.maximum(b[:k] - GAP_NS, 0)
+        b[k] = np.maximum(h[sure] - allow[sure], 0)
+        beyond[:, sure] = b
+    sleep_rows = [r for r in rows if BUCKETS[r] in SLEEPS]
+    asleep = (
+        per[np.ix_(np.asarray(sleep_rows, dtype=np.int64), sure)].sum(axis=0) if sleep_rows else np.zeros(sure.size)
+    )
+    cpu_bound = (asleep < SLEEP_FREE_NS) & sleeps  # gaps the thread never waited in: on-CPU throughout
+    paced = np.zeros(h.size)
+    paced[sure] = np.where(cpu_bound, np.maximum(np.minimum(h[sure], allow[sure]) - GAP_NS, 0), 0)
     after_launch = np.flatnonzero(~drained)
-    cap = np.zeros(after_launch.size)  # per gap after launches: what can be idle (0: unknown)
     has_sync = sync_ns[after_launch] >= 0
-    for key in np.unique(sync_key[after_launch][has_sync]).tolist():
-        j = np.flatnonzero(has_sync & (sync_key[after_launch] == key))
-        mine = after_launch[j]
-        off = per[np.ix_(np.asarray(rows[:k], dtype=np.int64), mine)]
-        off = np.maximum(off - np.median(off, axis=1)[:, None] - GAP_NS, 0) if k else off
-        beyond[:k, mine] = off
-        unusual = beyond[k, mine] + off.sum(axis=0)
+    keys = sync_key[after_launch]
+    for key in distinct(keys[has_sync]).tolist():
+        mine = after_launch[has_sync & (keys == key)]
+        b = per[np.ix_(np.asarray(rows, dtype=np.int64), mine)]
+        if k:
+            b[:k] = np.maximum(b[:k] - _median_rows(b[:k])[:, None] - GAP_NS, 0)
+        b[k] = np.maximum(h[mine] - allow[mine], 0)
+        unusual = b.sum(axis=0)
         ref = unusual == 0
-        if int(ref.sum()) >= MIN_REF:
+        if int(ref.sum()) >= MIN_REF:  # else: unknown, not idle
             worked = np.maximum(float(np.median(sync_ns[mine][ref])) - sync_ns[mine], 0)
-            cap[j] = np.maximum(unusual - worked, 0)
-    if after_launch.size:  # off-CPU time first (the unusual part of a gap), then own host code
-        b = beyond[:, after_launch]
-        beyond[:, after_launch] = np.clip(cap - (np.cumsum(b, axis=0) - b), 0, b)
+            cap = np.maximum(unusual - worked, 0)
+            # off-CPU time first (the unusual part of a gap), then own host code: row by row, what is
+            # left of the cap after the rows before it, within the row's time
+            taken = np.zeros(mine.size)
+            for i in range(k + 1):
+                part = cap - taken
+                taken += b[i]
+                np.minimum(np.maximum(part, 0, out=part), b[i], out=b[i])
+            beyond[:, mine] = b
     in_idle = np.zeros(n)
     in_idle[rows] = beyond.sum(axis=1)
     in_idle[host] += paced.sum()
     gap_idle = beyond.sum(axis=0) + paced
-    return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())))
+    per_gap = None
+    if detail:
+        per_gap = np.zeros_like(per)
+        per_gap[rows] = beyond
+        per_gap[host] += paced
+    return Judged(np.rint(in_idle[:n]).astype(np.int64), gap_idle, round(float(paced.sum())), per_gap)
+
+
+def _median_rows(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """``np.median(x, axis=1)``, with no partition of the rows more than half zeros (their median is 0:
+    most gaps hold none of a given off-CPU bucket)."""
+    out = np.zeros(x.shape[0])
+    some = 2 * np.count_nonzero(x, axis=1) >= x.shape[1]
+    if some.any():
+        out[some] = np.median(x[some], axis=1)
+    return out
 
 
 def ends_a_step(keys: I64) -> npt.NDArray[np.bool_]:
@@ -183,6 +215,39 @@ def _sure_context(
     if sync is None:
         return d, np.full(m, -1, dtype=np.int64), np.full(m, -1, dtype=np.int64)
     return d, sync[0], sync[1]
+
+
+def _per_gap(seg_s: I64, seg_e: I64, seg_b: I64, a: I64, z: I64) -> npt.NDArray[np.float64]:
+    """Per bucket (rows), its time in each gap [a, z) (columns), from the painted segments (sorted and
+    disjoint, bucket ``seg_b``). Many gaps: each gap end is found once among all the segments; few: among
+    each bucket's own."""
+    per = np.zeros((len(BUCKETS), a.size))
+    present = np.flatnonzero(np.bincount(seg_b, minlength=len(BUCKETS))).tolist()
+    if seg_s.size == 0:
+        return per
+    if 4 * a.size < seg_s.size:
+        for b in present:
+            m = seg_b == b
+            s, e = seg_s[m], seg_e[m]
+            mine = Intervals(s, e, np.concatenate(([0], np.cumsum(e - s))), s)
+            per[b] = mine.before(z) - mine.before(a)
+        return per
+    lens = seg_e - seg_s
+    (ka, pa), (kz, pz) = _last_segment(seg_s, lens, a), _last_segment(seg_s, lens, z)
+    la, lz = seg_b[ka], seg_b[kz]
+    for b in present:
+        cum = np.concatenate(([0], np.cumsum(np.where(seg_b == b, lens, 0))))  # b's time before each segment
+        per[b] = (cum[kz] + np.where(lz == b, pz, 0)) - (cum[ka] + np.where(la == b, pa, 0))
+    return per
+
+
+def _last_segment(start: I64, lens: I64, x: I64) -> tuple[I64, I64]:
+    """Per instant of ``x``: the last of the sorted, disjoint segments starting at or before it (0 when
+    none), and its time before the instant (0 when none)."""
+    k = np.searchsorted(start, x, side="right") - 1
+    kk = np.maximum(k, 0)
+    part: I64 = np.where(k >= 0, np.clip(x - start[kk], 0, lens[kk]), 0)
+    return kk, part
 
 
 def _covered(starts: I64, ends: I64, points: I64) -> npt.NDArray[np.bool_]:
@@ -265,7 +330,14 @@ def gap_classes(ev: ThreadEvidence, tid: int, kids: set[int]) -> dict[str, tuple
     return out
 
 
-Painted = tuple[I64, I64, "npt.NDArray[np.float64] | None", npt.NDArray[np.float64], int]
+@dataclass
+class Painted:
+    """What :func:`paint` measures: per gap bucket its time in the gaps (exact ns), its time per minute
+    (rows; with ``minutes``), and what :func:`judge_idle` counts as GPU idle."""
+
+    total: I64
+    per_minute: npt.NDArray[np.float64] | None
+    judged: Judged
 
 
 def paint(
@@ -278,6 +350,7 @@ def paint(
     drained: npt.NDArray[np.bool_] | None = None,
     sync: tuple[I64, I64] | None = None,
     short: I64 | None = None,
+    detail: bool = False,
 ) -> Painted:
     """Split the gaps [g0, g1) by class: per gap bucket its time, its time counted as GPU idle (gaps in
     ``idle``, judged by :func:`judge_idle`), (with ``minutes``, the minute edges inside the wall) its
@@ -286,14 +359,14 @@ def paint(
     call (None: every ``idle`` gap); ``sync``: per ``idle`` gap (in order), the duration and op key of
     the draining call that ends it (-1: none) — what the gaps after asynchronous launches are judged
     by; ``short``: the lengths of the gaps after syncs too short to be judged (a loop's pace is measured
-    over every gap after one).
+    over every gap after one); ``detail``: each judged gap's idle per bucket too (:attr:`Judged.per_gap`).
 
     The classes are painted once, strongest first, into segments between their own edges; the gaps are
     measured through their prefix sums (no cut per gap: the work grows with the scheduler rows, not the
     calls), and only the ``idle`` gaps get per-gap figures. Per minute (selective storage) the gaps are
     cut up (:func:`_paint_segments`)."""
     if minutes is not None:
-        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync, short)
+        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync, short, detail)
 
     n, host = len(BUCKETS), IDX[HOST_CODE]
     live = [(b, classes[b]) for b in _GAP_ORDER if classes[b][0].size]
@@ -309,22 +382,19 @@ def paint(
             label[np.cumsum(d[:-1]) > 0] = IDX[b]
         keep = label >= 0
         seg_s, seg_e, seg_b = edges[:-1][keep], edges[1:][keep], label[keep]
-    gaps = Intervals(g0, g1, np.concatenate(([0], np.cumsum(g1 - g0))), g0)
-    in_gaps = gaps.before(seg_e) - gaps.before(seg_s)  # each segment's time inside the gaps
+    glen = g1 - g0
+    gcum = np.concatenate(([0], np.cumsum(glen)))
+    (ks, ps), (ke, pe) = _last_segment(g0, glen, seg_s), _last_segment(g0, glen, seg_e)
+    in_gaps = (gcum[ke] + pe) - (gcum[ks] + ps)  # each segment's time inside the gaps
     total = np.bincount(seg_b, weights=in_gaps.astype(np.float64), minlength=n)
-    total[host] = float(int(gaps.cum[-1]) - int(in_gaps.sum()))  # what no class covers: own host code
+    total[host] = float(int(gcum[-1]) - int(in_gaps.sum()))  # what no class covers: own host code
     # per idle gap, each bucket's time in it: judge_idle says how much of it the GPU idled
     sure = np.flatnonzero(idle)
     a, z = g0[sure], g1[sure]
-    per = np.zeros((n, sure.size))  # per bucket, its time in each idle gap
-    for b in np.unique(seg_b).tolist():
-        m = seg_b == b
-        s, e = seg_s[m], seg_e[m]
-        mine = Intervals(s, e, np.concatenate(([0], np.cumsum(e - s))), s)
-        per[b] = mine.before(z) - mine.before(a)
+    per = _per_gap(seg_s, seg_e, seg_b, a, z)
     per[host] = (z - a) - per.sum(axis=0)
-    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short)
-    return np.rint(total).astype(np.int64), judged.in_idle, None, judged.gap_idle, judged.paced
+    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short, detail)
+    return Painted(np.rint(total).astype(np.int64), None, judged)
 
 
 def _paint_segments(
@@ -336,6 +406,7 @@ def _paint_segments(
     drained: npt.NDArray[np.bool_] | None,
     sync: tuple[I64, I64] | None,
     short: I64 | None,
+    detail: bool,
 ) -> Painted:
     """:func:`paint` by cutting the touched gaps into segments at every class and minute edge (only
     the gaps a class interval touches: the others are own host code whole)."""
@@ -400,7 +471,7 @@ def _paint_segments(
     per = np.zeros((n, sure_gaps.size), dtype=np.float64)  # per bucket, its time in each idle gap
     per[pairs[sure] % n, np.searchsorted(sure_gaps, gap_of[sure])] = sums[sure]
     per[host] = sure_host
-    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short)
+    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short, detail)
     per_minute: npt.NDArray[np.float64] | None = None
     if minutes is not None:
         m = np.searchsorted(minutes, left, side="right")
@@ -412,4 +483,4 @@ def _paint_segments(
         cum = np.concatenate(([0], np.cumsum(u1 - u0)))
         before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
         per_minute[:, host] += np.diff(before).astype(np.float64)
-    return np.rint(total).astype(np.int64), judged.in_idle, per_minute, judged.gap_idle, judged.paced
+    return Painted(np.rint(total).astype(np.int64), per_minute, judged)
