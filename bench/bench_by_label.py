@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 from ingero.annotate import AnnotationLine  # noqa: E402
 from ingero.explain.by_label import by_label  # noqa: E402
 from ingero.explain.engine import explain  # noqa: E402
-from ingero.explain.frame import load_frames  # noqa: E402
+from ingero.explain.frame_load import load_frames  # noqa: E402
+from ingero.explain.hugepages import prefer_small_pages  # noqa: E402
 from ingero.explain.ledger import build_ledger  # noqa: E402
 from ingero.explain.offcpu import OffCpu  # noqa: E402
 from ingero.store.annotations import write_lines  # noqa: E402
@@ -77,6 +78,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="200 steps, figures only")
     args = ap.parse_args()
+    prefer_small_pages()  # as the CLI and the agent do (ingero.explain.hugepages)
     steps = 200 if args.quick else 1000
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "steps.db"

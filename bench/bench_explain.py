@@ -57,6 +57,7 @@ from ingero.cli.explain import read_threads  # noqa: E402
 from ingero.config import FleetConfig  # noqa: E402
 from ingero.explain import engine  # noqa: E402
 from ingero.explain.engine import explain  # noqa: E402
+from ingero.explain.hugepages import prefer_small_pages  # noqa: E402
 from ingero.identity import Identity  # noqa: E402
 from ingero.store.db import open_readonly  # noqa: E402
 from ingero.store.writer import StoreWriter  # noqa: E402
@@ -298,6 +299,7 @@ def main() -> int:
     ap.add_argument("--scale", action="store_true", help=f"also {SCALE_FACTOR}x the events (about a minute to build)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    prefer_small_pages()  # as the CLI and the agent do (ingero.explain.hugepages)
     n = QUICK_EVENTS if args.quick else TARGET_EVENTS
     repeat = 2 if args.quick else args.repeat
     full = not args.quick

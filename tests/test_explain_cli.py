@@ -15,7 +15,7 @@ import pytest
 from ingero.cli.main import main
 from ingero.demo.runner import run_scenario
 from ingero.explain.engine import explain
-from ingero.explain.frame import load_frames
+from ingero.explain.frame_load import load_frames
 from ingero.explain.stats import op_stats
 from ingero.store.db import open_readonly
 from tests.conftest import ROOT, make_ingero_08
@@ -100,7 +100,7 @@ def test_legacy_ingero_08_database(tmp_path: Path) -> None:
 
 
 def test_frames_split_nodes_and_find_nodes_without_sessions(tmp_path: Path) -> None:
-    from ingero.explain import frame
+    from ingero.explain import frame_load
 
     db = tmp_path / "m.db"
     from ingero.identity import Identity
@@ -115,12 +115,12 @@ def test_frames_split_nodes_and_find_nodes_without_sessions(tmp_path: Path) -> N
     frames = load_frames(conn)
     assert list(frames) == ["a", "b", "c"]
     assert {n: set(f.dur.tolist()) for n, f in frames.items()} == {"a": {1000}, "b": {2000}, "c": {3000}}
-    old = frame.CHUNK_ROWS
-    frame.CHUNK_ROWS = 100  # several group_concat slices
+    old = frame_load.CHUNK_ROWS
+    frame_load.CHUNK_ROWS = 100  # several group_concat slices
     try:
         again = load_frames(conn)
     finally:
-        frame.CHUNK_ROWS = old
+        frame_load.CHUNK_ROWS = old
     assert {n: f.size for n, f in again.items()} == {"a": 300, "b": 300, "c": 300}
     assert [s.p50_ns for s in op_stats(conn, node="b")] == [2000.0]
     assert op_stats(conn)[0].count == 900  # without node: pooled, as before
@@ -212,13 +212,13 @@ def _same_frames(a: dict[str, Any], b: dict[str, Any]) -> None:
 def test_threaded_read_gives_the_same_frames_and_report(
     incident: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
 ) -> None:
-    from ingero.explain import frame
+    from ingero.explain import frame_load
 
     conn = open_readonly(incident)
     serial, report = load_frames(conn), explain(conn)
-    monkeypatch.setattr(frame, "PARALLEL_MIN_ROWS", 0)  # the demo database is small: split it anyway
-    monkeypatch.setattr(frame, "CHUNK_ROWS", chunk)
-    assert len(frame._rowid_slices(conn, 3)) >= 3
+    monkeypatch.setattr(frame_load, "PARALLEL_MIN_ROWS", 0)  # the demo database is small: split it anyway
+    monkeypatch.setattr(frame_load, "CHUNK_ROWS", chunk)
+    assert len(frame_load._rowid_slices(conn, 3)) >= 3
     _same_frames(serial, load_frames(conn, threads=3))
     again = explain(conn, threads=3)
     assert [(c.id, c.severity, c.summary) for c in again.chains] == [
@@ -228,11 +228,11 @@ def test_threaded_read_gives_the_same_frames_and_report(
 
 
 def test_a_time_window_or_a_node_is_read_by_one_query(incident: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ingero.explain import frame
+    from ingero.explain import frame_load
     from ingero.store.window import Window
 
     conn = open_readonly(incident)
-    monkeypatch.setattr(frame, "PARALLEL_MIN_ROWS", 0)
+    monkeypatch.setattr(frame_load, "PARALLEL_MIN_ROWS", 0)
     hi = conn.execute("SELECT max(timestamp) FROM events").fetchone()[0]
     late = Window(hi - 2 * 10**9, None)  # found through the timestamp index: no rowid ranges
     node = conn.execute("SELECT node FROM events LIMIT 1").fetchone()[0]
@@ -250,10 +250,10 @@ def test_a_time_window_or_a_node_is_read_by_one_query(incident: Path, monkeypatc
 def test_threaded_read_of_an_ingero_08_database_keeps_one_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ingero.explain import frame
+    from ingero.explain import frame_load
 
     db = make_ingero_08(tmp_path / "old.db", [(10**18 + i * 10**7, 7, 7, 1, 5, 1000 + i, 0, 0) for i in range(50)])
     conn = open_readonly(db)  # events is a TEMP view here (no rowid): read by one query
-    monkeypatch.setattr(frame, "PARALLEL_MIN_ROWS", 0)
-    assert frame._rowid_slices(conn, 2) == []
+    monkeypatch.setattr(frame_load, "PARALLEL_MIN_ROWS", 0)
+    assert frame_load._rowid_slices(conn, 2) == []
     _same_frames(load_frames(conn), load_frames(conn, threads=2))

@@ -23,7 +23,7 @@ import pytest
 from ingero.explain import causes as cz
 from ingero.explain import rules_drift, rules_hang, rules_memory, rules_ranks
 from ingero.explain.engine import ExplainReport
-from ingero.explain.frame import load_frames
+from ingero.explain.frame_load import load_frames
 from ingero.explain.model import Chain
 from ingero.explain.rules_events import shared_loss
 from ingero.store.db import open_readonly

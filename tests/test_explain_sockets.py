@@ -19,7 +19,7 @@ import pytest
 
 from ingero.explain import causes as cz
 from ingero.explain.evidence import Grid, HostSeries, Snapshots
-from ingero.explain.frame import load_frames
+from ingero.explain.frame_load import load_frames
 from ingero.explain.sockets import Sockets, requests, socket_calls
 from ingero.store.catalog import NET
 from ingero.store.db import open_readonly

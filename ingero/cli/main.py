@@ -146,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from ingero.explain.hugepages import prefer_small_pages  # a process-wide choice: numpy's large arrays
+
+    prefer_small_pages()
     try:
         code = args.func(args)
         sys.stdout.flush()

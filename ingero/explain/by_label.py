@@ -40,7 +40,8 @@ import numpy.typing as npt
 
 from ingero.errors import StoreError, UsageError
 from ingero.explain import causes as cz
-from ingero.explain.frame import I64, Frame, load_frames
+from ingero.explain.frame import I64, Frame
+from ingero.explain.frame_load import load_frames
 from ingero.explain.ledger import children, thread_evidence
 from ingero.explain.ledger_calls import op_keys, steady_ns, thread_calls
 from ingero.explain.ledger_gaps import (

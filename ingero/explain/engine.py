@@ -41,7 +41,8 @@ from ingero.explain import (
 from ingero.explain.cgroups import pid_cgroups, with_cgroups
 from ingero.explain.context import Context
 from ingero.explain.evidence import Grid, HostSeries, SnapRows, Snapshots, load_snapshots, snapshot_array
-from ingero.explain.frame import GPU_SOURCES, Frame, load_frames
+from ingero.explain.frame import GPU_SOURCES, Frame
+from ingero.explain.frame_load import load_frames
 from ingero.explain.ledger import LedgerRow, aggregate, build_ledger
 from ingero.explain.model import Chain, sort_chains
 from ingero.explain.offcpu import OffCpu

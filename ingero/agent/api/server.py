@@ -235,6 +235,9 @@ def database_instance(path: Path, node: str) -> str:
 
 
 def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
+    from ingero.explain.hugepages import prefer_small_pages  # a process-wide choice: numpy's large arrays
+
+    prefer_small_pages()
     node = settings.identity.node
     ctx = AgentContext(
         db_path=settings.db_path.expanduser(),
