@@ -12,7 +12,9 @@ libraries, then explain on each program's pid:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,29 +81,25 @@ def _phases(exe: Path, built: Built, ready: TraceReady) -> dict[str, int]:
 def rec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
     built = build(tmp_path_factory.mktemp("bpf-build"))
     exe = build_program("trainer_explain.c", tmp_path_factory.mktemp("bpf-trainer"))
-    # on the disk the tests run from (not a tmpfs): the agent's own writes become block I/O rows
-    work = Path(__file__).resolve().parents[1] / ".pytest_cache" / "bpf-explain"
-    work.mkdir(parents=True, exist_ok=True)
-    db = work / "trace.db"
-    for f in work.glob("trace.db*"):
-        f.unlink()
-    opts = trace_options(
-        db,
-        Identity("bpf-explain"),
-        built.overrides(),
-    )
-    _summary, out = record(opts, lambda ready: _phases(exe, built, ready))
-    conn = open_readonly(db)
+    # on the disk the tests run from (not a tmpfs): the agent's own writes become block I/O rows; a
+    # directory of this run's own, so that two runs at once never share (or delete) each other's database
+    shared = Path(__file__).resolve().parents[1] / ".pytest_cache" / "bpf-explain"
+    shared.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=shared))
     try:
-        workers = [
-            int(r[0])
-            for r in conn.execute("SELECT arg1 FROM events WHERE source = 3 AND op = 7 AND pid = ?", (out["starved"],))
-        ]
+        db = work / "trace.db"
+        _summary, out = record(
+            trace_options(db, Identity("bpf-explain"), built.overrides()), lambda ready: _phases(exe, built, ready)
+        )
+        conn = open_readonly(db)
+        try:
+            q = "SELECT arg1 FROM events WHERE source = 3 AND op = 7 AND pid = ?"
+            workers = [int(r[0]) for r in conn.execute(q, (out["starved"],))]
+        finally:
+            conn.close()
+        yield Recorded(db, out["starved"], workers, out["healthy"], out["contended"], out["hog"], os.getpid())
     finally:
-        conn.close()
-    yield Recorded(db, out["starved"], workers, out["healthy"], out["contended"], out["hog"], os.getpid())
-    for f in work.glob("trace.db*"):
-        f.unlink()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _shown(r: ExplainReport) -> list[tuple[str, str, str, str]]:
