@@ -8,17 +8,23 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
 from ingero.identity import Identity
 from ingero.store.writer import EventRow, StoreWriter
 
+if TYPE_CHECKING:
+    from tests.scenarios.base import Params
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "tests" / "data" / "ingero-samples"
 INVESTIGATIONS = ROOT / "investigations"
+T = TypeVar("T")
 SEED_QUERY = "SELECT node, source, count(*) AS cnt, avg(duration)/1000 AS avg_us FROM events GROUP BY node, source"
 
 
@@ -135,3 +141,62 @@ def python_interpreter(version: str) -> str | None:
         if subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0:
             return exe
     return None
+
+
+class SharedDbs:
+    """Databases built once per test session (per xdist worker) for the tests that only read them.
+
+    ``get(key, make)`` runs ``make(directory)`` the first time ``key`` is asked for — it writes into a
+    fresh directory and returns what the tests read: paths, and the figures the build measured — and
+    returns that value again after. Every test still runs explain on the database and asserts on its
+    own report; only the writing is shared (a scenario's two layouts are one build). At the end of the
+    session every file must be as it was built (size and contents): a test that wrote to one (or left a -wal/-journal
+    beside it) fails there.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._made: dict[Hashable, Any] = {}
+        self._files: dict[Path, tuple[int, int]] = {}
+
+    def get(self, key: Hashable, make: Callable[[Path], T]) -> T:
+        if key not in self._made:
+            d = self._root / f"b{len(self._made)}"
+            d.mkdir()
+            self._made[key] = make(d)
+            self._files.update(self._stat(d))
+        value: T = self._made[key]
+        return value
+
+    def scenario(self, family: str, p: Params) -> dict[str, Path]:
+        """A catalog scenario's database in both layouts (:func:`tests.scenarios.judge.build`)."""
+        from tests.scenarios.judge import build
+
+        return dict(self.get(("scenario", family, p), lambda d: build(family, p, d)))
+
+    def in_layout(self, key: Hashable, recorded: Path, layout: str) -> Path:
+        """``recorded`` (built under ``key``) as it is, or, for ``layout`` "ingero", rewritten once to
+        Ingero's layout (:func:`tests.scenarios.ingero_layout.rewrite`)."""
+        if layout != "ingero":
+            return recorded
+        from tests.scenarios.ingero_layout import rewrite
+
+        return self.get((key, "ingero"), lambda d: rewrite(recorded, d / f"{recorded.stem}.ingero.db"))
+
+    @staticmethod
+    def _stat(d: Path) -> dict[Path, tuple[int, int]]:
+        """Each file's size and checksum (its contents: a timestamp may not move within a clock tick)."""
+        return {f: (f.stat().st_size, zlib.crc32(f.read_bytes())) for f in sorted(d.rglob("*")) if f.is_file()}
+
+    def check_untouched(self) -> None:
+        now = self._stat(self._root)
+        changed = sorted(str(f) for f in set(now) | set(self._files) if now.get(f) != self._files.get(f))
+        assert not changed, f"tests wrote to shared databases (use a tmp_path copy): {changed}"
+
+
+@pytest.fixture(scope="session")
+def shared_dbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDbs]:
+    """Read-only databases built once per session: :class:`SharedDbs`."""
+    dbs = SharedDbs(tmp_path_factory.mktemp("shared-dbs"))
+    yield dbs
+    dbs.check_untouched()

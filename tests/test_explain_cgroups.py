@@ -10,9 +10,9 @@ import pytest
 
 from ingero.agent.trace.cgroups import describe
 from ingero.cli.main import main
-from ingero.demo.synth import SyntheticNode
 from ingero.store.cgroups import CgroupInfo, write_cgroups
-from tests.test_explain_rules import BASE, only, report_of, trainer
+from tests.conftest import SharedDbs
+from tests.test_explain_rules import gpu_shared_by_eval, only, report_of
 
 TRAIN = describe(4101, "/kubepods/burstable/pod1b2c3d4e-aaaa-bbbb-cccc-0123456789ab/" + "a" * 64, {})
 EVAL = describe(4202, "/system.slice/docker-" + "b" * 64 + ".scope", {})
@@ -20,20 +20,22 @@ JOB = describe(4303, "/system.slice/slurmstepd.scope/job_77/step_0", {})
 
 
 @pytest.fixture
-def shared_gpu(tmp_path: Path) -> Path:
-    rec = SyntheticNode("node-a", BASE, 4)
-    rec.process(100, "python3 train.py", 0.0, exec_event=False)
-    rec.process(200, "python3 eval.py", 9.9)
-    trainer(rec, 100, 0.1, 30.0, slow_factor=lambda t: 2.0 if 10.0 <= t < 20.0 else 1.0)
-    trainer(rec, 200, 10.0, 20.0, sync_ms=4.0)
-    trainer(rec, 300, 0.1, 30.0, gpu=1)
-    db = tmp_path / "g.db"
-    rec.write(db)
-    with sqlite3.connect(db) as conn:
-        for pid, info in ((100, TRAIN), (200, EVAL), (300, JOB)):
-            conn.execute("UPDATE events SET cgroup_id = ? WHERE pid = ?", (info.cgroup_id, pid))
-    write_cgroups(db, [TRAIN, EVAL, JOB])
-    return db
+def shared_gpu(shared_dbs: SharedDbs) -> Path:
+    """Three containers' processes on a node's GPUs, the eval job sharing the trainer's (built once)."""
+
+    def write(d: Path) -> Path:
+        db = gpu_shared_by_eval(d / "g.db")
+        conn = sqlite3.connect(db)
+        try:  # closed here: a connection left open keeps a -wal beside the database
+            with conn:
+                for pid, info in ((100, TRAIN), (200, EVAL), (300, JOB)):
+                    conn.execute("UPDATE events SET cgroup_id = ? WHERE pid = ?", (info.cgroup_id, pid))
+        finally:
+            conn.close()
+        write_cgroups(db, [TRAIN, EVAL, JOB])
+        return db
+
+    return shared_dbs.get("cgroups-shared-gpu", write)
 
 
 def test_noisy_neighbour_chain_names_the_other_container(shared_gpu: Path) -> None:
@@ -44,12 +46,7 @@ def test_noisy_neighbour_chain_names_the_other_container(shared_gpu: Path) -> No
 
 
 def test_bare_metal_names_stay_plain(tmp_path: Path) -> None:
-    rec = SyntheticNode("node-a", BASE, 4)
-    rec.process(100, "python3 train.py", 0.0, exec_event=False)
-    rec.process(200, "python3 eval.py", 9.9)
-    trainer(rec, 100, 0.1, 30.0, slow_factor=lambda t: 2.0 if 10.0 <= t < 20.0 else 1.0)
-    trainer(rec, 200, 10.0, 20.0, sync_ms=4.0)
-    rec.write(tmp_path / "b.db")
+    gpu_shared_by_eval(tmp_path / "b.db", other_gpu=False)
     write_cgroups(tmp_path / "b.db", [CgroupInfo(1, "/")])  # a path only: no container to name
     c = only(report_of(tmp_path / "b.db"), "gpu-contention")
     assert "pid 200 (python3 eval.py)" in c.summary

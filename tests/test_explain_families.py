@@ -15,8 +15,6 @@ every figure against its invariant.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -28,10 +26,11 @@ from ingero.explain.model import Chain
 from ingero.explain.rules_events import shared_loss
 from ingero.store.db import open_readonly
 from ingero.store.window import Window
+from tests.conftest import SharedDbs
 from tests.scenarios.base import Params
 from tests.scenarios.expectations import INGERO, RECORDED, TOLERANCE
 from tests.scenarios.ingero_layout import TEMPLATE
-from tests.scenarios.judge import build, explain_file
+from tests.scenarios.judge import explain_file
 from tests.test_explain_regimes import check_invariants
 
 SEEDS = [1, 2, 3]
@@ -111,9 +110,11 @@ def test_gpu_sharing_loss_has_no_ratio_gate(seed: int, slowdown: float) -> None:
 
 
 @pytest.mark.parametrize("outlier", [0, 2])
-def test_the_hung_rank_is_the_one_that_never_entered_the_call_the_others_wait_in(tmp_path: Path, outlier: int) -> None:
+def test_the_hung_rank_is_the_one_that_never_entered_the_call_the_others_wait_in(
+    shared_dbs: SharedDbs, outlier: int
+) -> None:
     p = Params(seed=4, magnitude=0.16, n_nodes=3, outlier=outlier)
-    paths = build("hung-rank", p, tmp_path)
+    paths = shared_dbs.scenario("hung-rank", p)
     conn = open_readonly(paths[RECORDED])
     try:
         stuck = rules_hang.stuck_calls(conn, Window())
@@ -190,8 +191,8 @@ FINDINGS = {  # family -> the chain family that measures its lost time
 }
 
 
-def _report(family: str, p: Params, tmp: Path, layout: str) -> ExplainReport:
-    return explain_file(build(family, p, tmp)[layout])
+def _report(family: str, p: Params, dbs: SharedDbs, layout: str) -> ExplainReport:
+    return explain_file(dbs.scenario(family, p)[layout])
 
 
 def _one(r: ExplainReport, node: str, family: str) -> Chain:
@@ -203,9 +204,11 @@ def _one(r: ExplainReport, node: str, family: str) -> Chain:
 @pytest.mark.parametrize("layout", [RECORDED, INGERO])
 @pytest.mark.parametrize("magnitude", [0.26, 0.065])
 @pytest.mark.parametrize("family", sorted(FINDINGS))
-def test_the_lost_share_is_the_magnitude_built_in(tmp_path: Path, family: str, magnitude: float, layout: str) -> None:
+def test_the_lost_share_is_the_magnitude_built_in(
+    shared_dbs: SharedDbs, family: str, magnitude: float, layout: str
+) -> None:
     p = Params(seed=31, magnitude=magnitude, n_nodes=2, outlier=1)
-    r = _report(family, p, tmp_path, layout)
+    r = _report(family, p, shared_dbs, layout)
     check_invariants(r)
     if family == "hung-rank" and layout == INGERO:  # the hang's signal (NCCL's in-flight calls) is missing
         assert not [c for c in r.chains if c.family.startswith("hang")]
@@ -220,9 +223,9 @@ def test_the_lost_share_is_the_magnitude_built_in(tmp_path: Path, family: str, m
 
 
 @pytest.mark.parametrize("layout", [RECORDED, INGERO])
-def test_a_late_rank_is_named_in_both_layouts_and_peers_are_not(tmp_path: Path, layout: str) -> None:
+def test_a_late_rank_is_named_in_both_layouts_and_peers_are_not(shared_dbs: SharedDbs, layout: str) -> None:
     p = Params(seed=5, magnitude=0.16, n_nodes=3, outlier=1)
-    r = _report("late-rank", p, tmp_path, layout)
+    r = _report("late-rank", p, shared_dbs, layout)
     check_invariants(r)
     late = [c for c in r.chains if c.family == "late-rank"]
     assert [c.node for c in late] == [p.outlier_node], [(c.node, c.family, c.severity) for c in r.chains]
@@ -234,19 +237,19 @@ def test_a_late_rank_is_named_in_both_layouts_and_peers_are_not(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_host_code_bursts_the_other_nodes_did_not_wait_for_are_no_late_rank(tmp_path: Path, seed: int) -> None:
+def test_host_code_bursts_the_other_nodes_did_not_wait_for_are_no_late_rank(shared_dbs: SharedDbs, seed: int) -> None:
     """Independent servers (no lock step): the outlier's host-code bursts are its own (idle/host_code),
     never a late rank — its peers did not sleep through them."""
     p = Params(seed=seed, magnitude=0.16, n_nodes=3, outlier=2)
-    r = _report("serving-host-bound", p, tmp_path, INGERO)
+    r = _report("serving-host-bound", p, shared_dbs, INGERO)
     assert not [c for c in r.chains if c.family == "late-rank"]
     assert [c.node for c in r.chains if c.family == "idle/host_code"] == [p.outlier_node]
 
 
 @pytest.mark.parametrize("family", ["healthy-sleeps", "healthy-collective", "healthy-idle-server", "healthy-overlap"])
-def test_healthy_jobs_get_none_of_these_findings(tmp_path: Path, family: str) -> None:
+def test_healthy_jobs_get_none_of_these_findings(shared_dbs: SharedDbs, family: str) -> None:
     p = Params(seed=8, magnitude=0.065, n_nodes=2, outlier=0)
-    paths = build(family, p, tmp_path)
+    paths = shared_dbs.scenario(family, p)
     for layout in (RECORDED, INGERO):
         r = explain_file(paths[layout])
         check_invariants(r)
@@ -255,11 +258,11 @@ def test_healthy_jobs_get_none_of_these_findings(tmp_path: Path, family: str) ->
 
 
 @pytest.mark.parametrize("layout", [RECORDED, INGERO])
-def test_a_cpu_bound_loop_is_its_pace_not_an_incident(tmp_path: Path, layout: str) -> None:
+def test_a_cpu_bound_loop_is_its_pace_not_an_incident(shared_dbs: SharedDbs, layout: str) -> None:
     """Own host code at every step: one idle/host_bound chain whose paced part holds the lost time (the
     incidents' part beside it), figures within the wall; its healthy twin gets no host finding."""
     p = Params(seed=12, magnitude=0.16, n_nodes=2, outlier=0)
-    r = _report("cpu-bound-loop", p, tmp_path, layout)
+    r = _report("cpu-bound-loop", p, shared_dbs, layout)
     check_invariants(r)
     c = _one(r, p.outlier_node, "idle/host_bound")
     ev = c.evidence

@@ -10,6 +10,7 @@ sched_switch without prev_state, arg0 = 0, arg1 = the thread itself). Every figu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from ingero.explain.offcpu import INVOL, NOT_WOKEN, UNKNOWN, VOL, OffCpu
 from ingero.store.catalog import CUDA, op_id
 from ingero.store.db import open_readonly
 from ingero.timeutil import NS_PER_MS, NS_PER_S
-from tests.scenarios import ingero_layout
+from tests.conftest import SharedDbs
 
 BASE = 1_776_100_000_000_000_000
 TRAINER, HOG, PEER = 100, 900, 4242
@@ -169,35 +170,68 @@ def trainer(rec: SyntheticNode, seconds: float, disturb: Disturb | None = None, 
         t += 1e-4 + (sync + extra) / NS_PER_S + 1e-3
 
 
-def hog(window: tuple[float, float], prob: float, factor: float, lost: list[float], *, inv: float = 1.0) -> Disturb:
+@dataclass(frozen=True)
+class Hog:
     """A CPU hog pinned to the trainer's core in ``window``: a ``prob`` share of the syncs there are
     ``factor`` x slower, the extra time off-CPU inside the call — ``inv`` of it preempted by the hog,
     the rest asleep by itself (a futex wait woken by a peer)."""
 
-    def disturb(rec: SyntheticNode, t: float, sync: float) -> float:
-        if not (window[0] <= t < window[1]) or rec.rng.random() >= prob:
-            return 0.0
-        extra = (factor - 1) * sync
-        off_inv = inv * extra
-        if off_inv > 0:
-            rec.sched(t + 50e-6, TRAINER, off_inv, state=0, by=HOG)
-        if extra - off_inv > 0:
-            rec.sleep(t + 50e-6 + off_inv / NS_PER_S, TRAINER, extra - off_inv, waker=PEER)
-        lost.append(extra)
-        return extra
+    window: tuple[float, float]
+    prob: float
+    factor: float
+    inv: float = 1.0
 
-    return disturb
+    def disturb(self, lost: list[float]) -> Disturb:
+        """The disturbance, each sync's extra time appended to ``lost``."""
+
+        def disturb(rec: SyntheticNode, t: float, sync: float) -> float:
+            if not (self.window[0] <= t < self.window[1]) or rec.rng.random() >= self.prob:
+                return 0.0
+            extra = (self.factor - 1) * sync
+            off_inv = self.inv * extra
+            if off_inv > 0:
+                rec.sched(t + 50e-6, TRAINER, off_inv, state=0, by=HOG)
+            if extra - off_inv > 0:
+                rec.sleep(t + 50e-6 + off_inv / NS_PER_S, TRAINER, extra - off_inv, waker=PEER)
+            lost.append(extra)
+            return extra
+
+        return disturb
 
 
-def record(path: Path, seconds: float, disturb: Disturb | None, seed: int, layout: str) -> Path:
-    rec = SyntheticNode("node-r", BASE, seed)
-    rec.process(TRAINER, "python3 train.py", 0.0, exec_event=False)
-    rec.process(HOG, "stress-ng --cpu 1 --taskset 3", 0.0, exec_event=False)
-    rec.process(PEER, "python3 train.py --rank 1", 0.0, exec_event=False)
-    trainer(rec, seconds, disturb)
-    rec.background(0.0, seconds, TRAINER, 2, 40_000)
-    rec.write(path)
-    return ingero_layout.rewrite(path, path.with_suffix(".ingero.db")) if layout == "ingero" else path
+@dataclass(frozen=True)
+class Drift:
+    """Every sync ``rate`` x its own time slower per second of the run (thermal throttling gone far)."""
+
+    rate: float
+
+    def disturb(self, lost: list[float]) -> Disturb:
+        def disturb(rec: SyntheticNode, t: float, sync: float) -> float:
+            return sync * self.rate * (t - 0.1)
+
+        return disturb
+
+
+def record(
+    dbs: SharedDbs, seconds: float, what: Hog | Drift | None, seed: int, layout: str
+) -> tuple[Path, list[float]]:
+    """The trainer's recording for ``seconds`` under ``what`` (in ``layout``), and the time each
+    disturbed sync lost; built once per session and shared by the tests that read it."""
+
+    def write(d: Path) -> tuple[Path, list[float]]:
+        lost: list[float] = []
+        rec = SyntheticNode("node-r", BASE, seed)
+        rec.process(TRAINER, "python3 train.py", 0.0, exec_event=False)
+        rec.process(HOG, "stress-ng --cpu 1 --taskset 3", 0.0, exec_event=False)
+        rec.process(PEER, "python3 train.py --rank 1", 0.0, exec_event=False)
+        trainer(rec, seconds, what.disturb(lost) if what else None)
+        rec.background(0.0, seconds, TRAINER, 2, 40_000)
+        rec.write(d / "h.db")
+        return d / "h.db", lost
+
+    key = ("regimes", seconds, what, seed)
+    path, lost = dbs.get(key, write)
+    return dbs.in_layout(key, path, layout), list(lost)
 
 
 def report_of(path: Path) -> ExplainReport:
@@ -246,11 +280,11 @@ def shown(r: ExplainReport) -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_bimodal_slowdown_under_the_ratio_gate_is_found(tmp_path: Path, seed: int, layout: str) -> None:
+def test_bimodal_slowdown_under_the_ratio_gate_is_found(shared_dbs: SharedDbs, seed: int, layout: str) -> None:
     """Issue #20 item 3: a hog pinned to the trainer's core for 5 s of a 9 s run makes about a third of
     the syncs ~2.6x slower; p99/p50 stays under 3, the old gate's threshold."""
-    lost: list[float] = []
-    r = report_of(record(tmp_path / "h.db", 9.0, hog((2.0, 7.0), 0.95, 2.6, lost), seed, layout))
+    path, lost = record(shared_dbs, 9.0, Hog((2.0, 7.0), 0.95, 2.6), seed, layout)
+    r = report_of(path)
     sync = next(o for o in r.ops if o.name == "cudaStreamSync")
     assert sync.tail_ratio < 3.0  # what hid it
     assert len(lost) / sync.count > 0.3
@@ -271,24 +305,23 @@ def test_bimodal_slowdown_under_the_ratio_gate_is_found(tmp_path: Path, seed: in
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS[:3])
-def test_a_slowdown_below_the_slow_factor_makes_no_chain(tmp_path: Path, seed: int, layout: str) -> None:
+def test_a_slowdown_below_the_slow_factor_makes_no_chain(shared_dbs: SharedDbs, seed: int, layout: str) -> None:
     """Syncs 1.5x slower with the thread asleep inside them (the GPU took longer): no slower regime."""
-    lost: list[float] = []
-    r = report_of(record(tmp_path / "h.db", 9.0, hog((3.0, 7.0), 0.9, 1.5, lost, inv=0.0), seed, layout))
+    r = report_of(record(shared_dbs, 9.0, Hog((3.0, 7.0), 0.9, 1.5, inv=0.0), seed, layout)[0])
     assert not tails(r), shown(r)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS[:3])
 def test_calls_held_off_the_cpu_below_the_slow_factor_are_still_lost_time(
-    tmp_path: Path, seed: int, layout: str
+    shared_dbs: SharedDbs, seed: int, layout: str
 ) -> None:
     """The same 1.5x, but the extra time preempted by a hog inside the syncs: no call is ≥ 2x steady, yet
     every one of them lost its delay to the CPU, measured on its own thread — CPU contention as
     recorded; without prev_state, off-CPU time of unknown kind (the trainer's wakeups are not recorded
     here, so it may hold sleeps: LOW), the missing signal named."""
-    lost: list[float] = []
-    r = report_of(record(tmp_path / "h.db", 9.0, hog((3.0, 7.0), 0.9, 1.5, lost), seed, layout))
+    path, lost = record(shared_dbs, 9.0, Hog((3.0, 7.0), 0.9, 1.5), seed, layout)
+    r = report_of(path)
     wall = (r.last_ns or 0) - (r.first_ns or 0)
     c = tails(r)[0]
     assert [x.family for x in tails(r)] == ["tail/cpu" if layout == "recorded" else "tail/offcpu"], shown(r)
@@ -311,10 +344,10 @@ def test_calls_held_off_the_cpu_below_the_slow_factor_are_still_lost_time(
     [((4.0, 4.4), "LOW"), ((4.0, 5.2), "MEDIUM"), ((3.0, 8.0), "HIGH")],
 )
 def test_severity_is_the_lost_share_of_wall_time(
-    tmp_path: Path, seed: int, window: tuple[float, float], band: str
+    shared_dbs: SharedDbs, seed: int, window: tuple[float, float], band: str
 ) -> None:
-    lost: list[float] = []
-    r = report_of(record(tmp_path / "h.db", 12.0, hog(window, 0.9, 3.0, lost), seed, "recorded"))
+    path, lost = record(shared_dbs, 12.0, Hog(window, 0.9, 3.0), seed, "recorded")
+    r = report_of(path)
     c = tails(r, "tail/cpu")[0]
     wall = (r.last_ns or 0) - (r.first_ns or 0)
     assert c.evidence["lost_share"] == pytest.approx(sum(lost) / wall, rel=0.1)
@@ -326,13 +359,12 @@ def test_severity_is_the_lost_share_of_wall_time(
 @pytest.mark.parametrize("inv", [0.15, 0.35])
 @pytest.mark.parametrize("factor", [1.5, 3.0])
 def test_a_minority_of_involuntary_time_is_never_named_cpu_contention(
-    tmp_path: Path, seed: int, layout: str, inv: float, factor: float
+    shared_dbs: SharedDbs, seed: int, layout: str, inv: float, factor: float
 ) -> None:
     """Issue #20 item 4: ranks that wait — most of each slow call asleep by itself (woken by a peer),
     15-35 % of it preempted. CPU contention is not the root; nothing is guessed — whether the calls are
     ≥ 2x steady (a slower regime) or not (each held off the CPU a little: still a minority)."""
-    lost: list[float] = []
-    r = report_of(record(tmp_path / "w.db", 9.0, hog((2.0, 8.0), 0.6, factor, lost, inv=inv), seed, layout))
+    r = report_of(record(shared_dbs, 9.0, Hog((2.0, 8.0), 0.6, factor, inv=inv), seed, layout)[0])
     assert not [c for c in r.chains if c.family.endswith("/cpu")], shown(r)
     assert not [c for c in r.chains if any("taskset" in x for x in c.recommendations)], shown(r)
     assert not [c for c in r.chains if c.root_cause.startswith("CPU contention")], shown(r)
@@ -346,9 +378,9 @@ def test_a_minority_of_involuntary_time_is_never_named_cpu_contention(
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS[:3])
-def test_a_majority_of_involuntary_time_is_cpu_contention(tmp_path: Path, seed: int, layout: str) -> None:
-    lost: list[float] = []
-    r = report_of(record(tmp_path / "w.db", 9.0, hog((2.0, 8.0), 0.6, 3.0, lost, inv=0.7), seed, layout))
+def test_a_majority_of_involuntary_time_is_cpu_contention(shared_dbs: SharedDbs, seed: int, layout: str) -> None:
+    path, lost = record(shared_dbs, 9.0, Hog((2.0, 8.0), 0.6, 3.0, inv=0.7), seed, layout)
+    r = report_of(path)
     wall = (r.last_ns or 0) - (r.first_ns or 0)
     if layout == "recorded":
         c = tails(r, "tail/cpu")[0]
@@ -364,8 +396,8 @@ def test_a_majority_of_involuntary_time_is_cpu_contention(tmp_path: Path, seed: 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS[:3])
-def test_a_healthy_loop_gets_no_high_or_medium_chain(tmp_path: Path, seed: int, layout: str) -> None:
-    r = report_of(record(tmp_path / "ok.db", 9.0, None, seed, layout))
+def test_a_healthy_loop_gets_no_high_or_medium_chain(shared_dbs: SharedDbs, seed: int, layout: str) -> None:
+    r = report_of(record(shared_dbs, 9.0, None, seed, layout)[0])
     assert not [c for c in r.chains if c.severity != "LOW"], shown(r)
     assert not tails(r), shown(r)
 
@@ -456,12 +488,11 @@ def test_a_context_creation_alone_reads_as_one(tmp_path: Path) -> None:
     assert c.root_cause.endswith("warm-up: its first call took 300ms creating the CUDA context"), c.root_cause
 
 
-def test_both_layouts_agree_on_the_lost_time(tmp_path: Path) -> None:
+def test_both_layouts_agree_on_the_lost_time(shared_dbs: SharedDbs) -> None:
     """The Ingero-layout run of the same recording reports the same lost time (it only cannot say why)."""
-    lost: list[float] = []
-    db = record(tmp_path / "h.db", 9.0, hog((3.0, 7.0), 0.9, 3.0, lost), 7, "recorded")
-    recorded = tails(report_of(db))[0]
-    ingero = tails(report_of(ingero_layout.rewrite(db, tmp_path / "h.ingero.db")))[0]
+    hog = Hog((3.0, 7.0), 0.9, 3.0)
+    recorded = tails(report_of(record(shared_dbs, 9.0, hog, 7, "recorded")[0]))[0]
+    ingero = tails(report_of(record(shared_dbs, 9.0, hog, 7, "ingero")[0]))[0]
     assert (recorded.family, ingero.family) == ("tail/cpu", "tail/offcpu")
     assert ingero.evidence["lost_ms"] == pytest.approx(recorded.evidence["lost_ms"], rel=0.01)
     assert ingero.evidence["prev_state"] == "unknown" and recorded.evidence["prev_state"] == "recorded"
@@ -470,23 +501,16 @@ def test_both_layouts_agree_on_the_lost_time(tmp_path: Path) -> None:
 # --- a steep drift: named once ------------------------------------------------------------------
 
 
-def drifting(rate: float) -> Disturb:
-    """Every sync ``rate`` x its own time slower per second of the run (thermal throttling gone far)."""
-
-    def disturb(rec: SyntheticNode, t: float, sync: float) -> float:
-        return sync * rate * (t - 0.1)
-
-    return disturb
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("rate", [0.25, 0.75])
-def test_a_drift_that_reaches_2x_or_more_is_named_once(tmp_path: Path, seed: int, layout: str, rate: float) -> None:
+def test_a_drift_that_reaches_2x_or_more_is_named_once(
+    shared_dbs: SharedDbs, seed: int, layout: str, rate: float
+) -> None:
     """Kernels +25 %/s for 4 s reach 2x by the end (+75 %/s: 4x), yet the steady level drifts with them:
     the regime finder never sees 2x of it. It is drift, one chain — not nothing, and not drift and a
     slower regime both."""
-    r = report_of(record(tmp_path / "s.db", 4.1, drifting(rate), seed, layout))
+    r = report_of(record(shared_dbs, 4.1, Drift(rate), seed, layout)[0])
     drift = [c for c in r.chains if c.family == "drift/gpu"]
     assert len(drift) == 1 and drift[0].severity == "HIGH" and not tails(r), shown(r)
     assert drift[0].evidence["rise"] >= 0.9, drift[0].evidence
@@ -504,35 +528,40 @@ def test_a_slower_regime_from_mid_run_is_no_steep_drift(seed: int) -> None:
 # --- lazy loading of a few kernels: start-up, not a slower regime -------------------------------
 
 
-def lazy_kernels(path: Path, seed: int, module_ms: float, layout: str, *, stall_ms: float = 0.0) -> Path:
+def lazy_kernels(dbs: SharedDbs, seed: int, module_ms: float, layout: str, *, stall_ms: float = 0.0) -> Path:
     """Steps of four kernels (arg0) and a sync for 4 s; each kernel's first launch loads its module
     (``module_ms``); ``stall_ms``: instead, one sync among the first calls of a healthy job is that slow."""
-    rec = SyntheticNode("node-l", BASE, seed)
-    rec.process(TRAINER, "python3 train.py", 0.0, exec_event=False)
-    seen: set[int] = set()
-    t, step = 0.1, 0
-    while t < 4.0:
-        for k in range(4):
-            fn = 0x7F00_0000_1000 + 0x40 * k
-            d = module_ms * NS_PER_MS if module_ms and fn not in seen else rec.jitter(8000, 0.1)
-            seen.add(fn)
-            rec.ev(t, TRAINER, CUDA, LAUNCH[1], d, arg0=fn)
-            t += d / NS_PER_S + 3e-5
-        sync = stall_ms * NS_PER_MS if stall_ms and step == 2 else rec.jitter(5 * NS_PER_MS, 0.05)
-        rec.ev(t, TRAINER, CUDA, SYNC[1], sync)
-        t += sync / NS_PER_S + 1e-3
-        step += 1
-    rec.write(path)
-    return ingero_layout.rewrite(path, path.with_suffix(".ingero.db")) if layout == "ingero" else path
+
+    def write(d: Path) -> Path:
+        rec = SyntheticNode("node-l", BASE, seed)
+        rec.process(TRAINER, "python3 train.py", 0.0, exec_event=False)
+        seen: set[int] = set()
+        t, step = 0.1, 0
+        while t < 4.0:
+            for k in range(4):
+                fn = 0x7F00_0000_1000 + 0x40 * k
+                d_ns = module_ms * NS_PER_MS if module_ms and fn not in seen else rec.jitter(8000, 0.1)
+                seen.add(fn)
+                rec.ev(t, TRAINER, CUDA, LAUNCH[1], d_ns, arg0=fn)
+                t += d_ns / NS_PER_S + 3e-5
+            sync = stall_ms * NS_PER_MS if stall_ms and step == 2 else rec.jitter(5 * NS_PER_MS, 0.05)
+            rec.ev(t, TRAINER, CUDA, SYNC[1], sync)
+            t += sync / NS_PER_S + 1e-3
+            step += 1
+        rec.write(d / "s.db")
+        return d / "s.db"
+
+    key = ("lazy-kernels", seed, module_ms, stall_ms)
+    return dbs.in_layout(key, dbs.get(key, write), layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", SEEDS[:3])
-def test_lazy_loading_of_a_few_kernels_is_cold_start(tmp_path: Path, seed: int, layout: str) -> None:
+def test_lazy_loading_of_a_few_kernels_is_cold_start(shared_dbs: SharedDbs, seed: int, layout: str) -> None:
     """4 kernels, each loaded on its first launch (30 ms, ~3 % of the run): 4 slow launches of the first
     20 leave their median normal, yet they are the process's start-up — a LOW cold start naming the
     launches, never a slower GPU regime (a real recording had them as a MEDIUM slow/gpu)."""
-    r = report_of(lazy_kernels(tmp_path / "s.db", seed, 30.0, layout))
+    r = report_of(lazy_kernels(shared_dbs, seed, 30.0, layout))
     cold = [c for c in r.chains if c.family == "cold-start"]
     assert len(cold) == 1 and "cudaLaunchKernel" in cold[0].evidence["ops"], shown(r)
     assert cold[0].evidence["excess_ms"] == pytest.approx(120, rel=0.01)
@@ -544,7 +573,7 @@ def test_lazy_loading_of_a_few_kernels_is_cold_start(tmp_path: Path, seed: int, 
 @pytest.mark.parametrize("seed", SEEDS[:3])
 @pytest.mark.parametrize("stall_ms", [20.0, 200.0])
 def test_a_random_slow_first_call_of_a_healthy_job_is_no_incident(
-    tmp_path: Path, seed: int, layout: str, stall_ms: float
+    shared_dbs: SharedDbs, seed: int, layout: str, stall_ms: float
 ) -> None:
-    r = report_of(lazy_kernels(tmp_path / "s.db", seed, 0.0, layout, stall_ms=stall_ms))
+    r = report_of(lazy_kernels(shared_dbs, seed, 0.0, layout, stall_ms=stall_ms))
     assert not [c for c in r.chains if c.severity != "LOW"], shown(r)

@@ -305,15 +305,22 @@ def test_oom_kill_is_always_high(tmp_path: Path) -> None:
     assert "pid 100 (python3 train.py)" in c.summary and [t.layer for t in c.timeline][-2:] == ["HOST", "CUDA"]
 
 
-def test_multi_process_gpu_contention(tmp_path: Path) -> None:
+def gpu_shared_by_eval(path: Path, *, other_gpu: bool = True) -> Path:
+    """node-a: a trainer (pid 100) whose syncs take 2x while an eval job (pid 200) shares its GPU, 10-20 s
+    of 30 s; ``other_gpu``: a third job (pid 300) on GPU 1, not part of it."""
     rec = SyntheticNode("node-a", BASE, 4)
     rec.process(100, "python3 train.py", 0.0, exec_event=False)
     rec.process(200, "python3 eval.py", 9.9)
     trainer(rec, 100, 0.1, 30.0, slow_factor=lambda t: 2.0 if 10.0 <= t < 20.0 else 1.0)
     trainer(rec, 200, 10.0, 20.0, sync_ms=4.0)
-    trainer(rec, 300, 0.1, 30.0, gpu=1)  # another GPU: not part of it
-    rec.write(tmp_path / "g.db")
-    r = report_of(tmp_path / "g.db")
+    if other_gpu:
+        trainer(rec, 300, 0.1, 30.0, gpu=1)
+    rec.write(path)
+    return path
+
+
+def test_multi_process_gpu_contention(tmp_path: Path) -> None:
+    r = report_of(gpu_shared_by_eval(tmp_path / "g.db"))
     c = only(r, "gpu-contention")
     assert c.severity == "MEDIUM" and c.cuda_op == "cudaStreamSync"
     assert c.evidence["gpu"] == 0 and sorted(c.evidence["pids"]) == [100, 200]

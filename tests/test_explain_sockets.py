@@ -25,6 +25,7 @@ from ingero.store.catalog import NET
 from ingero.store.db import open_readonly
 from ingero.store.window import Window
 from ingero.timeutil import NS_PER_S
+from tests.conftest import SharedDbs
 from tests.scenarios.base import PID, Params
 from tests.scenarios.expectations import INGERO, LAYOUTS, RECORDED, TOLERANCE
 from tests.scenarios.idle import TOOL_FD, USER_FD
@@ -129,9 +130,9 @@ def test_a_tool_call_inside_open_requests_is_lost_at_its_severity(tool_call_dbs:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_server_idle_between_requests_loses_nothing(tmp_path: Path, layout: str) -> None:
+def test_a_server_idle_between_requests_loses_nothing(shared_dbs: SharedDbs, layout: str) -> None:
     p = Params(seed=4, magnitude=0.065, n_nodes=1, outlier=0)
-    r = explain_file(build("healthy-idle-server", p, tmp_path)[layout])
+    r = explain_file(shared_dbs.scenario("healthy-idle-server", p)[layout])
     asleep = r.ledger[0].idle_ns["asleep_network"]
     assert asleep > 0.5 * r.ledger[0].wall_ns  # the GPU idles most of the run, asleep on the network ...
     assert not [c for c in r.chains if c.family.startswith("idle/")]  # ... and nothing of it is lost

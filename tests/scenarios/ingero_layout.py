@@ -67,7 +67,8 @@ def rewrite(src: Path, dst: Path, template: Path = TEMPLATE) -> Path:
         for table, rows in fixed.items():
             if rows:
                 conn.executemany(f"INSERT INTO {table} VALUES ({','.join('?' * len(rows[0]))})", rows)
-        conn.execute("ATTACH DATABASE ? AS rec", (f"file:{src}?mode=ro",))
+        # immutable: a written, closed recording; read-only alone would leave a -wal/-shm beside it
+        conn.execute("ATTACH DATABASE ? AS rec", (f"file:{src}?mode=ro&immutable=1",))
         late = conn.execute(
             "SELECT count(*) FROM rec.events e JOIN (SELECT node, min(timestamp) AS t0 FROM rec.events GROUP BY node) f "
             "ON e.node = f.node WHERE e.source = ? AND e.timestamp + e.duration > f.t0 + ?",
