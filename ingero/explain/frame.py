@@ -104,9 +104,24 @@ class ArgRows:
     tid: I64
     dur: I64
 
+    @cached_property
+    def _op_key(self) -> I64 | None:
+        """Each row's (source, op) in one number (one comparison per :meth:`is_op`); None when an id
+        does not fit its 31 bits."""
+        for ids in (self.source, self.op):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 31):
+                return None
+        key: I64 = (self.source << 32) | self.op
+        return key
+
     def is_op(self, source_op: tuple[int, int]) -> npt.NDArray[np.bool_]:
         """Rows of one op (``catalog.op_id(name)``)."""
-        m: npt.NDArray[np.bool_] = (self.source == source_op[0]) & (self.op == source_op[1])
+        s, o = source_op
+        key = self._op_key
+        if key is None or not (0 <= s < 1 << 31 and 0 <= o < 1 << 31):
+            both: npt.NDArray[np.bool_] = (self.source == s) & (self.op == o)
+            return both
+        m: npt.NDArray[np.bool_] = key == (s << 32) | o
         return m
 
     def is_any(self, ops: Sequence[tuple[int, int]]) -> npt.NDArray[np.bool_]:
@@ -174,9 +189,15 @@ class Frame:
         """Distinct pids of the rows (computed once per frame)."""
         return distinct(self.pid)
 
-    def gpu_mask(self) -> npt.NDArray[np.bool_]:
+    @cached_property
+    def _gpu(self) -> npt.NDArray[np.bool_]:
         out: npt.NDArray[np.bool_] = _GPU_TABLE[self.source & 0xF]
+        out.flags.writeable = False  # shared by every caller
         return out
+
+    def gpu_mask(self) -> npt.NDArray[np.bool_]:
+        """The GPU API rows (computed once per frame; read-only)."""
+        return self._gpu
 
     def select(self, mask: npt.NDArray[np.bool_]) -> Frame:
         i = rows_of(mask)

@@ -141,7 +141,7 @@ def thread_calls(ts: I64, end: I64, steady_end: I64, key: I64) -> ThreadCalls | 
     b_end = reach[np.concatenate((new[1:], [True]))]  # a busy stretch ends where the next one starts
     # the draining calls (few: syncs, blocking copies) that end their busy stretch
     cand = np.flatnonzero(drains(key))
-    busy_of = np.searchsorted(b_start, ts[cand], side="right") - 1
+    busy_of = np.cumsum(new)[cand] - 1  # each call's stretch
     drained = np.zeros(b_start.size, dtype=bool)
     drained[busy_of[end[cand] == b_end[busy_of]]] = True
     slow = steady_end < end
