@@ -310,12 +310,6 @@ def test_shared_databases_are_built_once_and_a_write_to_one_is_caught(tmp_path: 
         dbs.check_untouched()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="ledger_gaps._paint_segments (the per-minute path of selective storage) indexes an empty "
-    "Intervals when every gap of a thread holds an off-CPU interval: merge it into paint's prefix sums",
-)
 def test_a_sampled_loop_that_sleeps_in_every_gap_is_explained(tmp_path: Path) -> None:
     """Selective storage (some launches only counted in event_aggregates) and a thread asleep in each
     gap between its syncs: the ledger still adds up, its sleeps are the timer's."""

@@ -480,7 +480,8 @@ def _paint_segments(
         untouched = np.ones(g0.size, dtype=bool)
         untouched[hit] = False
         u0, u1 = g0[untouched], g1[untouched]  # untouched gaps: host code, split at the minute edges
-        cum = np.concatenate(([0], np.cumsum(u1 - u0)))
-        before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
-        per_minute[:, host] += np.diff(before).astype(np.float64)
+        if u0.size:  # (none when every gap holds some off-CPU time)
+            cum = np.concatenate(([0], np.cumsum(u1 - u0)))
+            before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
+            per_minute[:, host] += np.diff(before).astype(np.float64)
     return Painted(np.rint(total).astype(np.int64), per_minute, judged)
