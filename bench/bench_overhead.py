@@ -1,6 +1,7 @@
 """The agent's tax on the node (issue 23): what processes it does not trace pay, and what it costs at rest.
 
-Run as root: ``.venv/bin/python bench/bench_overhead.py [--quick]``. Three parts, each side by side in
+Run as root: ``.venv/bin/python bench/bench_overhead.py [--quick] [--rest]`` (``--rest``: parts 2 and 3
+only, ~1 min). Three parts, each side by side in
 one run (the machine is shared and noisy: figures are the looping thread's own CPU time — probe
 programs run in its context and count, preemption does not — best of the repetitions, with the median):
 
@@ -419,6 +420,7 @@ def part_rest(tmp: Path, seconds: float, quick: bool) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: one round, shorter windows")
+    ap.add_argument("--rest", action="store_true", help="parts 2 and 3 only: the agent at rest and its RSS")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_overhead: needs root (eBPF); run: sudo .venv/bin/python bench/bench_overhead.py")
@@ -427,9 +429,10 @@ def main() -> int:
     print(f"bench_overhead: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (a busy machine: read ranges)")
     with tempfile.TemporaryDirectory(prefix="ingero-overhead-") as d:
         tmp = Path(d)
-        exe = tmp / "socket_trips"
-        subprocess.run(["gcc", "-O2", "-o", str(exe), str(FIXTURE)], check=True)
-        part_sockets(Loop(exe, trips), tmp, rounds, reps, args.quick)
+        if not args.rest:
+            exe = tmp / "socket_trips"
+            subprocess.run(["gcc", "-O2", "-o", str(exe), str(FIXTURE)], check=True)
+            part_sockets(Loop(exe, trips), tmp, rounds, reps, args.quick)
         part_rest(tmp, seconds, args.quick)
     return summary()
 

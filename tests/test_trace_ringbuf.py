@@ -102,3 +102,18 @@ def test_max_records_leaves_the_rest_for_the_next_read() -> None:
     ring.push(20)
     assert ring.reader.read(max_records=8)["ts"].tolist() == list(range(8))
     assert ring.reader.read()["ts"].tolist() == list(range(8, 20))
+
+
+def test_peek_leaves_the_records_for_read_and_gives_only_new_ones_next_time() -> None:
+    ring = Ring()
+    ring.push(3)
+    seen, pos = ring.reader.peek(0)
+    assert seen["ts"].tolist() == [0, 1, 2]
+    assert int(ring.cons[0]) == 0  # nothing consumed
+    ring.push(2)
+    seen, pos = ring.reader.peek(pos)
+    assert seen["ts"].tolist() == [3, 4]  # only what came since the last look
+    assert ring.reader.peek(pos)[0].size == 0
+    assert ring.reader.read()["ts"].tolist() == [0, 1, 2, 3, 4]  # read still gets every record
+    ring.push(1)
+    assert ring.reader.peek(0)[0]["ts"].tolist() == [5]  # never behind the consumer

@@ -102,8 +102,15 @@ def _sql_literal(value: int | str | None) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+CHECKPOINT_BUSY_FRAMES = 64  # WAL pages written between two checkpoints that keep the short interval
+CHECKPOINT_IDLE_S = 2.0  # the longest wait between checkpoints of a quiet WAL
+
+
 class _Checkpointer(threading.Thread):
-    """Runs PASSIVE WAL checkpoints from its own connection, off the writer's insert path."""
+    """Runs PASSIVE WAL checkpoints from its own connection, off the writer's insert path: every
+    ``interval_s`` while the WAL grows by CHECKPOINT_BUSY_FRAMES or more between two, else each wait
+    doubles up to CHECKPOINT_IDLE_S (an agent at rest writes a snapshot a second: a checkpoint, with
+    its fsyncs, every few seconds is enough; a busy one is back to ``interval_s`` after one wait)."""
 
     def __init__(self, path: Path, interval_s: float) -> None:
         super().__init__(name="ingero-checkpointer", daemon=True)
@@ -115,11 +122,16 @@ class _Checkpointer(threading.Thread):
         conn = sqlite3.connect(str(self._path), isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA busy_timeout = 1000")
-            while not self._halt.wait(self._interval):
+            wait, last = self._interval, 0
+            while not self._halt.wait(wait):
                 try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    frames = int(conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1])
                 except sqlite3.Error:
                     continue  # busy: try again next tick
+                fresh = frames - last if frames >= last else frames  # the WAL restarts after a full checkpoint
+                last = frames
+                busy = fresh >= CHECKPOINT_BUSY_FRAMES
+                wait = self._interval if busy else min(2 * wait, max(self._interval, CHECKPOINT_IDLE_S))
         finally:
             conn.close()
 

@@ -30,6 +30,8 @@ _KIND_RE = {
     "cuda": re.compile(r"^libcuda\.so(?:\.[0-9.]+)?$"),
     "nccl": re.compile(r"^libnccl(?:-[0-9a-f]{6,})?\.so(?:\.[0-9.]+)?$"),
 }
+# What every _KIND_RE name has, after the directory's slash in a maps line (a cheap test of the whole file).
+_MAPS_MARKERS = ("/libcuda", "/libnccl")
 _VERSION_RE = re.compile(r"\.so\.([0-9][0-9.]*)$")
 
 
@@ -94,11 +96,13 @@ def process_libraries(pids: Iterable[int] | None = None) -> Iterator[tuple[str, 
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-                lines = f.read().splitlines()
+                text = f.read()
         except OSError:
             continue
+        if not any(marker in text for marker in _MAPS_MARKERS):
+            continue  # most processes map no GPU library: no line to split
         seen: set[str] = set()
-        for line in lines:
+        for line in text.splitlines():
             parts = line.split(None, 5)
             if len(parts) < 6 or not parts[5].startswith("/"):
                 continue

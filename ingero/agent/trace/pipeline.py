@@ -1,12 +1,18 @@
 """The recording pipeline: drain on a timer -> bounded channel -> the store's single writer.
 
-* **drain** (trio task, every ``drain_interval_s``): reads every record the ring buffer holds
-  (:class:`~ingero.agent.trace.ringbuf.RingReader`, a memory copy — ~0.1 µs per event), feeds the live
-  statistics and sends the array down a bounded trio memory channel. When the channel is full the
-  drain skips its turn and the records wait in the kernel ring buffer (16 MiB by default); if that
-  overflows too, the kernel counts the loss (``events_dropped_ring``). Nothing is dropped silently.
+* **drain** (trio task, every ``drain_interval_s`` while busy): reads every record the ring buffer
+  holds (:class:`~ingero.agent.trace.ringbuf.RingReader`, a memory copy — ~0.1 µs per event) into a
+  pending batch. A busy drain (``flush_events`` records or more) sends the batch down a bounded trio
+  memory channel at once, after feeding the live statistics and ``on_events``. Drains that find less
+  double the wait, and past ``idle_drain_interval_s`` the drain rests: the housekeeping tick takes
+  the trickle (an idle host's own block I/O, a process starting now and then) once a second, and a
+  :class:`~ingero.agent.trace.ringwatch.RingWatch` thread wakes the drain when ``flush_events``
+  records wait — so that at rest neither the drain nor the writer wakes more than once a second. When the channel is full the drain skips its
+  turn and the records wait in the kernel ring buffer (16 MiB by default); if that overflows too, the
+  kernel counts the loss (``events_dropped_ring``). Nothing is dropped silently.
 * **housekeeping** (every second): a system snapshot, the kernel's page-allocation counters, the
-  kernel drop counters; session stats every few seconds; size-based pruning with ``--max-db``.
+  kernel drop counters and the pending events, handed to the writer together (one transaction);
+  session stats every few seconds; size-based pruning with ``--max-db``.
 * **writer** (trio task; the work runs in a worker thread via ``trio.to_thread``): turns everything
   received since its last turn into one :class:`~ingero.agent.trace.recorder.WriteBatch` (selective
   storage, aggregates, stacks, process names) and commits it in one transaction. When the disk is
@@ -21,6 +27,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +38,11 @@ import trio
 
 from ingero.agent.trace.livestats import LiveStats
 from ingero.agent.trace.recorder import PAGE_ALLOC, Recorder, WriteBatch, monotonic_offset_ns
+from ingero.agent.trace.ringwatch import RingWatch
 from ingero.agent.trace.sysinfo import SnapshotSampler
 from ingero.errors import DiskFullError
 from ingero.store.writer import StoreWriter
+from ingero.timeutil import now_ns
 
 DISK_FULL_ATTEMPTS = 3  # full batch, full batch after pruning, aggregates only after pruning more
 
@@ -47,15 +56,23 @@ class EventSource(Protocol):
 
     def page_allocs(self) -> dict[int, tuple[int, int]]: ...
 
+    def pending_records(self) -> int: ...
+
+    def peek_events(self, since: int) -> tuple[np.ndarray, int]: ...
+
 
 @dataclass(frozen=True)
 class PipelineOptions:
     drain_interval_s: float = 0.05
-    # A drain that found nothing doubles the wait before the next, up to this (an idle host: 4 wakeups
-    # a second, not 20); any event brings it back to drain_interval_s (names of short-lived processes
-    # are read while they live). A burst from rest waits at most this long: 300 k events/s fill 75 k
-    # of the 16 MiB ring's 262 k records (the tracer scales it down with a smaller ring).
+    # A drain that found fewer than flush_events records doubles the wait before the next; past this the
+    # drain rests (no timer: the housekeeping tick drains) and the RingWatch looks at the ring this
+    # often; a busy drain brings it back to drain_interval_s. A burst from rest waits at most this
+    # long: 300 k events/s fill 75 k of the 16 MiB ring's 262 k records (the tracer scales it down
+    # with a smaller ring).
     idle_drain_interval_s: float = 0.25
+    # Drained records that go to the writer at once (a busy drain); fewer wait for the housekeeping
+    # tick (at most snapshot_interval_s). Names of processes that exec'd are read when drained.
+    flush_events: int = 512
     channel_items: int = 256
     max_pending_events: int = 1 << 21  # ~128 MiB of records waiting for the writer, at most
     max_items_per_write: int = 64
@@ -67,12 +84,11 @@ class PipelineOptions:
 
 @dataclass
 class _Item:
-    kind: str  # events | pages | snapshot | stats | prune
+    kind: str  # events | kernel | snapshot | stats | prune
     events: np.ndarray | None = None
     offset_ns: int = 0
-    pages: dict[int, tuple[int, int]] | None = None
-    ts: int = 0
     rows: WriteBatch | None = None
+    names: dict[int, str] | None = None  # events: names read when drained (Recorder.exec_names)
 
 
 class Pipeline:
@@ -107,6 +123,13 @@ class Pipeline:
         self.pruned_disk_full = 0  # oldest events deleted to make room on a full disk
         self.lost_disk_full = 0  # events counted in aggregates but not stored: the disk was full
         self.max_drain = 0
+        self._pending: list[np.ndarray] = []  # drained, not yet handed to the writer (take_pending)
+        self._pending_n = 0
+        self._pending_names: dict[int, str] = {}  # the drain's and the watch's look's (_names_lock)
+        self._names_lock = threading.Lock()
+        self._peeked = 0  # ring position up to which the watch looked
+        self._watch: RingWatch | None = None  # while run() runs
+        self._woken: trio.Event | None = None  # the resting drain's: set by the watch or request_stop
         self._kernel: dict[str, int] = {}
         self._exited: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._processed = 0  # events turned into rows (written by the writer thread only)
@@ -120,6 +143,8 @@ class Pipeline:
 
     def request_stop(self) -> None:
         self._stop.set()
+        if self._woken is not None:
+            self._woken.set()
 
     def add_rows(self, rows: WriteBatch) -> bool:
         """Rows from outside the ring buffer (the annotation socket) for the writer's next batch (within
@@ -135,10 +160,16 @@ class Pipeline:
 
     async def run(self) -> None:
         send, recv = trio.open_memory_channel[_Item](self.options.channel_items)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer_loop, recv)
-            nursery.start_soon(self._housekeeping_loop, send.clone())
-            await self._drain_loop(send)
+        opts = self.options
+        self._watch = RingWatch(self.source.pending_records, opts.flush_events, opts.idle_drain_interval_s, self._look)
+        self._watch.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer_loop, recv)
+                nursery.start_soon(self._housekeeping_loop, send.clone())
+                await self._drain_loop(send)
+        finally:
+            self._watch.stop()
         self._side_closed = True  # what add_rows took before this goes into one last write
         if not self._side_rows.empty():
             await trio.to_thread.run_sync(self._write_items, [])
@@ -150,25 +181,47 @@ class Pipeline:
         interval = opts.drain_interval_s
         async with send:
             while not self._stop.is_set():
-                with trio.move_on_after(interval):
-                    await self._stop.wait()
-                stats = send.statistics()
-                if (
-                    stats.current_buffer_used >= stats.max_buffer_size
-                    or self.drained - self._processed >= self.options.max_pending_events
-                ):
-                    self.drain_deferred += 1  # the writer is behind: the records wait in the kernel ring
+                if interval > opts.idle_drain_interval_s:
+                    await self._rest()
+                else:
+                    with trio.move_on_after(interval):
+                        await self._stop.wait()
+                if self._writer_behind(send):
+                    self.drain_deferred += 1  # the records wait in the kernel ring
                     continue
-                item = self.drain_once()
-                interval = opts.drain_interval_s if item is not None else min(2 * interval, opts.idle_drain_interval_s)
-                if item is not None:
-                    send.send_nowait(item)  # room checked above; this task is the only sender of events
+                busy = self.drain_once() >= opts.flush_events
+                interval = opts.drain_interval_s if busy else 2 * interval
+                if self._pending_n >= opts.flush_events and (item := self.take_pending()) is not None:
+                    send.send_nowait(item)  # room checked above; the only other sender waits for room
             # Final reads: everything the kernel produced before the probes were detached.
-            while (item := self.drain_once()) is not None:
+            while self.drain_once():
+                if self._pending_n >= opts.flush_events and (item := self.take_pending()) is not None:
+                    await send.send(item)
+            if (item := self.take_pending()) is not None:
                 await send.send(item)
 
-    def drain_once(self) -> _Item | None:
-        """One read of the ring buffer; the channel item for it, or None when it was empty."""
+    async def _rest(self) -> None:
+        """Until the ring holds ``flush_events`` records (the watch wakes us) or stop."""
+        assert self._watch is not None
+        self._woken = woken = trio.Event()
+        if self._stop.is_set():
+            return
+        self._watch.arm(woken.set)
+        try:
+            await woken.wait()
+        finally:
+            self._watch.disarm()
+
+    def _writer_behind(self, send: trio.MemorySendChannel[_Item]) -> bool:
+        """The channel is full or too many drained records wait for the writer: leave them in the ring."""
+        stats = send.statistics()
+        return (
+            stats.current_buffer_used >= stats.max_buffer_size
+            or self.drained - self._processed >= self.options.max_pending_events
+        )
+
+    def drain_once(self) -> int:
+        """One read of the ring buffer into the pending batch; the number of records read."""
         t0 = time.thread_time()
         ev = self.source.read_events()
         self.drain_calls += 1
@@ -176,14 +229,41 @@ class Pipeline:
         if n:
             self.drained += n
             self.max_drain = max(self.max_drain, n)
-            if self.live is not None:
-                self.live.add(ev)
-            if self._on_events is not None:
-                self._on_events(ev)
+            self._pending.append(ev)
+            self._pending_n += n
+            self._add_names(self.recorder.exec_names(ev))
         self.drain_cpu_s += time.thread_time() - t0
-        if not n:
+        return n
+
+    def _look(self) -> None:
+        """The watch's look at a resting ring (its thread, every idle_drain_interval_s): the names of the
+        processes that exec'd since its last look, read now — as a drain as often would have."""
+        ev, self._peeked = self.source.peek_events(self._peeked)
+        if ev.size:
+            self._add_names(self.recorder.exec_names(ev))
+
+    def _add_names(self, names: dict[int, str]) -> None:
+        """Names read while the processes lived (one that is gone reads empty: kept out)."""
+        if names:
+            with self._names_lock:
+                self._pending_names.update((pid, name) for pid, name in names.items() if name)
+
+    def take_pending(self) -> _Item | None:
+        """The records drained since the last call as one channel item, after feeding them to the live
+        statistics and ``on_events``; None when there are none."""
+        if not self._pending:
             return None
-        return _Item("events", events=ev, offset_ns=monotonic_offset_ns())
+        t0 = time.thread_time()
+        ev = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+        with self._names_lock:
+            names, self._pending_names = self._pending_names, {}
+        self._pending, self._pending_n = [], 0
+        if self.live is not None:
+            self.live.add(ev)
+        if self._on_events is not None:
+            self._on_events(ev)
+        self.drain_cpu_s += time.thread_time() - t0
+        return _Item("events", events=ev, offset_ns=monotonic_offset_ns(), names=names)
 
     # --- housekeeping ----------------------------------------------------------------------------
 
@@ -199,25 +279,42 @@ class Pipeline:
                 if self._stop.is_set():
                     break
                 elapsed += opts.snapshot_interval_s
-                await self._tick(send)
+                extra = []
                 if elapsed >= next_stats:
                     next_stats += opts.stats_interval_s
-                    await send.send(_Item("stats"))
+                    extra.append(_Item("stats"))
                 if opts.max_db_bytes and elapsed >= next_prune:
                     next_prune += opts.prune_interval_s
-                    await send.send(_Item("prune"))
-            await self._tick(send)  # the last page-allocation delta and counters
+                    extra.append(_Item("prune"))
+                await self._tick(send, extra, events=True)
+            await self._tick(send, [], events=False)  # the last page-allocation delta and counters
 
-    async def _tick(self, send: trio.MemorySendChannel[_Item]) -> None:
+    async def _tick(self, send: trio.MemorySendChannel[_Item], extra: list[_Item], *, events: bool) -> None:
+        """A snapshot, the page-allocation counters and (``events``) the pending records, handed over
+        back to back: the writer takes them in one turn."""
         snap = self._sampler.sample()
-        await send.send(_Item("snapshot", rows=WriteBatch(snapshots=[snap.as_row()])))
-        pages, self._kernel = await trio.to_thread.run_sync(self._kernel_maps)
-        if pages:
-            await send.send(_Item("pages", pages=pages, ts=snap.timestamp))
+        items = [_Item("snapshot", rows=WriteBatch(snapshots=[snap.as_row()])), _Item("kernel")]
+        pending = None
+        if events and not self._writer_behind(send):
+            self.drain_once()  # the trickle a resting drain leaves (a busy one has just read)
+            pending = self.take_pending()
+        for item in ([pending] if pending is not None else []) + items + extra:
+            try:
+                send.send_nowait(item)  # no checkpoint between: the writer wakes once for all of them
+            except trio.WouldBlock:
+                await send.send(item)
 
-    def _kernel_maps(self) -> tuple[dict[int, tuple[int, int]], dict[str, int]]:
-        """The kernel's page-allocation counters and drop counters: one worker-thread turn a second."""
-        return self.source.page_allocs(), self.source.counters()
+    def _kernel_rows(self) -> WriteBatch:
+        """The page allocations since the last tick from the kernel's counters, and the drop counters
+        (the writer's thread reads them: no thread turn of their own, once a second)."""
+        pages, self._kernel = self.source.page_allocs(), self.source.counters()
+        if not pages:
+            return WriteBatch()
+        rows = self.recorder.page_alloc_rows(pages, now_ns())
+        if self.live is not None:
+            for r in rows.aggregates:
+                self.live.add_counts(*PAGE_ALLOC, int(r[4]))
+        return rows
 
     # --- writer ----------------------------------------------------------------------------------
 
@@ -240,14 +337,10 @@ class Pipeline:
             batch.merge(self._side_rows.get_nowait())
         for it in items:
             if it.kind == "events" and it.events is not None:
-                batch.merge(self.recorder.process(it.events, it.offset_ns))
+                batch.merge(self.recorder.process(it.events, it.offset_ns, it.names))
                 self._processed += it.events.size
-            elif it.kind == "pages" and it.pages is not None:
-                rows = self.recorder.page_alloc_rows(it.pages, it.ts)
-                if self.live is not None:
-                    for r in rows.aggregates:
-                        self.live.add_counts(*PAGE_ALLOC, int(r[4]))
-                batch.merge(rows)
+            elif it.kind == "kernel":
+                batch.merge(self._kernel_rows())
             elif it.rows is not None:
                 batch.merge(it.rows)
             stats |= it.kind == "stats"

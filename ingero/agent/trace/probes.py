@@ -33,7 +33,7 @@ from ingero.agent.trace.libc_sockets import (
     errno_tp_offset,
     libc_of,
 )
-from ingero.agent.trace.ringbuf import EMPTY, RingReader
+from ingero.agent.trace.ringbuf import EMPTY, RECORD_SIZE, RingReader
 from ingero.errors import TracingUnavailableError
 from ingero.store import catalog
 
@@ -489,6 +489,19 @@ class BpfProbes:
         if self._closed:
             return EMPTY
         return self.ring.read(max_records=1 << 18)
+
+    def pending_records(self) -> int:
+        """Records waiting in the ring buffer (two words of the mapped ring: no system call)."""
+        if self._closed:
+            return 0
+        return self.ring.pending_bytes() // RECORD_SIZE
+
+    def peek_events(self, since: int) -> tuple[np.ndarray, int]:
+        """Records waiting from ring position ``since`` on, left for :meth:`read_events` (a hint for
+        another thread: see :meth:`~ingero.agent.trace.ringbuf.RingReader.peek`)."""
+        if self._closed:
+            return EMPTY, since
+        return self.ring.peek(since)
 
     # --- shutdown --------------------------------------------------------------------------------
 

@@ -190,7 +190,17 @@ class Recorder:
 
     # --- events ----------------------------------------------------------------------------------
 
-    def process(self, ev: np.ndarray, offset_ns: int | None = None) -> WriteBatch:
+    def exec_names(self, ev: np.ndarray) -> dict[int, str]:
+        """pid -> name of the processes that exec'd in ``ev``, read now, while they most likely live (the
+        drain's thread: no state is touched). :meth:`process` takes them for its ``process_names`` rows
+        when the batch is written later, so a short-lived command is named as when it was written at once."""
+        execs = (ev["source"] == PROCESS_EXEC[0]) & (ev["op"] == PROCESS_EXEC[1])
+        if not execs.any():
+            return {}
+        return {pid: self._comm_of(pid) for pid in np.unique(ev["pid"][execs]).tolist() if pid > 0}
+
+    def process(self, ev: np.ndarray, offset_ns: int | None = None, names: dict[int, str] | None = None) -> WriteBatch:
+        """Rows for ``ev``; ``names``: names already read (:meth:`exec_names`), used before /proc."""
         out = WriteBatch()
         if ev.size == 0:
             return out
@@ -232,7 +242,7 @@ class Recorder:
             cols[:, 10] = hashes
             cols[:, 11] = kept["cgroup_id"].astype(np.int64)
             out.events = list(map(tuple, cols.tolist()))
-            self._names(kept, out)
+            self._names(kept, out, names or {})
         return out
 
     def _store_mask(self, ev: np.ndarray, ts: np.ndarray, code: np.ndarray) -> np.ndarray:
@@ -370,7 +380,7 @@ class Recorder:
         self._stacks_per_op[key] = n + 1
         return True
 
-    def _names(self, kept: np.ndarray, out: WriteBatch) -> None:
+    def _names(self, kept: np.ndarray, out: WriteBatch, known: dict[int, str]) -> None:
         pids = set(np.unique(kept["pid"]).tolist())
         for s, o in _NAME_SOURCES:
             sel = (kept["source"] == s) & (kept["op"] == o)
@@ -382,7 +392,7 @@ class Recorder:
         for pid in sorted(pids):
             if pid <= 0 or (pid in self._named and pid not in renamed):
                 continue
-            name = self._comm_of(int(pid))
+            name = known.get(pid) or self._comm_of(int(pid))
             self._named.add(pid)
             if name:
                 out.process_names.append((int(pid), name, now))

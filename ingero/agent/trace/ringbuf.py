@@ -102,10 +102,23 @@ class RingReader:
         """Every complete record available now (up to ``max_records``), as an EVENT_DTYPE array copy."""
         if self.closed:
             return EMPTY
-        cons = int(self._cons[0])
-        prod = int(self._prod[0])
+        out, cons = self._collect(int(self._cons[0]), int(self._prod[0]), max_records)
+        self._cons[0] = cons  # one aligned 8-byte store, after the records were copied out
+        self.records_read += out.size
+        return out
+
+    def peek(self, since: int, max_records: int = 1 << 12) -> tuple[np.ndarray, int]:
+        """The complete records from position ``since`` (or the consumer's, if later) on, copied and
+        left for :meth:`read`; with the position to give next time. For another thread than the
+        reader's: a record the reader has just consumed may be overwritten meanwhile, so what it
+        returns is a hint (e.g. which processes to name now), never a substitute for ``read``."""
+        if self.closed:
+            return EMPTY, since
+        return self._collect(max(since, int(self._cons[0])), int(self._prod[0]), max_records)
+
+    def _collect(self, cons: int, prod: int, budget: int) -> tuple[np.ndarray, int]:
+        """The records between ``cons`` and ``prod`` (up to ``budget``) and the position after them."""
         chunks: list[np.ndarray] = []
-        budget = max_records
         while cons < prod and budget > 0:
             chunk, cons, stop = self._read_from(cons, prod, budget)
             if chunk.size:
@@ -113,12 +126,9 @@ class RingReader:
                 budget -= chunk.size
             if stop:
                 break
-        self._cons[0] = cons  # one aligned 8-byte store, after the records were copied out
         if not chunks:
-            return EMPTY
-        out = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-        self.records_read += out.size
-        return out
+            return EMPTY, cons
+        return (chunks[0] if len(chunks) == 1 else np.concatenate(chunks)), cons
 
     def _read_from(self, cons: int, prod: int, budget: int) -> tuple[np.ndarray, int, bool]:
         """Regular records from ``cons`` in one view; else one busy/discarded/odd record by itself.
