@@ -456,9 +456,9 @@ async def _close(
 
 
 def _idle_drain_interval(opts: TraceOptions) -> float:
-    """How long the drain may wait at rest: PipelineOptions' idle interval with the default 16 MiB ring
-    (a burst from rest at 300 k events/s fills under a third of it), less with a smaller ring, never under
-    the busy interval."""
+    """How long a burst from rest may wait for the drain (the ring watch's interval): PipelineOptions' idle
+    interval with the default 16 MiB ring (a burst from rest at 300 k events/s fills under a third of it),
+    less with a smaller ring, never under the busy interval."""
     default = PipelineOptions()
     scaled = default.idle_drain_interval_s * opts.ring_mb / TraceOptions.ring_mb
     return max(opts.drain_interval_s, min(default.idle_drain_interval_s, scaled))
