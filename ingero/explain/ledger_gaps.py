@@ -6,6 +6,7 @@ block I/O into them, painted over the gaps with exact integer sums (see :mod:`in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -250,14 +251,6 @@ def _last_segment(start: I64, lens: I64, x: I64) -> tuple[I64, I64]:
     return kk, part
 
 
-def _covered(starts: I64, ends: I64, points: I64) -> npt.NDArray[np.bool_]:
-    """Which ``points`` fall inside the sorted, disjoint intervals [starts, ends)."""
-    k = np.searchsorted(starts, points, side="right") - 1
-    kk = np.maximum(k, 0)
-    out: npt.NDArray[np.bool_] = (k >= 0) & (points < ends[kk]) if starts.size else np.zeros(points.size, bool)
-    return out
-
-
 def _near(ts: I64, end: I64, s: I64, e: I64, slack: int) -> npt.NDArray[np.bool_]:
     """Which intervals [s, e) lie within ``slack`` of one of the calls [ts, end) (ts sorted)."""
     if ts.size == 0:
@@ -363,11 +356,8 @@ def paint(
 
     The classes are painted once, strongest first, into segments between their own edges; the gaps are
     measured through their prefix sums (no cut per gap: the work grows with the scheduler rows, not the
-    calls), and only the ``idle`` gaps get per-gap figures. Per minute (selective storage) the gaps are
-    cut up (:func:`_paint_segments`)."""
-    if minutes is not None:
-        return _paint_segments(g0, g1, idle, classes, minutes, drained, sync, short, detail)
-
+    calls), and only the ``idle`` gaps get per-gap figures; the minutes (selective storage, or any edges:
+    the ledger per label) are measured the same way (:func:`_per_minute`)."""
     n, host = len(BUCKETS), IDX[HOST_CODE]
     live = [(b, classes[b]) for b in _GAP_ORDER if classes[b][0].size]
     seg_s = seg_e = seg_b = np.zeros(0, dtype=np.int64)
@@ -394,94 +384,37 @@ def paint(
     per = _per_gap(seg_s, seg_e, seg_b, a, z)
     per[host] = (z - a) - per.sum(axis=0)
     judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short, detail)
-    return Painted(np.rint(total).astype(np.int64), None, judged)
-
-
-def _paint_segments(
-    g0: I64,
-    g1: I64,
-    idle: npt.NDArray[np.bool_],
-    classes: dict[str, tuple[I64, I64]],
-    minutes: I64 | None,
-    drained: npt.NDArray[np.bool_] | None,
-    sync: tuple[I64, I64] | None,
-    short: I64 | None,
-    detail: bool,
-) -> Painted:
-    """:func:`paint` by cutting the touched gaps into segments at every class and minute edge (only
-    the gaps a class interval touches: the others are own host code whole)."""
-    n, host = len(BUCKETS), IDX[HOST_CODE]
-    heads, tails, touching = [], [], {}
-    for bucket, (
-        s,
-        e,
-    ) in classes.items():  # interval [s, e) touches the gaps [first ending after s, first starting at e)
-        if s.size:
-            i0, i1 = np.searchsorted(g1, s, side="right"), np.searchsorted(g0, e, side="left")
-            t = i1 > i0  # an interval that touches no gap paints nothing
-            if t.any():
-                heads.append(i0[t])
-                tails.append(i1[t])
-                touching[bucket] = (s[t], e[t])
-    hit = np.zeros(0, dtype=np.int64)  # the touched gaps
-    if heads:
-        marks = np.bincount(np.concatenate(heads), minlength=g0.size + 1)
-        marks -= np.bincount(np.concatenate(tails), minlength=g0.size + 1)
-        hit = np.flatnonzero(np.cumsum(marks[:-1]) > 0)
-    t0, t1 = g0[hit], g1[hit]
-    left = label = k = np.zeros(0, dtype=np.int64)
-    w = np.zeros(0, dtype=np.float64)
-    if t0.size:
-        lo, hi = int(t0[0]), int(t1[-1])
-        edges = [t0, t1] + [np.clip(x, lo, hi) for se in touching.values() for x in se]
-        if minutes is not None:
-            edges.append(minutes)
-        b = np.sort(np.concatenate(edges), kind="stable")  # sorted runs: merged, not sorted from scratch
-        b = b[np.concatenate(([True], b[1:] != b[:-1]))]
-        left, length = b[:-1], np.diff(b)
-        k = np.searchsorted(t0, left, side="right") - 1
-        in_gap = (k >= 0) & (left < t1[np.maximum(k, 0)])
-        left, length, k = left[in_gap], length[in_gap], k[in_gap]
-        label = np.full(left.size, host, dtype=np.int64)
-        for bucket in reversed(_GAP_ORDER):
-            if bucket in touching:
-                s, e = touching[bucket]
-                label[_covered(s, e, left)] = IDX[bucket]
-        w = length.astype(np.float64)
-    total = np.bincount(label, weights=w, minlength=n).astype(np.float64)
-    total[host] += float(int((g1 - g0).sum()) - int((t1 - t0).sum()))  # untouched gaps: host code whole
-    # per idle gap, each bucket's time in it: judge_idle says how much of it the GPU idled
-    on = label == host
-    sure_gaps = np.flatnonzero(idle)
-    sure_host = (g1[sure_gaps] - g0[sure_gaps]).astype(np.float64)
-    j = np.minimum(np.searchsorted(hit, sure_gaps), max(0, hit.size - 1))
-    touched = hit[j] == sure_gaps if hit.size else np.zeros(sure_gaps.size, dtype=bool)
-    if touched.any():
-        sure_host[touched] = np.bincount(k[on], weights=w[on], minlength=t0.size)[j[touched]]
-    # the other buckets, per (touched gap, bucket): grouped over the off-CPU segments only (in gap order
-    # already: a stable sort only reorders each gap's few)
-    key = k[~on] * n + label[~on]
-    order = np.argsort(key, kind="stable")
-    sk = key[order]
-    first = np.concatenate(([True], sk[1:] != sk[:-1])) if sk.size else np.zeros(0, dtype=bool)
-    pairs = sk[first]
-    sums = np.add.reduceat(w[~on][order], np.flatnonzero(first)) if sk.size else w[:0]
-    gap_of = hit[pairs // n]
-    sure = idle[gap_of]
-    per = np.zeros((n, sure_gaps.size), dtype=np.float64)  # per bucket, its time in each idle gap
-    per[pairs[sure] % n, np.searchsorted(sure_gaps, gap_of[sure])] = sums[sure]
-    per[host] = sure_host
-    judged = judge_idle(per, *_sure_context(idle, drained, sync), _sleeps(classes), short, detail)
-    per_minute: npt.NDArray[np.float64] | None = None
-    if minutes is not None:
-        m = np.searchsorted(minutes, left, side="right")
-        per_minute = np.bincount(m * n + label, weights=w, minlength=(minutes.size + 1) * n).astype(np.float64)
-        per_minute = per_minute.reshape(-1, n)
-        untouched = np.ones(g0.size, dtype=bool)
-        untouched[hit] = False
-        u0, u1 = g0[untouched], g1[untouched]  # untouched gaps: host code, split at the minute edges
-        if u0.size:  # (none when every gap holds some off-CPU time)
-            cum = np.concatenate(([0], np.cumsum(u1 - u0)))
-            before = Intervals(u0, u1, cum, u0).before(np.concatenate(([g0[0]], minutes, [g1[-1]])))
-            per_minute[:, host] += np.diff(before).astype(np.float64)
+    per_minute = None if minutes is None else _per_minute(g0, glen, gcum, seg_s, seg_e, seg_b, in_gaps, minutes)
     return Painted(np.rint(total).astype(np.int64), per_minute, judged)
+
+
+def _per_minute(
+    g0: I64,
+    glen: I64,
+    gcum: npt.NDArray[Any],  # int64 at run time, as in_gaps
+    seg_s: I64,
+    seg_e: I64,
+    seg_b: I64,
+    in_gaps: npt.NDArray[Any],
+    minutes: I64,
+) -> npt.NDArray[np.float64]:
+    """Per minute (rows: before ``minutes[0]``, between each two edges, after the last) each bucket's
+    time inside the gaps [g0, g0 + glen) (prefix sums ``gcum``): a bucket's in-gap time before an edge
+    is that of its painted segments before the one the edge falls in (``in_gaps``: each segment's), plus
+    that segment's in-gap time before the edge."""
+    n, host = len(BUCKETS), IDX[HOST_CODE]
+
+    def gap_time(x: I64) -> npt.NDArray[Any]:  # the gaps' time before each instant
+        k, part = _last_segment(g0, glen, x)
+        return gcum[k] + part
+
+    x = np.concatenate(([g0[0]], minutes, [g0[-1] + glen[-1]]))
+    before = np.zeros((x.size, n), dtype=np.int64)  # per edge, each bucket's in-gap time before it
+    if seg_s.size:
+        k, _ = _last_segment(seg_s, seg_e - seg_s, x)  # the segment each edge falls in or follows (0: none)
+        part = gap_time(np.clip(x, seg_s[k], seg_e[k])) - gap_time(seg_s[k])
+        for b in distinct(seg_b).tolist():
+            cum = np.concatenate(([0], np.cumsum(np.where(seg_b == b, in_gaps, 0))))
+            before[:, b] = cum[k] + np.where(seg_b[k] == b, part, 0)
+    before[:, host] = gap_time(x) - before.sum(axis=1)
+    return np.diff(before, axis=0).astype(np.float64)
