@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ from ingero.config import FleetConfig  # noqa: E402
 from ingero.explain import engine  # noqa: E402
 from ingero.explain.engine import explain  # noqa: E402
 from ingero.explain.hugepages import prefer_small_pages  # noqa: E402
+from ingero.explain.memory_policy import one_shot  # noqa: E402
 from ingero.identity import Identity  # noqa: E402
 from ingero.store.db import open_readonly  # noqa: E402
 from ingero.store.writer import StoreWriter  # noqa: E402
@@ -68,6 +71,8 @@ RATIO = Target(1.2, "x")  # explain ÷ sqlite3 fetching the columns explain read
 ABSOLUTE = Target(1.0, " s")  # issue 11: the CLI's explain on the 1 M-event trainer
 SCALE_FACTOR = 4
 SCALE = Target(4.5, "x")  # explain on SCALE_FACTOR x the events ÷ explain on TARGET_EVENTS
+HELD = Target(0.2)  # agent RSS kept after one explain request, as a share of what the request added at its peak
+SETTLE_S = 3.0
 NODES = Target(FleetConfig().timeout_s / 2, " s")  # explain --nodes: well inside the default per-node timeout
 NODE_NAME = "bench-node"
 BASE = 1_776_000_000_000_000_000
@@ -188,7 +193,7 @@ def bench_shape(shape: str, db: Path, work: Path, pki: Path, repeat: int, full: 
     return m
 
 
-def scale(db: Path, big: Path, n: int, repeat: int, full: bool) -> None:
+def scale(db: Path, big: Path, pki: Path, n: int, repeat: int, full: bool) -> None:
     """Explain (reading threads) on SCALE_FACTOR x the events against the same on ``db``, taking turns."""
     make_db(big, n * SCALE_FACTOR)
     small, large = open_readonly(db), open_readonly(big)
@@ -203,6 +208,7 @@ def scale(db: Path, big: Path, n: int, repeat: int, full: bool) -> None:
     finally:
         small.close()
         large.close()
+    agent_memory(big, big.parent, pki, full, n * SCALE_FACTOR)
     big.unlink()
     judge(
         f"explain {SCALE_FACTOR}x events / 1x (reading threads)",
@@ -252,9 +258,10 @@ def recurring_db(path: Path, quick: bool) -> Path | None:
 # --- explain --nodes against a real agent ----------------------------------------------------------
 
 
-def explain_nodes(db: Path, work: Path, pki: Path, runs: int) -> Runs:
-    """``ingero explain --nodes`` (default timeout) against ``ingero serve`` on ``db``, each run checked:
-    exit 0 and the node's report in the answer."""
+@contextmanager
+def agent_serving(db: Path, work: Path, pki: Path) -> Iterator[tuple[subprocess.Popen[str], list[str], dict[str, str]]]:
+    """``ingero serve`` on ``db``: the agent's process, the ``explain --nodes`` command that asks it (default
+    timeout) and the environment to run it in."""
     from ingero.fleet import local_agents
 
     env = {k: v for k, v in os.environ.items() if k != "INGERO_CONFIG"} | {"HOME": str(work)}
@@ -265,18 +272,56 @@ def explain_nodes(db: Path, work: Path, pki: Path, runs: int) -> Runs:
         "--client-ca", str(pki / "ca.pem"), "--ready-file", str(ready),
     ]  # fmt: skip
     agent = subprocess.Popen(serve, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    timed = Runs()
     try:
         _, info = local_agents.wait_ready(agent, ready, db.stem)
         argv = [sys.executable, "-m", "ingero", "explain", "--json", "--nodes", f"{info['host']}:{info['port']}"]
-        argv += tls_flags(pki)
+        yield agent, argv + tls_flags(pki), env
+    finally:
+        local_agents.stop([agent])
+
+
+def explain_nodes(db: Path, work: Path, pki: Path, runs: int) -> Runs:
+    """``ingero explain --nodes`` (default timeout) against ``ingero serve`` on ``db``, each run checked:
+    exit 0 and the node's report in the answer."""
+    timed = Runs()
+    with agent_serving(db, work, pki) as (_, argv, env):
         for _ in range(runs):
             t0 = time.perf_counter()
             r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
             timed.add(time.perf_counter() - t0, answer_problem(r))
-    finally:
-        local_agents.stop([agent])
     return timed
+
+
+def memory_kb(pid: int) -> dict[str, int]:
+    """A process's resident memory now (VmRSS) and at its peak (VmHWM), in kB."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines) if k in ("VmRSS", "VmHWM")}
+
+
+def agent_memory(db: Path, work: Path, pki: Path, full: bool, events: int) -> None:
+    """An agent's resident memory before one explain request on ``db``, right after its answer, and
+    SETTLE_S later: the long-lived policy (ingero.explain.memory_policy) gives back what explain freed."""
+    with agent_serving(db, work, pki) as (agent, argv, env):
+        before = memory_kb(agent.pid)
+        r = subprocess.run([*argv, "--timeout", "120s"], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        after = memory_kb(agent.pid)
+        time.sleep(SETTLE_S)
+        settled = memory_kb(agent.pid)
+    problem = answer_problem(r)
+    grew = after["VmHWM"] - before["VmRSS"]
+    held = (settled["VmRSS"] - before["VmRSS"]) / grew if grew > 0 else math.nan
+    mb = {k: v["VmRSS"] / 1024 for k, v in (("before", before), ("after", after), ("settled", settled))}
+    judge(
+        f"agent: RSS kept {SETTLE_S:.0f} s after explain on {events:,} events / its growth",
+        held,
+        HELD,
+        full,
+        TARGET_EVENTS,
+        complete=not problem and grew > 0,
+        detail=problem
+        or f"RSS {mb['before']:.0f} MB before, peak {after['VmHWM'] / 1024:.0f}, {mb['after']:.0f} right after, "
+        f"{mb['settled']:.0f} {SETTLE_S:.0f} s after",
+    )
 
 
 def answer_problem(r: subprocess.CompletedProcess[str]) -> str:
@@ -300,6 +345,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     prefer_small_pages()  # as the CLI and the agent do (ingero.explain.hugepages)
+    one_shot()  # as the CLI does (ingero.cli.main; the agent's server is long_lived: see agent_memory)
     n = QUICK_EVENTS if args.quick else TARGET_EVENTS
     repeat = 2 if args.quick else args.repeat
     full = not args.quick
@@ -316,7 +362,7 @@ def main() -> int:
         judge("trainer: explain (reading threads)", trainer.threads, ABSOLUTE, full, n)
 
         if args.scale:
-            scale(db, work / "scaled.db", n, repeat, full)
+            scale(db, work / "scaled.db", pki, n, repeat, full)
         db.unlink()
 
         rdb = recurring_db(work / "recurring.db", args.quick)

@@ -53,6 +53,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 COMMAND_MODULES = [module for module, _ in COMMANDS.values()]
+# commands that run until stopped: they keep the C heap's defaults (memory freed goes back), or the agent's
+# own policy (ingero.explain.memory_policy.long_lived, from its API server); the others are one-shot
+KEEPS_RUNNING = frozenset({"trace", "serve", "mcp", "dashboard", "ship"})
 
 EPILOG = """\
 examples:
@@ -146,9 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from ingero.explain.hugepages import prefer_small_pages  # a process-wide choice: numpy's large arrays
+    from ingero.explain import memory_policy  # process-wide choices: the C heap keeps freed memory
+    from ingero.explain.hugepages import prefer_small_pages  # numpy's large arrays: no huge-page hint
 
     prefer_small_pages()
+    if command not in KEEPS_RUNNING:
+        memory_policy.one_shot()  # its memory goes back at exit
     try:
         code = args.func(args)
         sys.stdout.flush()

@@ -21,6 +21,7 @@ from ingero import API_VERSION, __version__, compactjson
 from ingero.agent.api.workers import Admission, Job
 from ingero.clickhouse.progress import shipping_summary
 from ingero.errors import QueryTimeoutError, StoreError, UsageError
+from ingero.explain.memory_policy import gives_back  # the heavy requests: a long-lived agent trims after them
 from ingero.identity import Identity
 from ingero.store import guard
 from ingero.store.budget import Deadline, QueryBudget, errorname
@@ -165,6 +166,7 @@ def query_timeout_ms(ctx: AgentContext, body: Mapping[str, Any]) -> int:
     return ctx.budget.timeout_ms(body.get("timeout_ms"))
 
 
+@gives_back
 def query(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.Event) -> bytes:
     flt, window = None, None
     if any(body.get(k) is not None for k in (*WINDOW_PARAMS, "pid", "op")):
@@ -196,6 +198,7 @@ def _event_filter(ctx: AgentContext, body: Mapping[str, Any], cancel: threading.
     return event_filter_sql(window.start_ns, window.end_ns, body.get("pid"), source_op), window
 
 
+@gives_back
 def ops(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
     from ingero.explain.stats import host_summary, op_stats
     from ingero.explain.storage import load_storage, with_true_counts
@@ -208,6 +211,7 @@ def ops(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -
     return encode(ok(ctx, window=window.as_dict(), ops=[s.as_dict() for s in stats], host=host.as_dict()))
 
 
+@gives_back
 def chains(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
     from ingero.explain.model import stored_chains
 
@@ -265,6 +269,7 @@ def _label(conn: sqlite3.Connection, selector: str, window: Window) -> dict[str,
     return {"key": key, "pid": pid, "value": value.as_dict(), "window_of": span}
 
 
+@gives_back
 def overview(ctx: AgentContext, params: Mapping[str, str], cancel: threading.Event) -> bytes:
     with reader(ctx, cancel) as conn:
         s = summarize(conn, ctx.db_path)

@@ -235,9 +235,11 @@ def database_instance(path: Path, node: str) -> str:
 
 
 def build_app(settings: ServerSettings, tls_mode: str) -> AgentAPI:
-    from ingero.explain.hugepages import prefer_small_pages  # a process-wide choice: numpy's large arrays
+    from ingero.explain import memory_policy
+    from ingero.explain.hugepages import prefer_small_pages
 
-    prefer_small_pages()
+    prefer_small_pages()  # process-wide choices: no huge-page hint for numpy's large arrays; the C heap
+    memory_policy.long_lived()  # keeps freed memory and gives it back after each heavy request
     node = settings.identity.node
     ctx = AgentContext(
         db_path=settings.db_path.expanduser(),
