@@ -296,7 +296,10 @@ class Pipeline:
         items = [_Item("snapshot", rows=WriteBatch(snapshots=[snap.as_row()])), _Item("kernel")]
         pending = None
         if events and not self._writer_behind(send):
-            self.drain_once()  # the trickle a resting drain leaves (a busy one has just read)
+            # the trickle a resting drain leaves (a busy one has just read); a burst the watch has not
+            # woken the drain for (yet) wakes it here
+            if self.drain_once() >= self.options.flush_events and self._woken is not None:
+                self._woken.set()
             pending = self.take_pending()
         for item in ([pending] if pending is not None else []) + items + extra:
             try:
