@@ -35,13 +35,14 @@ import argparse
 import json
 import math
 import os
+import resource
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,14 +198,13 @@ def scale(db: Path, big: Path, pki: Path, n: int, repeat: int, full: bool) -> No
     """Explain (reading threads) on SCALE_FACTOR x the events against the same on ``db``, taking turns."""
     make_db(big, n * SCALE_FACTOR)
     small, large = open_readonly(db), open_readonly(big)
+    runs: dict[str, Callable[[], object]] = {
+        "1x": lambda: explain(small, threads=read_threads()),
+        "big": lambda: explain(large, threads=read_threads()),
+    }
     try:
-        wall, _ = interleaved(
-            {
-                "1x": lambda: explain(small, threads=read_threads()),
-                "big": lambda: explain(large, threads=read_threads()),
-            },
-            repeat,
-        )
+        wall, _ = interleaved(runs, repeat)
+        faults = {name: page_faults(run) for name, run in runs.items()}  # one more of each, warm as the last
     finally:
         small.close()
         large.close()
@@ -216,8 +216,18 @@ def scale(db: Path, big: Path, pki: Path, n: int, repeat: int, full: bool) -> No
         SCALE,
         full,
         n,
-        detail=f"{n * SCALE_FACTOR:,} events {wall['big']:.2f} s vs {n:,} {wall['1x']:.2f} s",
+        detail=f"{n * SCALE_FACTOR:,} events {wall['big']:.2f} s vs {n:,} {wall['1x']:.2f} s; page faults "
+        f"{faults['big'][0]:,} vs {faults['1x'][0]:,}, system time {faults['big'][1]:.2f} s vs {faults['1x'][1]:.2f} s",
     )
+
+
+def page_faults(run: Callable[[], object]) -> tuple[int, float]:
+    """The minor page faults and system CPU seconds of one ``run`` in this process (a heap that unmaps
+    what it frees faults its columns in afresh on every explain: ingero.explain.memory_policy)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    run()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
 
 
 def report_shape(shape: str, m: Measured, full: bool) -> None:

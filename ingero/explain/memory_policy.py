@@ -4,10 +4,12 @@ point (the CLI, the agent's API server, the benchmarks), declared here once, bes
 
 glibc serves an allocation of at least its mmap threshold with a fresh ``mmap`` and unmaps it on ``free``.
 The threshold adapts up to 32 MiB; explain's numpy columns and temporaries on 4 M events are 32 MB and more,
-so each one came back as fresh zeroed pages, faulted in again on every use (about 200 k page faults, 0.25-0.5 s
-of system time per explain), while at 1 M events the freed memory was reused: the 4 M / 1 M explain ratio
-read 4.5x where 4.0x is the work. Raising the mmap and trim thresholds keeps freed memory for reuse, at the
-same peak.
+so each one came back as fresh zeroed pages, faulted in again on every use, while at 1 M events most freed
+memory was reused. Raising the mmap and trim thresholds keeps freed memory for reuse, at the same peak: one
+warm ``ingero explain`` on 4 M events went from 158-182 k page faults and 0.35-0.37 s of system time to
+32-36 k and 0.14-0.15 s (on 1 M: 25-42 k -> 0.5-1.6 k faults). What remains comes from the reading threads'
+own arenas (heaps of at most 64 MiB, unmapped whole once free), which these thresholds do not govern;
+``M_ARENA_MAX=1`` removed it in a trial but puts every thread's ``malloc`` behind one lock: left out.
 
 - :func:`one_shot` — a process that ends after its work (``ingero explain``): raise the thresholds; its
   memory goes back at exit.
@@ -16,8 +18,9 @@ same peak.
   (``malloc_trim(0)``) when the last heavy request in flight ends (:func:`gives_back` marks those requests),
   so that its resident memory returns to about its pre-request level instead of holding its peak.
 
-glibc only: where ``ctypes`` finds no ``mallopt``/``malloc_trim`` in the C library (musl, macOS), every
-function here does nothing, silently; the process keeps its allocator's defaults. Choosing imports no numpy.
+glibc only: where ``ctypes`` finds no glibc (no ``gnu_get_libc_version``, ``mallopt`` or ``malloc_trim`` in
+the C library: musl, macOS), every function here does nothing, silently, and the process keeps its
+allocator's defaults. Choosing imports no numpy.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ class _Glibc:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c"))
             mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-        except (OSError, AttributeError, TypeError):  # no C library by that name, or not glibc's functions
+        except (OSError, AttributeError, TypeError):  # no C library by that name, or without these
+            return
+        if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its parameter numbers may mean other things
             return
         mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
