@@ -37,6 +37,7 @@ from ingero.explain.engine import explain  # noqa: E402
 from ingero.explain.frame_load import load_frames  # noqa: E402
 from ingero.explain.hugepages import prefer_small_pages  # noqa: E402
 from ingero.explain.ledger import build_ledger  # noqa: E402
+from ingero.explain.memory_policy import one_shot  # noqa: E402
 from ingero.explain.offcpu import OffCpu  # noqa: E402
 from ingero.store.annotations import write_lines  # noqa: E402
 from ingero.store.db import open_readonly  # noqa: E402
@@ -79,6 +80,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="200 steps, figures only")
     args = ap.parse_args()
     prefer_small_pages()  # as the CLI and the agent do (ingero.explain.hugepages)
+    one_shot()  # as the CLI does (ingero.explain.memory_policy)
     steps = 200 if args.quick else 1000
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "steps.db"

@@ -35,6 +35,7 @@ from verdict import Target, no_verdict, summary, verdict
 from ingero.cli.explain import read_threads
 from ingero.explain.engine import explain
 from ingero.explain.hugepages import prefer_small_pages
+from ingero.explain.memory_policy import one_shot
 from ingero.store.db import open_readonly
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +89,7 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, default=None, help="write the database here and keep it")
     args = ap.parse_args()
     prefer_small_pages()  # as the CLI and the agent do (ingero.explain.hugepages)
+    one_shot()  # as the CLI does (ingero.explain.memory_policy)
     copies = args.copies or (40 if args.quick else COPIES)
     repeat = 2 if args.quick else 5
     with tempfile.TemporaryDirectory() as tmp:
