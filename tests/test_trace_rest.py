@@ -154,3 +154,47 @@ def test_names_read_when_drained_outlive_the_process() -> None:
     rows = rec.process(ev, 0, names).process_names
     assert [(pid, name) for pid, name, _ in rows] == [(4242, "nap")]
     assert Recorder(StoragePolicy(), lambda _sid: [], comm_of=live.get).process(ev, 0).process_names == []  # type: ignore[arg-type]
+
+
+def test_the_watch_wakes_when_its_look_finds_urgent_records() -> None:
+    """Below ``threshold``, a look that found a traced process's records (it returns True) wakes the drain
+    once: its stacks and names are read while it lives, not at the next tick."""
+    import trio
+
+    found = [False]
+    woken: list[int] = []
+
+    async def main() -> None:
+        watch = RingWatch(lambda: 1, 512, 0.02, lambda: found[0])
+        watch.start()
+        try:
+            done = trio.Event()
+            watch.arm(lambda: (woken.append(1), done.set()))
+            await trio.sleep(0.1)
+            assert not woken  # looks found nothing urgent: no wake
+            found[0] = True
+            with trio.fail_after(5):
+                await done.wait()
+            await trio.sleep(0.1)
+            assert woken == [1]  # once: disarmed by the wake
+        finally:
+            watch.stop()
+
+    trio.run(main)
+
+
+def test_urgent_records_are_gpu_calls_or_carry_a_stack() -> None:
+    from ingero.agent.trace.pipeline import urgent
+
+    ev = np.zeros(3, dtype=EVENT_DTYPE)
+    ev["stack_id"] = -1
+    ev["source"], ev["op"] = catalog.op_id("block_write")
+    assert not urgent(ev) and not urgent(ev[:0])  # a quiet host's own block I/O rests
+    ev["source"][1], ev["op"][1] = catalog.op_id("cudaStreamSynchronize")
+    assert urgent(ev)
+    ev["source"][1], ev["op"][1] = catalog.op_id("ncclAllReduce")
+    assert urgent(ev)
+    ev["source"][1], ev["op"][1] = catalog.op_id("sched_switch")
+    assert not urgent(ev)
+    ev["stack_id"][2] = 7  # a stack to symbolize while its process lives
+    assert urgent(ev)

@@ -41,6 +41,7 @@ from ingero.agent.trace.recorder import PAGE_ALLOC, Recorder, WriteBatch, monoto
 from ingero.agent.trace.ringwatch import RingWatch
 from ingero.agent.trace.sysinfo import SnapshotSampler
 from ingero.errors import DiskFullError
+from ingero.store import catalog
 from ingero.store.writer import StoreWriter
 from ingero.timeutil import now_ns
 
@@ -59,6 +60,17 @@ class EventSource(Protocol):
     def pending_records(self) -> int: ...
 
     def peek_events(self, since: int) -> tuple[np.ndarray, int]: ...
+
+
+# Records that may not wait for the housekeeping tick: a traced process's GPU calls (their stacks and
+# names are read while it lives; a short run is over within the tick) and any record with a stack.
+URGENT_SOURCES = np.array([*catalog.GPU_API_SOURCES, catalog.CUDA_GRAPH])
+
+
+def urgent(ev: np.ndarray) -> bool:
+    """Whether any of the records ``ev`` is a traced process's (see URGENT_SOURCES): the drain hands
+    them to the writer at once and does not rest, as it did before resting existed."""
+    return bool(ev.size) and bool(np.isin(ev["source"], URGENT_SOURCES).any() or (ev["stack_id"] >= 0).any())
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,7 @@ class Pipeline:
         self.max_drain = 0
         self._pending: list[np.ndarray] = []  # drained, not yet handed to the writer (take_pending)
         self._pending_n = 0
+        self._pending_urgent = False  # a drained, pending record is urgent()
         self._pending_names: dict[int, str] = {}  # the drain's and the watch's look's (_names_lock)
         self._names_lock = threading.Lock()
         self._peeked = 0  # ring position up to which the watch looked
@@ -191,7 +204,11 @@ class Pipeline:
                     continue
                 busy = self.drain_once() >= opts.flush_events
                 interval = opts.drain_interval_s if busy else 2 * interval
-                if self._pending_n >= opts.flush_events and (item := self.take_pending()) is not None:
+                if self._pending_urgent:  # a traced process's: no rest, no wait for the tick
+                    interval = min(interval, opts.idle_drain_interval_s)
+                if (self._pending_n >= opts.flush_events or self._pending_urgent) and (
+                    item := self.take_pending()
+                ) is not None:
                     send.send_nowait(item)  # room checked above; the only other sender waits for room
             # Final reads: everything the kernel produced before the probes were detached.
             while self.drain_once():
@@ -231,16 +248,19 @@ class Pipeline:
             self.max_drain = max(self.max_drain, n)
             self._pending.append(ev)
             self._pending_n += n
+            self._pending_urgent = self._pending_urgent or urgent(ev)
             self._add_names(self.recorder.exec_names(ev))
         self.drain_cpu_s += time.thread_time() - t0
         return n
 
-    def _look(self) -> None:
+    def _look(self) -> bool:
         """The watch's look at a resting ring (its thread, every idle_drain_interval_s): the names of the
-        processes that exec'd since its last look, read now — as a drain as often would have."""
+        processes that exec'd since its last look, read now — as a drain as often would have; True (wake
+        the drain) when an urgent() record waits."""
         ev, self._peeked = self.source.peek_events(self._peeked)
         if ev.size:
             self._add_names(self.recorder.exec_names(ev))
+        return urgent(ev)
 
     def _add_names(self, names: dict[int, str]) -> None:
         """Names read while the processes lived (one that is gone reads empty: kept out)."""
@@ -257,7 +277,7 @@ class Pipeline:
         ev = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
         with self._names_lock:
             names, self._pending_names = self._pending_names, {}
-        self._pending, self._pending_n = [], 0
+        self._pending, self._pending_n, self._pending_urgent = [], 0, False
         if self.live is not None:
             self.live.add(ev)
         if self._on_events is not None:

@@ -6,7 +6,8 @@ the kernel's ring buffer, which a drain every ``interval`` did (300 k events/s f
 ring's 262 k records in 0.25 s). :class:`RingWatch` keeps that bound: every ``interval`` it reads
 how much the ring holds (two words of the mapped ring, no system call) and, once ``threshold``
 records wait, wakes the drain through the trio token; below that it calls ``look`` (the pipeline reads
-the names of processes that just exec'd, before a short-lived one is gone). A thread's timed wait
+the names of processes that just exec'd, before a short-lived one is gone), which wakes the drain too
+when it returns True (records of a traced process wait: their stacks are read while it lives). A thread's timed wait
 costs the kernel's wakeup alone; a trio loop iteration costs several times that in Python, four times
 a second on every node.
 """
@@ -21,10 +22,10 @@ import trio
 
 class RingWatch(threading.Thread):
     """Every ``interval`` seconds, while armed: ``pending()`` >= ``threshold`` -> ``wake()`` in trio, once;
-    else ``look()`` (in this thread)."""
+    else ``look()`` (in this thread), and ``wake()`` when it returns True."""
 
     def __init__(
-        self, pending: Callable[[], int], threshold: int, interval: float, look: Callable[[], None] | None = None
+        self, pending: Callable[[], int], threshold: int, interval: float, look: Callable[[], bool] | None = None
     ) -> None:
         super().__init__(name="ingero-ringwatch", daemon=True)
         self._pending = pending
@@ -55,9 +56,12 @@ class RingWatch(threading.Thread):
                 if full:
                     self._armed = None
             if not full:
-                if self._look is not None:
-                    self._look()
-                continue
+                if self._look is None or not self._look():
+                    continue
+                with self._lock:
+                    if self._armed is not armed:
+                        continue  # woken or disarmed meanwhile
+                    self._armed = None
             self.wakes += 1
             try:
                 armed[0].run_sync_soon(armed[1])
