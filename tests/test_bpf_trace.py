@@ -366,3 +366,8 @@ def test_session_row_and_counters(recording: Recording) -> None:
     assert r.one("SELECT count(*) FROM system_snapshots")[0] >= 3
     page = r.one("SELECT count(*), sum(arg0) FROM events WHERE source = ? AND op = 3", HOST)
     assert page[0] >= 1 and page[1] > 0  # per-second page allocation summaries of the traced processes
+    # every other process (the kernel's per-CPU `page_allocs_rest` slot): aggregated under pid 0 in whole pages,
+    # never an event row
+    rest = r.one("SELECT sum(count), sum(stored), sum(sum_arg0) FROM event_aggregates WHERE op = 3 AND pid = 0")
+    assert rest[0] > 0 and rest[1] == 0 and rest[2] >= 4096 * rest[0] and rest[2] % 4096 == 0
+    assert r.one("SELECT count(*) FROM events WHERE source = ? AND op = 3 AND pid = 0", HOST)[0] == 0

@@ -452,8 +452,12 @@ class BpfProbes:
         with self._lock:
             if self._closed:
                 return out
-            for key, per_cpu in self.bpf[b"page_allocs"].items():
-                out[int(key.value)] = (sum(int(v.count) for v in per_cpu), sum(int(v.bytes) for v in per_cpu))
+            rest = self.bpf[b"page_allocs_rest"][ct.c_int(0)]  # every other process: one per-CPU slot
+            tables = [(0, rest), *((int(k.value), per_cpu) for k, per_cpu in self.bpf[b"page_allocs"].items())]
+            for key, per_cpu in tables:
+                count = sum(int(v.count) for v in per_cpu)
+                if count:  # as a hash entry, the slot exists once something was counted
+                    out[key] = (count, sum(int(v.bytes) for v in per_cpu))
         return out
 
     def forget_page_allocs(self, tgids: Iterable[int]) -> None:
