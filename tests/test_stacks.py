@@ -72,3 +72,29 @@ def test_read_maps_lists_files_and_pseudo_mappings() -> None:
     assert all(m.start < m.end for m in maps)
     assert [m.start for m in maps] == sorted(m.start for m in maps)
     assert read_maps(2**22 + 12345) == []
+
+
+def test_maps_primed_while_a_process_lives_symbolize_its_stacks_after_it_exited() -> None:
+    """The drain primes the maps of a process whose stacks it just read; written later, after the process
+    exited, its frames still name their file. Unprimed, they are raw IPs; an IP the primed maps do not
+    cover (read again: gone) does not throw the primed maps away."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        for _ in range(500):  # Popen returns once the exec began: the binary is mapped just after
+            main = next((m for m in read_maps(proc.pid) if m.path.endswith("/sleep")), None)
+            if main is not None:
+                break
+            time.sleep(0.01)
+        assert main is not None
+        primed, unprimed = Symbolizer(), Symbolizer()
+        primed.prime(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    ip = main.start + 0x10
+    assert unprimed.frame(proc.pid, ip) == {"i": f"0x{ip:x}"}
+    assert primed.frame(proc.pid, 0x10) == {"i": "0x10"}  # not mapped: read again, gone
+    assert primed.frame(proc.pid, ip)["f"] == "sleep"

@@ -250,6 +250,7 @@ class Pipeline:
             self._pending_n += n
             self._pending_urgent = self._pending_urgent or urgent(ev)
             self._add_names(self.recorder.exec_names(ev))
+            self.recorder.prime_stacks(ev)
         self.drain_cpu_s += time.thread_time() - t0
         return n
 
@@ -260,6 +261,7 @@ class Pipeline:
         ev, self._peeked = self.source.peek_events(self._peeked)
         if ev.size:
             self._add_names(self.recorder.exec_names(ev))
+            self.recorder.prime_stacks(ev)
         return urgent(ev)
 
     def _add_names(self, names: dict[int, str]) -> None:

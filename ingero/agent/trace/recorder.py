@@ -199,6 +199,14 @@ class Recorder:
             return {}
         return {pid: self._comm_of(pid) for pid in np.unique(ev["pid"][execs]).tolist() if pid > 0}
 
+    def prime_stacks(self, ev: np.ndarray) -> None:
+        """Read the maps of the processes with stacks in ``ev`` that the symbolizer does not know yet, now
+        (the drain's or the ring watch's thread): a short run has often exited by the time its batch is written."""
+        with_stack = ev["stack_id"] >= 0
+        if with_stack.any():
+            for pid in np.unique(ev["pid"][with_stack]).tolist():
+                self._symbolizer.prime(pid)
+
     def process(self, ev: np.ndarray, offset_ns: int | None = None, names: dict[int, str] | None = None) -> WriteBatch:
         """Rows for ``ev``; ``names``: names already read (:meth:`exec_names`), used before /proc."""
         out = WriteBatch()

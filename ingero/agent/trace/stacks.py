@@ -65,6 +65,12 @@ class Symbolizer:
         if self.python is not None:
             self.python.forget(pid)
 
+    def prime(self, pid: int) -> None:
+        """Read ``pid``'s maps now, if not yet known: called when its first stacks are drained, while it
+        most likely lives, so that they are symbolized when written even if it exited meanwhile."""
+        if pid not in self._maps and (maps := read_maps(pid)):
+            self._maps[pid] = ([m.start for m in maps], maps)
+
     def _mapping(self, pid: int, ip: int, *, refresh: bool = True) -> Mapping | None:
         entry = self._maps.get(pid)
         if entry is None:
@@ -75,8 +81,8 @@ class Symbolizer:
         i = bisect.bisect_right(starts, ip) - 1
         if i >= 0 and maps[i].start <= ip < maps[i].end:
             return maps[i]
-        if refresh and maps:  # dlopen'ed since we read the maps
-            self._maps.pop(pid, None)
+        if refresh and maps and (fresh := read_maps(pid)):  # dlopen'ed since we read them (gone: keep them)
+            self._maps[pid] = ([m.start for m in fresh], fresh)
             return self._mapping(pid, ip, refresh=False)
         return None
 
