@@ -76,6 +76,28 @@ def test_one_shot_keeps_freed_memory_and_long_lived_gives_it_back() -> None:
     assert held < 0.2 * grew, (grew, held)  # the request's end trimmed the heap
 
 
+LIGHT_AND_HEAVY = """
+import numpy as np
+from ingero.explain import memory_policy
+
+memory_policy.long_lived()
+
+@memory_policy.gives_back
+def request(n):
+    return int(np.cumsum(np.ones(n))[-1])
+
+request(1000)  # a small query: the resident size did not grow, no malloc_trim walk of the heap
+light = memory_policy._state["trimmed"]
+request(20_000_000)  # 160 MB of columns: trimmed
+print(light, memory_policy._state["trimmed"])
+"""
+
+
+def test_only_a_request_that_grew_the_heap_trims_it() -> None:
+    out = subprocess.run([sys.executable, "-c", LIGHT_AND_HEAVY], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "1"]
+
+
 def make_trainer(path: Path, n: int) -> None:
     """The explain benchmark's trainer (bench/bench_explain.py), ``n`` events."""
     sys.path.insert(0, str(ROOT / "bench"))
