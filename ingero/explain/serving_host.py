@@ -135,7 +135,9 @@ def serving_host_chains(
         if which is None or row is None or fr is None:
             out.append(c)
             continue
-        off = offs.setdefault(c.node, OffCpu(fr.args))
+        if c.node not in offs:  # once a node (setdefault would build it for every chain)
+            offs[c.node] = OffCpu(fr.args)
+        off = offs[c.node]
         made, note = _reworded(c, row, which, off)
         out += [made] if made is not None else []
         notes += [note] if note else []
